@@ -1,0 +1,90 @@
+"""The one interface every local attention kernel sits behind.
+
+A backend computes exact softmax attention for *square-causal or non-causal* problems on
+``[batch, seq, heads, head_dim]`` tensors and returns ``(out, lse)`` with ``lse`` the float32
+per-row log-sum-exp of the scaled scores, shape ``[batch, heads, seq_q]``. Bottom-right causal
+alignment for ``seq_q != seq_k`` and GQA expansion for kernels without native GQA are done once,
+above the backends, in :mod:`dilated.functional`.
+
+``backward(dout, q, k, v, out, lse, ...)`` returns ``dq, dk, dv`` for the attention whose output
+and log-sum-exp are ``out`` and ``lse``. Callers that merge partial attentions (dilated branches,
+ring steps, the causal split) pass the *merged* ``out`` and ``lse``: the kernel then recomputes
+``P = exp(S - lse)`` with the global normaliser and ``D = rowsum(dout * out)`` with the global
+output, which gives the exact gradient of the merged attention.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Backend:
+    name: str = "?"
+    #: k/v may have fewer heads than q without expansion.
+    native_gqa: bool = False
+    #: whether backward() is implemented.
+    supports_backward: bool = True
+    #: a one-line note on how lse (and its use in backward) is obtained, shown in docs/reports.
+    lse_source: str = ""
+
+    # -- availability -------------------------------------------------------------------
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """A static reason why this backend cannot run on ``device`` (import, device type), or None.
+
+        The authoritative answer is :func:`dilated.available_backends`, which also makes a tiny
+        real call on the device.
+        """
+        return None
+
+    def input_reason(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
+        """Why this backend cannot take these particular inputs (dtype, head_dim), or None."""
+        return None
+
+    def probe_dtype(self, device: torch.device) -> torch.dtype:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    # -- compute ------------------------------------------------------------------------
+    def forward(self, q, k, v, causal: bool, scale: float):
+        """Return ``(out, lse)``; ``out`` in q's dtype, ``lse`` float32 ``[B, H, Nq]``. No autograd."""
+        raise NotImplementedError
+
+    def forward_autograd(self, q, k, v, causal: bool, scale: float):
+        """``(out, lse)`` built with autograd, both differentiable. Used by the default backward."""
+        raise NotImplementedError
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        """Gradient of the attention whose (merged) output and lse are ``out`` and ``lse``.
+
+        Default for kernels without a public backward that takes ``(out, lse)``: recompute the
+        local ``(o, l)`` with autograd and take its vector-Jacobian product with rescaled
+        cotangents. With ``w = exp(l - lse)`` per row, the merged gradient
+        ``dS = exp(S - lse) * (dout V^T - rowsum(dout * out))`` equals the local one for
+        ``g_out = w * dout`` and ``g_lse = w * (rowsum(dout * o) - rowsum(dout * out))``.
+        Costs one extra forward; needs a differentiable lse.
+        """
+        with torch.enable_grad():
+            qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+            o, l = self.forward_autograd(qg, kg, vg, causal, scale)
+            w = torch.exp(l.float() - lse.float())  # [B, H, N]
+            w = torch.nan_to_num(w, nan=0.0, posinf=0.0)
+            w_bnh = w.transpose(1, 2)  # [B, N, H]
+            dout_f = dout.float()
+            d_local = (dout_f * o.float()).sum(-1)
+            d_merged = (dout_f * out.float()).sum(-1)
+            g_out = (dout_f * w_bnh.unsqueeze(-1)).to(o.dtype)
+            g_lse = (w_bnh * (d_local - d_merged)).transpose(1, 2).to(l.dtype)
+            dq, dk, dv = torch.autograd.grad((o, l), (qg, kg, vg), (g_out, g_lse), allow_unused=True)
+        return tuple(torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}>"
+
+
+def to_bhnd(x: torch.Tensor) -> torch.Tensor:
+    """``[B, N, H, D]`` -> ``[B, H, N, D]`` as a view (last dim stays contiguous)."""
+    return x.transpose(1, 2)
+
+
+def needs_half(q: torch.Tensor, what: str) -> str | None:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{what} needs float16 or bfloat16 inputs, got {q.dtype}"
+    return None

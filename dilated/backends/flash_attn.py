@@ -1,0 +1,60 @@
+"""``flash_attn``: flash-attn 2 (``pip install flash-attn``), Dao-AILab's CUDA kernels.
+
+The log-sum-exp comes from the public API (``flash_attn_func(..., return_attn_probs=True)``
+returns ``out, softmax_lse, S_dmask``). Backward calls
+``flash_attn.flash_attn_interface._flash_attn_backward`` with the (merged) ``out`` and
+``softmax_lse``, by keyword, because its positional signature changed across 2.x releases. GQA is
+native. Causal in flash-attn >= 2.1 is bottom-right aligned; we only pass square causal problems.
+
+Not exercised on our machines: the lent GPUs have no flash-attn wheel for their torch, so this
+path is written against the published API and reports itself unavailable there.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._signature import call_by_name
+from .base import Backend, needs_half
+
+
+def _import():
+    import flash_attn  # noqa: F401
+    from flash_attn import flash_attn_func
+    from flash_attn.flash_attn_interface import _flash_attn_backward
+
+    return flash_attn_func, _flash_attn_backward
+
+
+class FlashAttn2Backend(Backend):
+    name = "flash_attn"
+    native_gqa = True
+    lse_source = "public flash_attn_func(return_attn_probs=True); backward via _flash_attn_backward(out, lse)"
+
+    def unavailable_reason(self, device):
+        if device.type != "cuda":
+            return f"flash-attn needs a CUDA device (this is {device.type})"
+        try:
+            _import()
+        except Exception as e:  # ImportError, or a broken extension raising OSError/RuntimeError
+            return f"flash-attn 2 not importable: {type(e).__name__}: {e}"
+        return None
+
+    def input_reason(self, q, k, causal):
+        if q.shape[-1] > 256 or q.shape[-1] % 8:
+            return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {q.shape[-1]}"
+        return needs_half(q, "flash-attn")
+
+    def forward(self, q, k, v, causal, scale):
+        fwd, _ = _import()
+        out, lse, _ = fwd(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+        return out, lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        _, bwd = _import()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        call_by_name(bwd, dict(
+            dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(), softmax_lse=lse.contiguous(),
+            dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+            window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, deterministic=False, rng_state=None))
+        return dq, dk, dv

@@ -1,0 +1,64 @@
+"""``flash_attn_3``: FlashAttention-3, the ``flash_attn_interface`` module of flash-attention's
+``hopper/`` build (Hopper GPUs, sm90).
+
+The log-sum-exp comes from the public API: ``flash_attn_func`` returns ``(out, softmax_lse)``
+(older betas always; newer releases with ``return_attn_probs=True``). Backward calls
+``flash_attn_interface._flash_attn_backward`` with the (merged) ``out`` and ``softmax_lse`` by
+keyword (its varlen arguments are None for dense batches). GQA is native.
+
+Not exercised on our machines: the lent H100/H200 images have no FA3 build; this is written
+against the published hopper interface and reports itself unavailable there.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ._signature import call_by_name
+from .base import Backend, needs_half
+
+
+def _import():
+    import flash_attn_interface as fa3
+
+    return fa3
+
+
+class FlashAttn3Backend(Backend):
+    name = "flash_attn_3"
+    native_gqa = True
+    lse_source = "public flash_attn_interface.flash_attn_func returns it; backward via _flash_attn_backward(out, lse)"
+
+    def unavailable_reason(self, device):
+        if device.type != "cuda":
+            return f"flash-attn 3 needs a CUDA device (this is {device.type})"
+        try:
+            _import()
+        except Exception as e:
+            return f"flash_attn_interface (flash-attn 3, hopper build) not importable: {type(e).__name__}: {e}"
+        if torch.cuda.get_device_capability(device)[0] != 9:
+            return "flash-attn 3 runs on Hopper (sm90) only"
+        return None
+
+    def input_reason(self, q, k, causal):
+        if q.shape[-1] > 256 or q.shape[-1] % 8:
+            return f"flash-attn 3 needs head_dim <= 256 and a multiple of 8, got {q.shape[-1]}"
+        return needs_half(q, "flash-attn 3")
+
+    def forward(self, q, k, v, causal, scale):
+        fa3 = _import()
+        kwargs = dict(softmax_scale=scale, causal=causal)
+        if "return_attn_probs" in inspect.signature(fa3.flash_attn_func).parameters:
+            kwargs["return_attn_probs"] = True
+        out, lse = fa3.flash_attn_func(q, k, v, **kwargs)[:2]
+        return out, lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        fa3 = _import()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        call_by_name(fa3._flash_attn_backward, dict(
+            dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(), softmax_lse=lse.contiguous(),
+            dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal, window_size=(-1, -1),
+            window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0))
+        return dq, dk, dv

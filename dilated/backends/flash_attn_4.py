@@ -1,0 +1,50 @@
+"""``flash_attn_4``: flash-attn 4, the CuTe-DSL kernels in ``flash_attn.cute`` (Hopper/Blackwell).
+
+``flash_attn.cute.interface._flash_attn_fwd(..., return_lse=True)`` returns ``(out, lse)``;
+backward is ``_flash_attn_bwd(q, k, v, out, dout, lse, ...)`` with the (merged) ``out`` and
+``lse``. Both are called by keyword. GQA is native.
+
+Not exercised on our machines: flash-attn 4 is not installed on the lent GPUs; this is written
+against the published CuTe interface and reports itself unavailable there.
+"""
+from __future__ import annotations
+
+from ._signature import call_by_name
+from .base import Backend, needs_half
+
+
+def _import():
+    from flash_attn.cute import interface
+
+    return interface
+
+
+class FlashAttn4Backend(Backend):
+    name = "flash_attn_4"
+    native_gqa = True
+    lse_source = "flash_attn.cute.interface._flash_attn_fwd(return_lse=True); backward via _flash_attn_bwd(out, lse)"
+
+    def unavailable_reason(self, device):
+        if device.type != "cuda":
+            return f"flash-attn 4 needs a CUDA device (this is {device.type})"
+        try:
+            _import()
+        except Exception as e:
+            return f"flash_attn.cute (flash-attn 4) not importable: {type(e).__name__}: {e}"
+        return None
+
+    def input_reason(self, q, k, causal):
+        return needs_half(q, "flash-attn 4")
+
+    def forward(self, q, k, v, causal, scale):
+        fa4 = _import()
+        out, lse = call_by_name(fa4._flash_attn_fwd, dict(
+            q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True))[:2]
+        return out, lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        fa4 = _import()
+        dq, dk, dv = call_by_name(fa4._flash_attn_bwd, dict(
+            q=q, k=k, v=v, out=out.contiguous(), dout=dout.contiguous(), lse=lse.contiguous(),
+            softmax_scale=scale, causal=causal))[:3]
+        return dq, dk, dv

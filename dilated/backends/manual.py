@@ -1,0 +1,85 @@
+"""``manual``: plain matmul -> softmax -> matmul, the readable reference kernel.
+
+Computes in float32 (float64 for float64 inputs), streaming over query blocks so that memory is
+``block * seq_k`` per head rather than ``seq_q * seq_k``. The log-sum-exp is exact (it is what the
+softmax computes). Backward is written out (recompute ``P = exp(S - lse)`` per block), so it takes
+merged ``out``/``lse`` like a fused kernel does.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Backend
+
+_BLOCK_ELEMS = 1 << 24  # scores per block: bounded working memory
+
+
+def _acc_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _blocks(q, k):
+    b, nq, h, _ = q.shape
+    nk = k.shape[1]
+    step = max(1, _BLOCK_ELEMS // max(1, b * h * nk))
+    return [(s, min(nq, s + step)) for s in range(0, nq, step)]
+
+
+def _scores(qb, k, s0, causal, scale):
+    # qb [B, n, H, D] (acc dtype), k [B, Nk, H, D] -> [B, H, n, Nk]
+    s = torch.einsum("bnhd,bmhd->bhnm", qb, k) * scale
+    if causal:
+        n, nk = qb.shape[1], k.shape[1]
+        rows = torch.arange(s0, s0 + n, device=s.device).unsqueeze(1)
+        cols = torch.arange(nk, device=s.device).unsqueeze(0)
+        s = s.masked_fill(cols > rows, float("-inf"))
+    return s
+
+
+def _probs(s, lse):
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.nan_to_num(p, nan=0.0)  # rows with no visible key: lse = -inf
+
+
+class ManualBackend(Backend):
+    name = "manual"
+    native_gqa = False
+    lse_source = "exact logsumexp of the float32 scores; backward written out from (out, lse)"
+
+    def forward(self, q, k, v, causal, scale):
+        acc = _acc_dtype(q)
+        kf, vf = k.to(acc), v.to(acc)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+        for s0, s1 in _blocks(q, k):
+            s = _scores(q[:, s0:s1].to(acc), kf, s0, causal, scale)
+            l = torch.logsumexp(s, dim=-1)
+            p = _probs(s, l)
+            out[:, s0:s1] = torch.einsum("bhnm,bmhd->bnhd", p, vf).to(q.dtype)
+            lse[:, :, s0:s1] = l.float()
+        return out, lse
+
+    def forward_autograd(self, q, k, v, causal, scale):
+        acc = _acc_dtype(q)
+        s = _scores(q.to(acc), k.to(acc), 0, causal, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.einsum("bhnm,bmhd->bnhd", _probs(s, lse), v.to(acc))
+        return out.to(q.dtype), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        acc = _acc_dtype(q)
+        kf, vf = k.to(acc), v.to(acc)
+        dq = torch.empty_like(q)
+        dk = torch.zeros_like(kf)
+        dv = torch.zeros_like(vf)
+        for s0, s1 in _blocks(q, k):
+            qb = q[:, s0:s1].to(acc)
+            dob = dout[:, s0:s1].to(acc)
+            p = _probs(_scores(qb, kf, s0, causal, scale), lse[:, :, s0:s1].to(acc))
+            dv += torch.einsum("bhnm,bnhd->bmhd", p, dob)
+            dp = torch.einsum("bnhd,bmhd->bhnm", dob, vf)
+            delta = (dob * out[:, s0:s1].to(acc)).sum(-1).transpose(1, 2)  # [B, H, n]
+            ds = p * (dp - delta.unsqueeze(-1))
+            dq[:, s0:s1] = (torch.einsum("bhnm,bmhd->bnhd", ds, kf) * scale).to(q.dtype)
+            dk += torch.einsum("bhnm,bnhd->bmhd", ds, qb) * scale
+        return dq, dk.to(k.dtype), dv.to(v.dtype)

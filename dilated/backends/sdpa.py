@@ -1,0 +1,140 @@
+"""``sdpa*``: PyTorch's scaled_dot_product_attention kernels, one backend per forced kernel.
+
+``sdpa`` lets PyTorch pick (``torch._fused_sdp_choice``, the same decision the public function
+makes); ``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn`` and ``sdpa_math`` force one kernel.
+
+The public ``F.scaled_dot_product_attention`` does not return the log-sum-exp, so the fused
+kernels are called through the private ATen ops that do (the ones PyTorch's own context-parallel
+attention uses), and backward calls their private backward ops with the (merged) ``out`` and
+``lse``:
+
+* flash (CUDA): ``aten._scaled_dot_product_flash_attention`` / ``..._backward``; on CPU,
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` / ``..._backward``.
+* efficient: ``aten._scaled_dot_product_efficient_attention(compute_log_sumexp=True)``; its lse
+  is padded to a multiple of 32 rows, which we slice off (and pad again for backward).
+* cuDNN: ``aten._scaled_dot_product_cudnn_attention(compute_log_sumexp=True)`` / ``..._backward``.
+* math: the math kernel returns no lse; it is obtained by a second pass (the logsumexp of the
+  scores, computed like the ``manual`` backend) and backward is autograd through math SDPA with
+  the rescaled-cotangent rule of :meth:`Backend.backward` (one extra forward).
+
+None of the private ops support GQA, so k/v are expanded above the backend.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .base import Backend, needs_half, to_bhnd
+from .manual import ManualBackend
+
+aten = torch.ops.aten
+
+_KERNELS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def _back(x):  # [B, H, N, D] -> [B, N, H, D] view
+    return x.transpose(1, 2)
+
+
+class SDPABackend(Backend):
+    native_gqa = False
+
+    def __init__(self, kernel: str | None):
+        self.kernel = kernel
+        self.name = "sdpa" if kernel is None else f"sdpa_{kernel}"
+        self.lse_source = {
+            None: "PyTorch's choice of kernel, then that kernel's private op",
+            "flash": "private op aten._scaled_dot_product_flash_attention(_for_cpu) returns it",
+            "efficient": "private op aten._scaled_dot_product_efficient_attention(compute_log_sumexp=True)",
+            "cudnn": "private op aten._scaled_dot_product_cudnn_attention(compute_log_sumexp=True)",
+            "math": "second pass (logsumexp of the scores); backward by autograd with rescaled cotangents",
+        }[kernel]
+
+    # -- availability -------------------------------------------------------------------
+    def unavailable_reason(self, device):
+        if self.kernel in ("efficient", "cudnn") and device.type != "cuda":
+            return f"{self.name} needs a CUDA device (this is {device.type})"
+        if self.kernel == "cudnn" and not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this PyTorch build"
+        return None
+
+    def input_reason(self, q, k, causal):
+        kern = self._resolve(q, k, causal)
+        if kern in ("flash", "cudnn") and q.device.type == "cuda":
+            return needs_half(q, f"SDPA {kern}")
+        if kern is None:
+            return "PyTorch found no SDPA kernel for these inputs"
+        return None
+
+    def _resolve(self, q, k, causal):
+        if self.kernel is not None:
+            return self.kernel
+        choice = SDPBackend(torch._fused_sdp_choice(to_bhnd(q), to_bhnd(k), to_bhnd(k), None, 0.0, causal))
+        for name, value in _KERNELS.items():
+            if value == choice:
+                return name
+        return None
+
+    # -- compute ------------------------------------------------------------------------
+    def forward(self, q, k, v, causal, scale):
+        kern = self._resolve(q, k, causal)
+        qt, kt, vt = to_bhnd(q), to_bhnd(k), to_bhnd(v)
+        if kern == "flash" and q.device.type == "cpu":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=scale)
+        elif kern == "flash":
+            out, lse = aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
+        elif kern == "efficient":
+            out, lse = aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
+            lse = lse[..., : q.shape[1]]
+        elif kern == "cudnn":
+            out, lse = aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)[:2]
+            lse = lse.reshape(q.shape[0], q.shape[2], q.shape[1])
+        elif kern == "math":
+            with torch.no_grad():
+                out, lse = self.forward_autograd(q, k, v, causal, scale)
+            return out, lse
+        else:
+            raise RuntimeError(f"{self.name}: PyTorch found no SDPA kernel for these inputs")
+        return _back(out), lse.float()
+
+    def forward_autograd(self, q, k, v, causal, scale):
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(to_bhnd(q), to_bhnd(k), to_bhnd(v), is_causal=causal, scale=scale)
+        _, lse = ManualBackend().forward_autograd(q, k, k[..., :1], causal, scale)
+        return _back(out), lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        kern = self._resolve(q, k, causal)
+        if kern == "math":
+            return super().backward(dout, q, k, v, out, lse, causal, scale)
+        qt, kt, vt, ot, dot = (to_bhnd(t) for t in (q, k, v, out, dout))
+        nq, nk = q.shape[1], k.shape[1]
+        lse = lse.contiguous()
+        if kern == "flash" and q.device.type == "cpu":
+            grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale)
+        elif kern == "flash":
+            grads = aten._scaled_dot_product_flash_attention_backward(
+                dot, qt, kt, vt, ot, lse, None, None, nq, nk, 0.0, causal, None, None, scale=scale)
+        elif kern == "efficient":
+            pad = (-nq) % 32
+            lse_p = F.pad(lse, (0, pad)) if pad else lse
+            zero = torch.zeros((), dtype=torch.int64, device=q.device)
+            grads = aten._scaled_dot_product_efficient_attention_backward(
+                dot, qt, kt, vt, None, ot, lse_p, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+        elif kern == "cudnn":
+            zero = torch.zeros((), dtype=torch.int64, device=q.device)
+            grads = aten._scaled_dot_product_cudnn_attention_backward(
+                dot, qt, kt, vt, ot, lse.unsqueeze(-1), zero, zero, None, None, None, nq, nk, 0.0, causal, scale=scale)
+        else:
+            raise RuntimeError(f"{self.name}: PyTorch found no SDPA kernel for these inputs")
+        return tuple(_back(g) for g in grads)
+
+
+BACKENDS = [SDPABackend(None)] + [SDPABackend(k) for k in _KERNELS]

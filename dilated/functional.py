@@ -1,0 +1,137 @@
+"""``dilated.attention``: exact softmax attention on any registered backend, with its log-sum-exp.
+
+This layer does, once for every backend, what the kernels disagree on:
+
+* causal alignment: for ``seq_q != seq_k`` causal is bottom-right aligned (query ``i`` sees keys
+  ``j <= i + seq_k - seq_q``, as flash-attn defines it). Kernels only ever see square-causal or
+  non-causal pieces: a fully visible key prefix plus a square causal block, merged by lse; query
+  rows that see no key output 0 with lse ``-inf``.
+* GQA: k/v heads are repeated for kernels without native GQA, and their gradients summed back.
+* autograd: :class:`AttentionFunction` calls the backend's backward with the merged ``out`` and
+  ``lse``. The returned lse is differentiable too: its gradient adds ``P * dlse`` to ``dS``,
+  which is one more kernel backward with ``v`` a constant unit vector, ``dout = dlse`` along it and
+  ``out = 0`` (then ``dP = dlse`` and ``D = 0``). That pass runs only when lse gets a gradient.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_qkv, check_scale
+from .backends import Backend, get_backend
+from .merge import empty_accumulators, merge_
+
+
+def causal_pieces(nq: int, nk: int, causal: bool) -> list[tuple[int, int, int, int, bool]]:
+    """Split bottom-right causal attention into kernel calls ``(q0, q1, k0, k1, causal)``."""
+    if not causal or nq == nk:
+        return [(0, nq, 0, nk, causal)]
+    if nq < nk:
+        p = nk - nq
+        return [(0, nq, 0, p, False), (0, nq, p, nk, True)]
+    return [(nq - nk, nq, 0, nk, True)]
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x.repeat_interleave(groups, dim=2) if groups > 1 else x
+
+
+def _reduce(g: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return g
+    b, n, h, d = g.shape
+    return g.view(b, n, h // groups, groups, d).sum(3)
+
+
+def _kv_for(backend: Backend, q, k, v):
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1 and not backend.native_gqa:
+        return _expand(k, groups), _expand(v, groups), groups
+    return k, v, 1
+
+
+def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float):
+    """``(out, lse)`` without autograd; bottom-right causal and GQA handled here."""
+    k, v, _ = _kv_for(backend, q, k, v)
+    pieces = causal_pieces(q.shape[1], k.shape[1], causal)
+    if len(pieces) == 1 and pieces[0][0] == 0:
+        return backend.forward(q, k, v, pieces[0][4], scale)
+    acc, acc_lse = empty_accumulators(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q.device)
+    for q0, q1, k0, k1, c in pieces:
+        o, l = backend.forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], c, scale)
+        merge_(acc[:, q0:q1], acc_lse[:, :, q0:q1], o, l)
+    return acc.to(q.dtype), acc_lse
+
+
+def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, scale: float, dlse=None):
+    """``dq, dk, dv`` of the attention whose (merged) output and lse are ``out`` and ``lse``."""
+    k_e, v_e, groups = _kv_for(backend, q, k, v)
+    pieces = causal_pieces(q.shape[1], k.shape[1], causal)
+
+    def run(dout_, v_, out_):
+        if len(pieces) == 1 and pieces[0][0] == 0:
+            return backend.backward(dout_, q, k_e, v_, out_, lse, pieces[0][4], scale)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk = torch.zeros_like(k_e, dtype=torch.float32)
+        dv = torch.zeros_like(v_, dtype=torch.float32)
+        for q0, q1, k0, k1, c in pieces:
+            g = backend.backward(dout_[:, q0:q1], q[:, q0:q1], k_e[:, k0:k1], v_[:, k0:k1],
+                                 out_[:, q0:q1], lse[:, :, q0:q1].contiguous(), c, scale)
+            dq[:, q0:q1] += g[0]
+            dk[:, k0:k1] += g[1]
+            dv[:, k0:k1] += g[2]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    dq, dk, dv = run(dout, v_e, out)
+    if dlse is not None and bool((dlse != 0).any()):
+        unit = torch.zeros_like(v_e)
+        unit[..., 0] = 1
+        dout_l = torch.zeros_like(dout)
+        dout_l[..., 0] = dlse.transpose(1, 2).to(dout.dtype)
+        dq_l, dk_l, _ = run(dout_l, unit, torch.zeros_like(out))
+        dq, dk = dq + dq_l, dk + dk_l
+    return dq, _reduce(dk, groups), _reduce(dv, groups)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Autograd for one attention call; backward goes through the backend's kernel backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend: Backend, causal: bool, scale: float):
+        out, lse = attention_forward(backend, q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backend, ctx.causal, ctx.scale = backend, causal, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = attention_backward(ctx.backend, dout.contiguous(), q, k, v, out, lse,
+                                        ctx.causal, ctx.scale, dlse)
+        return dq, dk, dv, None, None, None
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    check_scale(scale)
+    return float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, backend: str = "auto",
+              return_lse: bool = False):
+    """Exact softmax attention on ``[batch, seq, heads, head_dim]`` tensors.
+
+    k/v may have fewer heads than q (GQA: heads divisible by kv heads) and another length than q
+    (causal is then bottom-right aligned). Returns ``out`` (q's dtype), or ``(out, lse)`` with lse
+    float32 ``[batch, heads, seq_q]``. Gradients flow through ``out`` and ``lse``.
+    """
+    check_qkv(q, k, v)
+    scale = default_scale(q.shape[-1], scale)
+    impl = get_backend(backend, q, k, causal)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = AttentionFunction.apply(q, k, v, impl, causal, scale)
+    else:
+        out, lse = attention_forward(impl, q, k, v, causal, scale)
+    return (out, lse) if return_lse else out

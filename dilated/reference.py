@@ -1,0 +1,110 @@
+"""Float64 references that the tests and the harness hold every implementation to.
+
+* :func:`dense_reference`: softmax attention with an optional additive bias, in float64 with
+  autograd, bottom-right causal, GQA by repeating k/v heads.
+* :func:`dilated_bias`: LongNet's dilated attention as a dense additive bias: key ``p'`` gets
+  ``log(c)`` for query ``p`` where ``c`` counts the branches that select both in one segment
+  (``-inf`` where ``c == 0``). Dense attention with this bias *is* the definition (mixing by
+  softmax denominators included), so it is the reference for both dilated implementations.
+* :func:`sampled_reference`: exact attention for a sample of query rows, streaming over key
+  blocks in float32/float64, so that a 1M-token result can still be checked.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def dense_reference(q, k, v, causal=False, scale=None, bias=None, dtype=torch.float64):
+    """``(out, lse)`` in ``dtype``; ``bias`` is ``[H or 1, Nq, Nk]`` added to the scaled scores."""
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qf, kf, vf = (t.to(dtype) for t in (q, k, v))
+    if hkv != h:
+        kf, vf = kf.repeat_interleave(h // hkv, 2), vf.repeat_interleave(h // hkv, 2)
+    s = torch.einsum("bnhd,bmhd->bhnm", qf, kf) * scale
+    if bias is not None:
+        s = s + bias.to(dtype).unsqueeze(0)
+    if causal:
+        rows = torch.arange(nq, device=q.device).unsqueeze(1) + (nk - nq)
+        cols = torch.arange(nk, device=q.device).unsqueeze(0)
+        s = s.masked_fill(cols > rows, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    dead = torch.isinf(lse)
+    p = torch.exp(s - torch.where(dead, torch.zeros_like(lse), lse).unsqueeze(-1))
+    out = torch.einsum("bhnm,bmhd->bnhd", p, vf)
+    return out, lse
+
+
+def dilated_bias(n: int, num_heads: int, segment_lengths, dilation_rates, causal=False, device=None,
+                 dtype=torch.float64) -> torch.Tensor:
+    """``[H, N, N]`` additive bias ``log(c)`` that turns dense attention into dilated attention."""
+    pos = torch.arange(n, device=device)
+    count = torch.zeros(num_heads, n, n, device=device, dtype=dtype)
+    for w, r in zip(segment_lengths, dilation_rates):
+        w = min(w, n)
+        seg = pos // w
+        t = pos % w
+        same = seg.unsqueeze(1) == seg.unsqueeze(0)
+        for h in range(num_heads):
+            sel = (t % r) == (h % r)
+            count[h] += (same & sel.unsqueeze(1) & sel.unsqueeze(0)).to(dtype)
+    if causal:
+        count = count * torch.tril(torch.ones(n, n, device=device, dtype=dtype))
+    return torch.log(count)  # log(0) = -inf
+
+
+def dilated_reference(q, k, v, segment_lengths, dilation_rates, causal=False, scale=None, dtype=torch.float64):
+    bias = dilated_bias(q.shape[1], q.shape[2], segment_lengths, dilation_rates, causal, q.device, dtype)
+    return dense_reference(q, k, v, causal=False, scale=scale, bias=bias, dtype=dtype)[0]
+
+
+def sampled_reference(q, k, v, rows: torch.Tensor, causal=False, scale=None, segment_lengths=None,
+                      dilation_rates=None, block: int = 8192, dtype=torch.float32):
+    """Exact output for query ``rows`` only (``[R]`` indices), streaming over key blocks.
+
+    With a schedule given, the keys are weighted by the branch counts of :func:`dilated_bias`
+    for those rows (computed per block); otherwise plain dense attention (bottom-right causal).
+    """
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    g = h // hkv
+    qr = q[:, rows].to(dtype)  # [B, R, H, D]
+    m = torch.full((b, h, len(rows)), float("-inf"), device=q.device, dtype=dtype)
+    den = torch.zeros_like(m)
+    acc = torch.zeros(b, len(rows), h, v.shape[3], device=q.device, dtype=dtype)
+    for k0 in range(0, nk, block):
+        k1 = min(nk, k0 + block)
+        kb = k[:, k0:k1].to(dtype).repeat_interleave(g, 2)
+        vb = v[:, k0:k1].to(dtype).repeat_interleave(g, 2)
+        s = torch.einsum("brhd,bmhd->bhrm", qr, kb) * scale
+        cols = torch.arange(k0, k1, device=q.device)
+        if segment_lengths is not None:
+            s = s + _row_counts(rows, cols, h, segment_lengths, dilation_rates, dtype, nk).log().unsqueeze(0)
+        if causal:
+            s = s.masked_fill(cols.unsqueeze(0) > rows.unsqueeze(1) + (nk - nq), float("-inf"))
+        bm = torch.maximum(m, s.amax(-1))
+        ref = torch.where(torch.isinf(bm), torch.zeros_like(bm), bm)
+        corr = torch.exp(m - ref)
+        p = torch.exp(s - ref.unsqueeze(-1))
+        den = den * corr + p.sum(-1)
+        acc = acc * corr.transpose(1, 2).unsqueeze(-1) + torch.einsum("bhrm,bmhd->brhd", p, vb)
+        m = bm
+    den = torch.where(den == 0, torch.ones_like(den), den)
+    return acc / den.transpose(1, 2).unsqueeze(-1)
+
+
+def _row_counts(rows, cols, num_heads, segment_lengths, dilation_rates, dtype, n):
+    """``[H, R, M]`` branch counts for query ``rows`` against key ``cols`` (see dilated_bias)."""
+    count = torch.zeros(num_heads, len(rows), len(cols), device=rows.device, dtype=dtype)
+    heads = torch.arange(num_heads, device=rows.device).view(-1, 1, 1)
+    for w, r in zip(segment_lengths, dilation_rates):
+        w = min(w, n)
+        same = (rows.unsqueeze(1) // w) == (cols.unsqueeze(0) // w)
+        sel_r = ((rows % w) % r).view(1, -1, 1) == heads % r
+        sel_c = ((cols % w) % r).view(1, 1, -1) == heads % r
+        count += (same.unsqueeze(0) & sel_r & sel_c).to(dtype)
+    return count

@@ -1,0 +1,127 @@
+"""Every backend available on this machine against the float64 reference."""
+import pytest
+import torch
+
+import dilated
+from dilated.backends import BackendUnavailableError
+from dilated.reference import dense_reference
+
+from conftest import TOL, rand, rel_err
+
+AVAILABLE = [n for n, r in dilated.available_backends("cpu").items() if r is None]
+SHAPES = [  # (B, Nq, Nk, H, Hkv, D)
+    (2, 16, 16, 4, 4, 32),
+    (1, 1, 1, 2, 2, 16),
+    (1, 7, 7, 4, 2, 16),
+    (2, 129, 129, 4, 1, 32),
+    (1, 7, 129, 4, 2, 16),   # q shorter than k (bottom-right causal)
+    (1, 1, 129, 4, 4, 16),   # decode: one query against a KV cache
+    (1, 33, 9, 2, 2, 16),    # q longer than k: early causal rows see nothing
+]
+
+
+def test_cpu_has_the_required_backends():
+    for name in ("sdpa", "sdpa_math", "manual", "auto"):
+        assert name in AVAILABLE, dilated.available_backends("cpu")[name]
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_matches_float64_reference(backend, shape, causal, dtype, gen):
+    b, nq, nk, h, hkv, d = shape
+    q = rand(b, nq, h, d, gen=gen, dtype=dtype, requires_grad=True)
+    k = rand(b, nk, hkv, d, gen=gen, dtype=dtype, requires_grad=True)
+    v = rand(b, nk, hkv, d, gen=gen, dtype=dtype, requires_grad=True)
+    out, lse = dilated.attention(q, k, v, causal=causal, backend=backend, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, h, nq)
+    ref_out, ref_lse = dense_reference(q.detach(), k.detach(), v.detach(), causal=causal)
+    tol = TOL[dtype]
+    assert rel_err(out, ref_out) < tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite].double() - ref_lse[finite]).abs().max() < 50 * tol
+    # gradients of out and lse together (lse is differentiable too)
+    dout = rand(b, nq, h, d, gen=gen, dtype=dtype)
+    dlse = rand(b, h, nq, gen=gen) * finite
+    grads = torch.autograd.grad([out, lse], [q, k, v], [dout, dlse])
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    r_out, r_lse = dense_reference(qd, kd, vd, causal=causal)
+    r_lse = torch.where(finite, r_lse, torch.zeros_like(r_lse))
+    ref_grads = torch.autograd.grad([r_out, r_lse], [qd, kd, vd], [dout.double(), dlse.double()])
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert g.shape == rg.shape
+        assert rel_err(g, rg) < 2 * tol, f"d{name}"
+
+
+def test_explicit_scale(gen):
+    q, k, v = (rand(1, 9, 2, 16, gen=gen) for _ in range(3))
+    out = dilated.attention(q, k, v, scale=0.3, backend="manual")
+    assert rel_err(out, dense_reference(q, k, v, scale=0.3)[0]) < 1e-5
+
+
+def test_availability_report_gives_reasons():
+    report = dilated.available_backends("cpu")
+    expected = {"sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex", "flash_attn",
+                "flash_attn_3", "flash_attn_4", "xformers", "manual", "auto"}
+    assert set(report) == expected
+    for name in ("sdpa_cudnn", "flash_attn", "xformers"):
+        assert isinstance(report[name], str) and report[name]
+
+
+def test_unavailable_backend_raises_with_reason_and_alternatives(gen):
+    q = rand(1, 4, 2, 16, gen=gen)
+    with pytest.raises(BackendUnavailableError) as e:
+        dilated.attention(q, q, q, backend="sdpa_cudnn")
+    msg = str(e.value)
+    assert "sdpa_cudnn" in msg and "CUDA" in msg and "manual" in msg
+
+
+def test_unknown_backend(gen):
+    q = rand(1, 4, 2, 16, gen=gen)
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        dilated.attention(q, q, q, backend="nope")
+
+
+def test_a_backend_that_imports_but_fails_is_unavailable(gen):
+    """Availability comes from a real call: a kernel that raises on use is reported with its error."""
+    from dilated.backends import backend_reason, register_backend
+    from dilated.backends.base import Backend
+
+    class Broken(Backend):
+        name = "broken_for_test"
+
+        def forward(self, q, k, v, causal, scale):
+            raise NotImplementedError("No operator found for `memory_efficient_attention_forward`")
+
+    from dilated.backends import _REGISTRY
+
+    register_backend(Broken())
+    try:
+        reason = backend_reason("broken_for_test", "cpu")
+        assert "No operator found" in reason
+        assert dilated.available_backends("cpu")["broken_for_test"] == reason
+    finally:
+        del _REGISTRY["broken_for_test"]
+
+
+@pytest.mark.parametrize("bad, match, exc", [
+    (lambda g: (rand(2, 4, 2, 8, gen=g), rand(3, 4, 2, 8, gen=g), rand(3, 4, 2, 8, gen=g)), "batch", ValueError),
+    (lambda g: (rand(1, 4, 2, 8, gen=g), rand(1, 4, 2, 16, gen=g), rand(1, 4, 2, 16, gen=g)), "head_dim", ValueError),
+    (lambda g: (rand(1, 4, 3, 8, gen=g), rand(1, 4, 2, 8, gen=g), rand(1, 4, 2, 8, gen=g)), "divisible", ValueError),
+    (lambda g: (rand(4, 2, 8, gen=g), rand(4, 2, 8, gen=g), rand(4, 2, 8, gen=g)), "4 dimensions", ValueError),
+    (lambda g: (torch.ones(1, 4, 2, 8, dtype=torch.int64),) * 3, "dtype", TypeError),
+    (lambda g: (rand(1, 0, 2, 8, gen=g), rand(1, 4, 2, 8, gen=g), rand(1, 4, 2, 8, gen=g)), "empty", ValueError),
+    (lambda g: (rand(1, 4, 2, 8, gen=g), rand(1, 4, 2, 8, gen=g), rand(1, 5, 2, 8, gen=g)), "k and v", ValueError),
+])
+def test_bad_input_names_the_argument(bad, match, exc, gen):
+    q, k, v = bad(gen)
+    with pytest.raises(exc, match=match):
+        dilated.attention(q, k, v)
+
+
+def test_bad_scale(gen):
+    q = rand(1, 4, 2, 8, gen=gen)
+    with pytest.raises(ValueError, match="scale"):
+        dilated.attention(q, q, q, scale=-1.0)
