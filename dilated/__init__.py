@@ -8,3 +8,14 @@ from .functional import attention
 __version__ = "0.1.0"
 
 __all__ = ["attention", "available_backends", "register_backend", "BackendUnavailableError"]
+
+from .dilated_attention import DilatedAttention, dilated_attention  # noqa: E402
+from .improved_dilated_attention import ImprovedDilatedAttention, improved_dilated_attention  # noqa: E402
+from .memory_pool import MemoryPool  # noqa: E402
+from .pattern_cache import PatternCache  # noqa: E402
+
+__all__ += ["dilated_attention", "DilatedAttention", "improved_dilated_attention", "ImprovedDilatedAttention",
+            "MemoryPool", "PatternCache"]
+from .multihead import MultiheadDilatedAttention  # noqa: E402
+
+__all__ += ["MultiheadDilatedAttention"]

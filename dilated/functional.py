@@ -60,8 +60,8 @@ def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float):
     acc, acc_lse = empty_accumulators(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q.device)
     for q0, q1, k0, k1, c in pieces:
         o, l = backend.forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], c, scale)
-        merge_(acc[:, q0:q1], acc_lse[:, :, q0:q1], o, l)
-    return acc.to(q.dtype), acc_lse
+        merge_(acc[:, q0:q1], acc_lse[:, q0:q1], o, l.transpose(1, 2))
+    return acc.to(q.dtype), acc_lse.transpose(1, 2).contiguous()
 
 
 def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, scale: float, dlse=None):

@@ -2,7 +2,9 @@
 
 Two attentions of one query row over disjoint key sets, ``(o1, l1)`` and ``(o2, l2)``, combine
 exactly into ``o = w1*o1 + w2*o2`` with ``wi = exp(li - L)`` and ``L = logaddexp(l1, l2)``.
-Layouts: outputs ``[B, N, H, D]``, lse ``[B, H, N]``, float32 accumulators.
+Layouts: outputs ``[..., D]`` and their lse in *row layout*, ``out.shape[:-1]`` (for
+``[B, N, H, D]`` outputs that is ``[B, N, H]``: pass ``lse.transpose(1, 2)`` for a kernel's
+``[B, H, N]`` lse). Accumulators are float32.
 """
 from __future__ import annotations
 
@@ -10,8 +12,7 @@ import torch
 
 
 def _rows(lse: torch.Tensor) -> torch.Tensor:
-    """``[B, H, N]`` -> ``[B, N, H, 1]`` view, to scale ``[B, N, H, D]`` rows."""
-    return lse.transpose(1, 2).unsqueeze(-1)
+    return lse.unsqueeze(-1)
 
 
 def merge_(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -28,6 +29,7 @@ def merge_(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: tor
 
 
 def empty_accumulators(b: int, n: int, h: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``acc`` float32 ``[B, N, H, D]`` zeros and ``acc_lse`` float32 ``[B, N, H]`` at ``-inf``."""
     acc = torch.zeros(b, n, h, d, device=device, dtype=torch.float32)
-    acc_lse = torch.full((b, h, n), float("-inf"), device=device, dtype=torch.float32)
+    acc_lse = torch.full((b, n, h), float("-inf"), device=device, dtype=torch.float32)
     return acc, acc_lse

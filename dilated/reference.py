@@ -31,10 +31,12 @@ def dense_reference(q, k, v, causal=False, scale=None, bias=None, dtype=torch.fl
         rows = torch.arange(nq, device=q.device).unsqueeze(1) + (nk - nq)
         cols = torch.arange(nk, device=q.device).unsqueeze(0)
         s = s.masked_fill(cols > rows, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    dead = torch.isinf(lse)
-    p = torch.exp(s - torch.where(dead, torch.zeros_like(lse), lse).unsqueeze(-1))
+    dead = torch.isinf(s).all(-1, keepdim=True)  # rows that see no key: output 0, lse -inf
+    s = torch.where(dead, torch.zeros_like(s), s)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.where(dead, torch.zeros_like(s), torch.exp(s - lse))
     out = torch.einsum("bhnm,bmhd->bnhd", p, vf)
+    lse = torch.where(dead, torch.full_like(lse, float("-inf")), lse).squeeze(-1)
     return out, lse
 
 

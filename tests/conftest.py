@@ -18,9 +18,9 @@ def rand(*shape, gen, dtype=torch.float32, scale=1.0, requires_grad=False):
 
 
 # tolerances on max |err| / max |ref| per dtype (outputs and gradients)
-TOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+TOL = {torch.float64: 1e-5, torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 def rel_err(x, ref):
     x, ref = x.double(), ref.double()
-    return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+    return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-3)).item()

@@ -9,6 +9,10 @@ from dilated.reference import dense_reference
 from conftest import TOL, rand, rel_err
 
 AVAILABLE = [n for n, r in dilated.available_backends("cpu").items() if r is None]
+# On a GPU machine the same checks run for every backend that works there (bf16, as users run it).
+CUDA = [("cuda", n, torch.bfloat16) for n, r in dilated.available_backends("cuda").items()
+        if r is None] if torch.cuda.is_available() else []
+CASES = [("cpu", n, dt) for n in AVAILABLE for dt in (torch.float32, torch.bfloat16)] + CUDA
 SHAPES = [  # (B, Nq, Nk, H, Hkv, D)
     (2, 16, 16, 4, 4, 32),
     (1, 1, 1, 2, 2, 16),
@@ -25,15 +29,15 @@ def test_cpu_has_the_required_backends():
         assert name in AVAILABLE, dilated.available_backends("cpu")[name]
 
 
-@pytest.mark.parametrize("backend", AVAILABLE)
+@pytest.mark.parametrize("device, backend, dtype", CASES, ids=lambda x: str(x).replace("torch.", ""))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_matches_float64_reference(backend, shape, causal, dtype, gen):
+def test_backend_matches_float64_reference(device, backend, dtype, shape, causal, gen):
     b, nq, nk, h, hkv, d = shape
-    q = rand(b, nq, h, d, gen=gen, dtype=dtype, requires_grad=True)
-    k = rand(b, nk, hkv, d, gen=gen, dtype=dtype, requires_grad=True)
-    v = rand(b, nk, hkv, d, gen=gen, dtype=dtype, requires_grad=True)
+    if device == "cuda":
+        d = 64  # the fused GPU kernels' common head_dim
+    q, k, v = (rand(b, n, hh, d, gen=gen, dtype=dtype).to(device).requires_grad_()
+               for n, hh in ((nq, h), (nk, hkv), (nk, hkv)))
     out, lse = dilated.attention(q, k, v, causal=causal, backend=backend, return_lse=True)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, h, nq)
     ref_out, ref_lse = dense_reference(q.detach(), k.detach(), v.detach(), causal=causal)
@@ -43,8 +47,8 @@ def test_backend_matches_float64_reference(backend, shape, causal, dtype, gen):
     assert torch.equal(torch.isfinite(lse), finite)
     assert (lse[finite].double() - ref_lse[finite]).abs().max() < 50 * tol
     # gradients of out and lse together (lse is differentiable too)
-    dout = rand(b, nq, h, d, gen=gen, dtype=dtype)
-    dlse = rand(b, h, nq, gen=gen) * finite
+    dout = rand(b, nq, h, d, gen=gen, dtype=dtype).to(device)
+    dlse = rand(b, h, nq, gen=gen).to(device) * finite
     grads = torch.autograd.grad([out, lse], [q, k, v], [dout, dlse])
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     r_out, r_lse = dense_reference(qd, kd, vd, causal=causal)

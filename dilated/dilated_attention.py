@@ -1,0 +1,88 @@
+"""LongNet dilated attention, the readable implementation: one page that mirrors the definition.
+
+Inputs q ``[B, N, H, D]``, k/v ``[B, N, Hkv, D]`` (head h reads kv head h // (H/Hkv)); branches
+``(w_i, r_i)``; ``w'_i = min(w_i, N)``.
+
+* Branch i cuts the sequence into segments ``[s*w', (s+1)*w')`` clipped to N (the last may be
+  shorter; it is never padded).
+* Head h uses offset ``o = h mod r``; position p (``t = p mod w'``) is selected iff
+  ``t mod r == o``.
+* A selected query attends (softmax, scale) to the selected keys of its own segment (keys at
+  positions <= p when causal): branch output ``O_i`` and log-sum-exp ``lse_i`` (``-inf`` where p
+  is not selected).
+* Branches mix by their softmax denominators (LongNet eq. 9-10):
+  ``O = sum_i exp(lse_i - logsumexp_j lse_j) * O_i``; a position no branch selects outputs 0.
+
+Gradients are autograd's through :func:`dilated.attention`, whose lse is differentiable, so the
+mixing weights get their gradient. The fast implementation is
+:class:`dilated.ImprovedDilatedAttention`; both are held to a float64 dense reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._checks import check_qkv, check_schedule
+from .functional import attention, default_scale
+
+
+def segment_blocks(n: int, w: int):
+    """``(start, count, length)``: the full segments of length w, then the clipped last one."""
+    full = n // w
+    blocks = [(0, full, w)] if full else []
+    if n % w:
+        blocks.append((full * w, 1, n % w))
+    return blocks
+
+
+def check_dilated_inputs(q, k, v, segment_lengths, dilation_rates):
+    check_qkv(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"dilated attention needs q and k/v of one length, got q {q.shape[1]} and k {k.shape[1]}")
+    return check_schedule(segment_lengths, dilation_rates)
+
+
+def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto"):
+    """Exact LongNet dilated attention (see the module docstring); returns ``[B, N, H, D]``."""
+    segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates)
+    b, n, h, d = q.shape
+    scale = default_scale(d, scale)
+    groups = h // k.shape[2]
+    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)  # head h reads kv h // groups
+    outs, lses = [], []
+    for w, r in zip(segs, dils):
+        w = min(w, n)
+        o_i = q.new_zeros(b, n, h, d)
+        lse_i = q.new_full((b, n, h), float("-inf"), dtype=torch.float32)
+        for start, count, length in segment_blocks(n, w):
+            seg = lambda x: x[:, start:start + count * length].unflatten(1, (count, length))  # noqa: E731
+            for off in range(r):  # heads off::r read positions off::r of every segment
+                qs, ks, vs = (seg(x)[:, :, off::r, off::r].flatten(0, 1) for x in (q, k, v))
+                if qs.numel() == 0:
+                    continue
+                o, lse = attention(qs, ks, vs, causal=causal, scale=scale, backend=backend, return_lse=True)
+                seg(o_i)[:, :, off::r, off::r] = o.unflatten(0, (b, count))
+                seg(lse_i)[:, :, off::r, off::r] = lse.transpose(1, 2).unflatten(0, (b, count))
+        outs.append(o_i)
+        lses.append(lse_i)
+    lse_all = torch.stack(lses)                                   # [k, B, N, H]
+    total = torch.logsumexp(lse_all, dim=0)
+    total = torch.where(torch.isinf(total), torch.zeros_like(total), total)  # uncovered rows
+    weights = torch.exp(lse_all - total).unsqueeze(-1)            # 0 where a branch skips p
+    return (torch.stack(outs).float() * weights).sum(0).to(q.dtype)
+
+
+class DilatedAttention(nn.Module):
+    """Module form of :func:`dilated_attention`: ``forward(q, k, v)`` on ``[B, N, H, D]``."""
+
+    def __init__(self, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto"):
+        super().__init__()
+        self.segment_lengths, self.dilation_rates = check_schedule(segment_lengths, dilation_rates)
+        self.causal, self.scale, self.backend = causal, scale, backend
+
+    def forward(self, q, k, v):
+        return dilated_attention(q, k, v, self.segment_lengths, self.dilation_rates,
+                                 causal=self.causal, scale=self.scale, backend=self.backend)
+
+    def extra_repr(self):
+        return f"segment_lengths={list(self.segment_lengths)}, dilation_rates={list(self.dilation_rates)}, causal={self.causal}, backend={self.backend!r}"

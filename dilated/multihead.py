@@ -1,0 +1,76 @@
+"""``MultiheadDilatedAttention``: projections around dilated attention, a drop-in self-attention layer.
+
+Batch-first ``[B, N, embed_dim]``. q/k/v projections (k/v to ``num_kv_heads`` heads for GQA),
+dilated attention, then LongNet's MAGNETO sub-layer norm (a LayerNorm on the attention output
+before the output projection) when ``layer_norm`` is set, and the output projection.
+Initialisation follows MAGNETO (Wang et al., 2022): Xavier-uniform for q and k with gain 1, and
+for v and the output projection with gain ``gamma`` (``sqrt(log(2L))`` for an L-layer encoder;
+pass ``gamma_init``; 1.0 by default), biases zero.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ._checks import check_schedule
+from .dilated_attention import DilatedAttention
+from .improved_dilated_attention import ImprovedDilatedAttention
+
+
+class MultiheadDilatedAttention(nn.Module):
+    def __init__(self, embed_dim, num_heads, segment_lengths, dilation_rates, *, num_kv_heads=None,
+                 causal=False, bias=True, layer_norm=True, backend="auto", improved=True, device=None,
+                 dtype=None, layer_norm_eps=1e-5, gamma_init=1.0):
+        super().__init__()
+        check_schedule(segment_lengths, dilation_rates)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.gamma_init = gamma_init
+        kw = {"device": device, "dtype": dtype}
+        kv_dim = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **kw)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **kw)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **kw) if layer_norm else None
+        attn_cls = ImprovedDilatedAttention if improved else DilatedAttention
+        self.attention = attn_cls(segment_lengths, dilation_rates, causal=causal, backend=backend)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.xavier_uniform_(self.q_proj.weight)
+        nn.init.xavier_uniform_(self.k_proj.weight)
+        nn.init.xavier_uniform_(self.v_proj.weight, gain=self.gamma_init)
+        nn.init.xavier_uniform_(self.out_proj.weight, gain=self.gamma_init)
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None):
+        key = query if key is None else key
+        value = key if value is None else value
+        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
+            raise ValueError(f"query must be [batch, seq, {self.embed_dim}], got {tuple(query.shape)}")
+        if key.shape != query.shape or value.shape != query.shape:
+            raise ValueError(f"key and value must match query's shape {tuple(query.shape)}, "
+                             f"got key {tuple(key.shape)}, value {tuple(value.shape)}")
+        b, n, _ = query.shape
+        q = self.q_proj(query).view(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(key).view(b, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(value).view(b, n, self.num_kv_heads, self.head_dim)
+        x = self.attention(q, k, v).reshape(b, n, self.embed_dim)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.out_proj(x)
+
+
+def magneto_gamma(num_layers: int) -> float:
+    """MAGNETO's initialisation gain for an encoder of ``num_layers`` layers."""
+    return math.sqrt(math.log(2 * num_layers))

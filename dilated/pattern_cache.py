@@ -1,0 +1,78 @@
+"""The pattern cache: per-shape plans of the fast dilated path, bounded, with hit/miss counts.
+
+A plan is the list of kernel calls one forward makes: for each branch and segment block, how the
+branch's rows are reached (a free segment view for r = 1, one diagonal gather for r > 1, or one
+slice per head offset in the general case) and, for GQA with r > 1, the small index of kv heads
+(``H/r`` entries, never data-sized). Keyed by shape, schedule, causality, device and dtype.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class BranchCall:
+    """One kernel call: rows ``[start, start + count*length)`` cut into ``count`` segments."""
+
+    start: int
+    count: int
+    length: int
+    r: int
+    mode: str  # "view" (r == 1), "diag" (all offsets in one gather), "offset" (one offset)
+    offset: int = 0
+    kv_heads: torch.Tensor | None = field(default=None, compare=False)
+
+
+def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device) -> list[BranchCall]:
+    from .dilated_attention import segment_blocks
+
+    groups = h // hkv
+    calls = []
+    for w, r in zip(segment_lengths, dilation_rates):
+        w = min(w, n)
+        for start, count, length in segment_blocks(n, w):
+            if r == 1:
+                calls.append(BranchCall(start, count, length, 1, "view"))
+            elif length % r == 0 and h % r == 0 and groups == 1:
+                calls.append(BranchCall(start, count, length, r, "diag"))
+            else:
+                for off in range(min(r, length, h)):
+                    kvh = None
+                    if groups > 1:
+                        kvh = torch.arange(off, h, r, device=device) // groups
+                    calls.append(BranchCall(start, count, length, r, "offset", off, kvh))
+    return calls
+
+
+class PatternCache:
+    """LRU of plans, at most ``max_entries``; ``stats()`` gives hits, misses and size."""
+
+    def __init__(self, max_entries: int = 32):
+        self.max_entries = max_entries
+        self._plans: OrderedDict = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, causal: bool):
+        key = (tuple(q.shape), k.shape[2], tuple(segment_lengths), tuple(dilation_rates), causal,
+               str(q.device), q.dtype)
+        if key in self._plans:
+            self.hits += 1
+            self._plans.move_to_end(key)
+            return self._plans[key]
+        self.misses += 1
+        plan = build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device)
+        self._plans[key] = plan
+        while len(self._plans) > self.max_entries:
+            self._plans.popitem(last=False)
+        return plan
+
+    def stats(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "size": len(self._plans), "max_entries": self.max_entries}
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self.hits = self.misses = 0

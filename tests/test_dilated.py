@@ -1,0 +1,157 @@
+"""Both dilated implementations against the float64 dense reference of the definition."""
+import pytest
+import torch
+
+import dilated
+from dilated.reference import dilated_reference
+
+from conftest import TOL, rand, rel_err
+
+IMPLS = {"dilated": dilated.dilated_attention, "improved": dilated.improved_dilated_attention}
+CASES = [  # (N, H, Hkv, segments, dilations)
+    (32, 4, 4, [8, 16], [1, 2]),          # N divisible by every w
+    (30, 4, 4, [8, 16], [1, 2]),          # N not divisible
+    (29, 6, 2, [12, 7], [5, 2]),          # w not a multiple of r, GQA
+    (10, 4, 4, [16, 32], [2, 4]),         # N < w, no r = 1: uncovered positions
+    (24, 8, 2, [8, 24], [2, 4]),          # GQA with r > 1
+    (40, 3, 3, [8, 16, 32], [1, 2, 4]),   # heads not divisible by r
+    (1, 2, 1, [4], [1]),                  # N = 1
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}H{c[1]}kv{c[2]}w{c[3]}r{c[4]}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference_forward_and_gradients(impl, case, causal, dtype, gen):
+    n, h, hkv, segs, dils = case
+    q = rand(2, n, h, 16, gen=gen, dtype=dtype, requires_grad=True)
+    k = rand(2, n, hkv, 16, gen=gen, dtype=dtype, requires_grad=True)
+    v = rand(2, n, hkv, 16, gen=gen, dtype=dtype, requires_grad=True)
+    out = IMPLS[impl](q, k, v, segs, dils, causal=causal)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dilated_reference(qd, kd, vd, segs, dils, causal)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    dout = rand(2, n, h, 16, gen=gen, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert rel_err(g, rg) < 2 * TOL[dtype], f"d{name}"
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "manual"])
+def test_backends_agree_under_dilated(backend, gen):
+    q, k, v = (rand(1, 48, 4, 16, gen=gen, requires_grad=True) for _ in range(3))
+    out = dilated.improved_dilated_attention(q, k, v, [16, 48], [1, 2], causal=True, backend=backend)
+    ref = dilated_reference(q.double(), k.double(), v.double(), [16, 48], [1, 2], True)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scale", [0.01, 1.0, 100.0])
+def test_input_scales_stay_finite_and_exact(impl, scale, gen):
+    q, k, v = (rand(1, 32, 4, 16, gen=gen, scale=scale) for _ in range(3))
+    out = IMPLS[impl](q, k, v, [8, 32], [1, 4])
+    assert torch.isfinite(out).all()
+    assert rel_err(out, dilated_reference(q, k, v, [8, 32], [1, 4])) < 1e-3
+
+
+def test_positions_no_branch_selects_output_zero(gen):
+    q, k, v = (rand(1, 16, 4, 8, gen=gen) for _ in range(3))
+    out = dilated.improved_dilated_attention(q, k, v, [8], [2])
+    # head 0 reads offsets 0, 2, 4...: odd positions are selected by no branch
+    assert torch.equal(out[0, 1::2, 0], torch.zeros_like(out[0, 1::2, 0]))
+    assert out[0, 0::2, 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deterministic(impl, gen):
+    q, k, v = (rand(1, 40, 4, 16, gen=gen) for _ in range(3))
+    a = IMPLS[impl](q, k, v, [8, 16], [1, 2])
+    b = IMPLS[impl](q, k, v, [8, 16], [1, 2])
+    assert torch.equal(a, b)
+
+
+def test_modules_give_the_same_results(gen):
+    q, k, v = (rand(2, 40, 4, 16, gen=gen) for _ in range(3))
+    a = dilated.DilatedAttention([8, 16], [1, 2], causal=True)(q, k, v)
+    b = dilated.ImprovedDilatedAttention([8, 16], [1, 2], causal=True)(q, k, v)
+    c = dilated.ImprovedDilatedAttention([8, 16], [1, 2], causal=True, memory_pool=True)(q, k, v)
+    assert rel_err(a, b) < 1e-5 and rel_err(b, c) < 1e-6
+
+
+def test_pattern_cache_hits_and_stays_bounded(gen):
+    cache = dilated.PatternCache(max_entries=4)
+    attn = dilated.ImprovedDilatedAttention([8, 16], [1, 2], pattern_cache=cache)
+    q = rand(1, 32, 4, 8, gen=gen)
+    for _ in range(100):
+        attn(q, q, q)
+    assert cache.stats()["misses"] == 1 and cache.stats()["hits"] == 99 and cache.stats()["size"] == 1
+    for n in range(10, 20):
+        x = rand(1, n, 4, 8, gen=gen)
+        attn(x, x, x)
+    assert cache.stats()["size"] == 4
+
+
+def test_memory_pool_reuses_and_does_not_grow(gen):
+    pool = dilated.MemoryPool()
+    attn = dilated.ImprovedDilatedAttention([8, 16], [1, 2], memory_pool=pool)
+    q = rand(1, 32, 4, 8, gen=gen)
+    attn(q, q, q)
+    held = pool.stats()["bytes_held"]
+    for _ in range(100):
+        attn(q, q, q)
+    s = pool.stats()
+    assert s["hits"] > 0 and s["bytes_held"] == held and s["outstanding"] == 0
+    small = dilated.MemoryPool(max_bytes=1024)
+    dilated.ImprovedDilatedAttention([8, 16], [1, 2], memory_pool=small)(q, q, q)
+    assert small.stats()["bytes_held"] <= 1024
+
+
+@pytest.mark.parametrize("args, match", [
+    (([], []), "segment_lengths is empty"),
+    (([8], []), "dilation_rates is empty"),
+    (([8, 16], [1]), "same length"),
+    (([0], [1]), "positive"),
+    (([8], [-1]), "positive"),
+    (([4], [8]), "larger than its segment"),
+])
+def test_bad_schedules(args, match):
+    with pytest.raises(ValueError, match=match):
+        dilated.DilatedAttention(*args)
+    with pytest.raises(ValueError, match=match):
+        dilated.ImprovedDilatedAttention(*args)
+
+
+def test_bad_shapes(gen):
+    q = rand(1, 8, 4, 8, gen=gen)
+    with pytest.raises(ValueError, match="divisible"):
+        dilated.dilated_attention(q, rand(1, 8, 3, 8, gen=gen), rand(1, 8, 3, 8, gen=gen), [4], [1])
+    with pytest.raises(ValueError, match="one length"):
+        dilated.improved_dilated_attention(q, rand(1, 9, 4, 8, gen=gen), rand(1, 9, 4, 8, gen=gen), [4], [1])
+
+
+def test_multihead_layer(gen):
+    torch.manual_seed(0)
+    for improved in (True, False):
+        layer = dilated.MultiheadDilatedAttention(32, 4, [8, 16], [1, 2], num_kv_heads=2, causal=True,
+                                                  improved=improved)
+        x = rand(2, 24, 32, gen=gen, requires_grad=True)
+        y = layer(x)
+        assert y.shape == x.shape and torch.isfinite(y).all()
+        y.square().mean().backward()
+        assert all(p.grad is not None for p in layer.parameters())
+    # the layer computes out_proj(norm(dilated(q_proj x, k_proj x, v_proj x)))
+    layer.eval()
+    with torch.no_grad():
+        b, n = 2, 24
+        q = layer.q_proj(x).view(b, n, 4, 8)
+        k = layer.k_proj(x).view(b, n, 2, 8)
+        v = layer.v_proj(x).view(b, n, 2, 8)
+        ref = dilated_reference(q, k, v, [8, 16], [1, 2], True).float().reshape(b, n, 32)
+        assert rel_err(layer(x), layer.out_proj(layer.norm(ref))) < 1e-4
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        dilated.MultiheadDilatedAttention(32, 4, [8], [1], num_kv_heads=3)
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        dilated.MultiheadDilatedAttention(30, 4, [8], [1])
