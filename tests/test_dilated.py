@@ -155,3 +155,21 @@ def test_multihead_layer(gen):
         dilated.MultiheadDilatedAttention(32, 4, [8], [1], num_kv_heads=3)
     with pytest.raises(ValueError, match="divisible by num_heads"):
         dilated.MultiheadDilatedAttention(30, 4, [8], [1])
+
+
+GPU_BACKENDS = [n for n, r in dilated.available_backends("cuda").items() if r is None] if torch.cuda.is_available() else []
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bf16_each_backend(backend, impl, causal, gen):
+    n, segs, dils = 1000, [128, 256, 512], [1, 2, 4]
+    q, k, v = (rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
+    out = IMPLS[impl](q, k, v, segs, dils, causal=causal, backend=backend)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dilated_reference(qd, kd, vd, segs, dils, causal)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
+    for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]
