@@ -13,6 +13,7 @@ attention uses), and backward calls their private backward ops with the (merged)
 * efficient: ``aten._scaled_dot_product_efficient_attention(compute_log_sumexp=True)``; its lse
   is padded to a multiple of 32 rows, which we slice off (and pad again for backward).
 * cuDNN: ``aten._scaled_dot_product_cudnn_attention(compute_log_sumexp=True)`` / ``..._backward``.
+  cuDNN rejects one query against one key; such calls go to the flash kernel.
 * math: the math kernel returns no lse; it is obtained by a second pass (the logsumexp of the
   scores, computed like the ``manual`` backend) and backward is autograd through math SDPA with
   the rescaled-cotangent rule of :meth:`Backend.backward` (one extra forward).
@@ -73,6 +74,8 @@ class SDPABackend(Backend):
         return None
 
     def _resolve(self, q, k, causal):
+        if self.kernel == "cudnn" and q.shape[1] == 1 and k.shape[1] == 1:
+            return "flash"  # cuDNN frontend: "s_q = s_kv = 1 is not supported" (seen, cuDNN 9.19)
         if self.kernel is not None:
             return self.kernel
         choice = SDPBackend(torch._fused_sdp_choice(to_bhnd(q), to_bhnd(k), to_bhnd(k), None, 0.0, causal))
