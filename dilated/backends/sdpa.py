@@ -116,7 +116,9 @@ class SDPABackend(Backend):
         kern = self._resolve(q, k, causal)
         if kern == "math":
             return super().backward(dout, q, k, v, out, lse, causal, scale)
-        qt, kt, vt, ot, dot = (to_bhnd(t) for t in (q, k, v, out, dout))
+        # The efficient kernel's backward gave wrong dq/dk for [B, H, N, D]-contiguous inputs
+        # (seen with torch 2.11 on an H200); [B, N, H, D]-contiguous inputs are right for all.
+        qt, kt, vt, ot, dot = (to_bhnd(t.contiguous()) for t in (q, k, v, out, dout))
         nq, nk = q.shape[1], k.shape[1]
         lse = lse.contiguous()
         if kern == "flash" and q.device.type == "cpu":
