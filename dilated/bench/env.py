@@ -1,0 +1,85 @@
+"""The environment a result was measured in, recorded with every row."""
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib
+import os
+import platform
+import socket
+import subprocess
+import sys
+
+import torch
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception as e:  # a broken optional extension is recorded, not fatal
+        return None if isinstance(e, ImportError) else f"broken: {type(e).__name__}"
+
+
+@functools.lru_cache(maxsize=None)
+def _git_commit() -> str | None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+@functools.lru_cache(maxsize=None)
+def environment() -> dict:
+    env = {
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "triton": _version("triton"),
+        "flash_attn": _version("flash_attn"),
+        "flash_attn_3": _version("flash_attn_interface"),
+        "xformers": _version("xformers"),
+        "git_commit": _git_commit(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "gpu": None,
+        "driver": None,
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["driver"] = None
+    return env
+
+
+def device_slug() -> str:
+    """``h200``, ``h100``... for results/<device>/, ``cpu`` without a GPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    for known in ("h200", "h100", "b200", "a100", "l40s", "a10g", "l4"):
+        if known in name:
+            n = torch.cuda.device_count()
+            ws = int(os.environ.get("WORLD_SIZE", "1"))
+            return f"{known}x{ws}" if ws > 1 else known
+    return name.replace("nvidia", "").strip().replace(" ", "-")
+
+
+def timestamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def command_line() -> str:
+    return " ".join([os.path.basename(sys.executable)] + sys.argv)

@@ -1,0 +1,167 @@
+"""What people read: console tables, run-to-run comparison, plots."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+
+from .results import read_jsonl
+
+
+def _key(row, with_seq=True):
+    cfg = dict(row["config"])
+    if not with_seq:
+        cfg.pop("seq_len", None)
+    return json.dumps(cfg, sort_keys=True)
+
+
+def _fmt_time(t):
+    if not t:
+        return "-"
+    spread = (t["p90"] - t["p10"]) / 2
+    return f"{t['median']:.3f} ± {spread:.3f} ms"
+
+
+def _cfg_title(cfg):
+    parts = [f"B={cfg['batch']}", f"N={cfg['seq_len']}"]
+    if cfg.get("q_len"):
+        parts.append(f"Nq={cfg['q_len']}")
+    parts += [f"H={cfg['num_heads']}", f"D={cfg['head_dim']}"]
+    if cfg.get("num_kv_heads") and cfg["num_kv_heads"] != cfg["num_heads"]:
+        parts.append(f"Hkv={cfg['num_kv_heads']}")
+    parts += [cfg["dtype"], "causal" if cfg["causal"] else "non-causal", cfg["mode"]]
+    if cfg.get("segment_lengths"):
+        parts.append(f"w={cfg['segment_lengths']} r={cfg['dilation_rates']}")
+    return " ".join(parts)
+
+
+def format_tables(rows: list[dict], baseline: str | None = None) -> str:
+    """A table per config: the fastest marked *, speed-up against ``baseline`` (implementation or
+    implementation/backend)."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[_key(r)].append(r)
+    out = []
+    head = f"{'implementation':<22}{'backend':<15}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
+    for key, grp in groups.items():
+        out.append("")
+        out.append(_cfg_title(grp[0]["config"]))
+        out.append(head)
+        ok = [r for r in grp if r["status"] == "ok"]
+        best = min(ok, key=lambda r: r["time_ms"]["median"]) if ok else None
+        base = None
+        if baseline:
+            for r in ok:
+                if baseline in (r["implementation"], f"{r['implementation']}/{r['backend']}"):
+                    base = r
+                    break
+        for r in grp:
+            t = r.get("time_ms")
+            mem = r.get("memory", {}).get("peak_above_inputs_mib")
+            chk = r.get("check", {})
+            err = f"{chk['rel_err']:.1e}" if chk.get("rel_err") is not None else "-"
+            if r.get("check_failed"):
+                err += "!"
+            speed = f"{base['time_ms']['median'] / t['median']:.2f}x" if base and t and r["status"] == "ok" else "-"
+            status = r["status"] + ("" if not r.get("reason") else f" ({r['reason'][:60]})")
+            if r.get("check_failed"):
+                status += " CHECK FAILED"
+            mark = "*" if r is best else " "
+            pct = f"{r['pct_peak']:.0f}" if r.get("pct_peak") else "-"
+            out.append(
+                f"{mark}{r['implementation']:<21}{r['backend']:<15}{_fmt_time(t):<30}"
+                f"{(r.get('tokens_per_s') or 0):>12.3g}{(r.get('tflops') or 0):>9.2f}{pct:>7}"
+                f"{(mem if mem is not None else float('nan')):>10.1f}{err:>9}  {speed:>8}  {status}")
+    return "\n".join(out)
+
+
+# -- compare ------------------------------------------------------------------------------
+def _match_key(r):
+    return (r["implementation"], r["backend"], _key(r))
+
+
+def compare(old_path: str, new_path: str, min_noise: float = 0.03) -> tuple[str, bool]:
+    """Ratio new/old of median time per matching row, flagged beyond the measured spread.
+
+    A row regresses when ``new/old > 1 + noise`` with ``noise`` the larger of the two runs'
+    relative half p10-p90 spreads and ``min_noise``. Returns (report, any_regression).
+    """
+    old = {_match_key(r): r for r in read_jsonl(old_path) if r["status"] == "ok"}
+    lines, regressed = [], False
+    lines.append(f"{'implementation':<20}{'backend':<14}{'config':<58}{'old ms':>10}{'new ms':>10}{'new/old':>9}  flag")
+    for r in read_jsonl(new_path):
+        o = old.get(_match_key(r))
+        if r["status"] != "ok" or o is None:
+            continue
+        to, tn = o["time_ms"], r["time_ms"]
+        ratio = tn["median"] / to["median"]
+        noise = max(min_noise, (to["p90"] - to["p10"]) / (2 * to["median"]), (tn["p90"] - tn["p10"]) / (2 * tn["median"]))
+        flag = "REGRESSION" if ratio > 1 + noise else ("faster" if ratio < 1 - noise else "")
+        regressed |= flag == "REGRESSION"
+        lines.append(f"{r['implementation']:<20}{r['backend']:<14}{_cfg_title(r['config'])[:57]:<58}"
+                     f"{to['median']:>10.3f}{tn['median']:>10.3f}{ratio:>9.3f}  {flag}")
+    if len(lines) == 1:
+        lines.append("(no matching ok rows)")
+    return "\n".join(lines), regressed
+
+
+# -- plots --------------------------------------------------------------------------------
+def fit_exponent(xs, ys) -> float | None:
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x and y and x > 0 and y > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else None
+
+
+def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
+    """PNG plots of time, throughput and peak memory against sequence length, per mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plotting needs matplotlib: pip install 'dilated[plot]'") from None
+    rows = [r for r in read_jsonl(jsonl_path) if r["status"] == "ok"]
+    out_dir = out_dir or os.path.dirname(os.path.abspath(jsonl_path))
+    stem = os.path.splitext(os.path.basename(jsonl_path))[0]
+    written = []
+    by_mode = defaultdict(list)
+    for r in rows:
+        by_mode[r["mode"]].append(r)
+    metrics = [("time_ms", "time (ms, median)", lambda r: r["time_ms"]["median"]),
+               ("tokens_per_s", "throughput (tokens/s)", lambda r: r["tokens_per_s"]),
+               ("memory", "peak memory above inputs (MiB)", lambda r: (r.get("memory") or {}).get("peak_above_inputs_mib"))]
+    for mode, mrows in by_mode.items():
+        fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+        for ax, (_, label, get) in zip(axes, metrics):
+            series = defaultdict(list)
+            for r in mrows:
+                name = f"{r['implementation']}/{r['backend']}"
+                if r.get("world_size", 1) > 1:
+                    name += f" P={r['world_size']}"
+                series[name].append((r["config"]["seq_len"], get(r)))
+            for name, pts in sorted(series.items()):
+                pts = sorted(p for p in pts if p[1])
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                e = fit_exponent(xs, ys)
+                ax.plot(xs, ys, marker="o", label=f"{name} (N^{e:.2f})" if e is not None else name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel(label)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{stem} — {mode}")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{stem}_{mode}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

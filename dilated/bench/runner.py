@@ -1,0 +1,193 @@
+"""Run one case of one implementation, carefully; run sweeps of them, writing each row as it ends."""
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from dilated.backends import BackendUnavailableError
+
+from . import env as envmod
+from .flops import peak_tflops
+from .memory import PeakMemory, free_memory, is_oom
+from .registry import Case, Implementation
+from .results import ResultWriter
+from .timing import measure, summarize
+
+#: relative tolerance (max |err| / max |ref|) on outputs; gradients get twice this.
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+#: beyond this many score entries (B*H*Nq*Nk) the float64 reference is replaced by sampled rows.
+DENSE_REFERENCE_LIMIT = 1 << 26
+SAMPLED_ROWS = 64
+
+
+@dataclass
+class RunOptions:
+    warmup: int = 3
+    reps: int = 10
+    budget_s: float | None = None
+    check: bool = True
+    cuda_graph: bool = False
+    flush_l2: bool = True
+    memory_budget_mib: float | None = None  # rows over this are recorded as oom (tests, --find-max)
+    seed: int = 0
+    device: str | None = None
+
+
+class OverBudget(RuntimeError):
+    pass
+
+
+def _rel(x, ref):
+    x, ref = x.double(), ref.double()
+    err = (x - ref).abs().max().item()
+    return err, err / max(ref.abs().max().item(), 1e-6)
+
+
+def _check(impl, case, inputs, model, out, mode, grads, dout):
+    tol = TOLERANCE[case.torch_dtype]
+    b = case.batch
+    pairs = b * case.num_heads * case.nq * case.seq_len
+    res = {"tolerance": tol}
+    if pairs <= DENSE_REFERENCE_LIMIT:
+        ref_in = tuple(t.detach().double().requires_grad_(mode != "fwd") for t in inputs)
+        ref = impl.reference(case, ref_in, model)
+        res["reference"] = "float64 dense"
+        res["max_abs_err"], res["rel_err"] = _rel(out, ref)
+        if mode != "fwd":
+            ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
+            errs = [_rel(g, rg)[1] for g, rg in zip(grads, ref_grads)]
+            res["grad_rel_err"] = max(errs)
+    else:
+        gen = torch.Generator().manual_seed(1)
+        rows = torch.randperm(case.nq, generator=gen)[:SAMPLED_ROWS].sort().values.to(out.device)
+        ref = impl.sampled_reference(case, inputs, model, rows)
+        res["reference"] = f"float32 streaming, {len(rows)} sampled rows"
+        res["max_abs_err"], res["rel_err"] = _rel(out[:, rows], ref)
+        if mode != "fwd":
+            res["grad_check"] = "skipped: gradients are checked only where the float64 reference fits"
+    res["passed"] = res["rel_err"] <= tol and res.get("grad_rel_err", 0.0) <= 2 * tol and math.isfinite(res["rel_err"])
+    return res
+
+
+def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, extra: dict | None = None) -> dict:
+    """Measure one (implementation, case, backend); never raises except on Ctrl-C."""
+    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    row = {"implementation": impl.name, "backend": backend, "mode": case.mode, "config": case.config(),
+           "device": str(device), "cuda_graph": opts.cuda_graph, "status": "ok", "reason": None}
+    if extra:
+        row.update(extra)
+    inputs = model = out = grads = None
+    try:
+        gen = torch.Generator().manual_seed(opts.seed)
+        needs_grad = case.mode != "fwd"
+        inputs = impl.inputs(case, device, gen, needs_grad)
+        model = impl.build(case, backend)
+        if isinstance(model, torch.nn.Module):
+            model = model.to(device=device, dtype=case.torch_dtype)
+        holder = {}
+
+        def fwd():
+            holder["out"] = model(*inputs)
+
+        def zero_grads():
+            for t in list(inputs) + (list(model.parameters()) if isinstance(model, torch.nn.Module) else []):
+                t.grad = None
+
+        if case.mode == "fwd":
+            step, setup = (lambda: torch.no_grad()(fwd)()), None
+        elif case.mode == "fwd_bwd":
+            def step():
+                zero_grads()
+                fwd()
+                holder["out"].backward(holder["dout"])
+            setup = None
+        else:  # bwd: forward untimed in setup, backward timed
+            def setup():
+                zero_grads()
+                fwd()
+
+            def step():
+                holder["out"].backward(holder["dout"])
+        with torch.no_grad() if case.mode == "fwd" else torch.enable_grad():
+            out_probe = model(*inputs)
+        holder["dout"] = torch.randn(out_probe.shape, generator=gen, dtype=torch.float32).to(device, out_probe.dtype)
+        del out_probe
+        with PeakMemory(device) as mem:
+            if setup:
+                setup()
+            step()
+        row["memory"] = {"peak_above_inputs_mib": mem.peak_above_mib, "peak_total_mib": mem.peak_total_mib,
+                         "min_theoretical_mib": impl.min_bytes(case, case.mode) / (1 << 20),
+                         "measure": "cuda allocator" if device.type == "cuda" else "process peak RSS"}
+        if opts.memory_budget_mib is not None and (mem.peak_above_mib or 0) > opts.memory_budget_mib:
+            raise OverBudget(f"peak {mem.peak_above_mib:.1f} MiB exceeds the memory budget of {opts.memory_budget_mib} MiB")
+        samples = measure(step, device, warmup=opts.warmup, reps=opts.reps, budget_s=opts.budget_s,
+                          setup=setup, flush_l2=opts.flush_l2, cuda_graph=opts.cuda_graph and case.mode == "fwd")
+        t = summarize(samples)
+        row["time_ms"] = t
+        row["samples_ms"] = samples
+        sec = t["median"] / 1e3
+        fl = impl.flops(case, case.mode)
+        by = impl.min_bytes(case, case.mode)
+        row["flops"] = fl
+        row["tflops"] = fl / sec / 1e12
+        row["tokens_per_s"] = case.batch * case.nq / sec
+        peak = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        row["pct_peak"] = 100 * row["tflops"] / peak if peak else None
+        row["bytes_min"] = by
+        row["bandwidth_gbs"] = by / sec / 1e9
+        row["arith_intensity"] = fl / by
+        if opts.check:
+            with torch.enable_grad() if needs_grad else torch.no_grad():
+                zero_grads()
+                fwd()
+                out = holder["out"]
+                grads = None
+                if needs_grad:
+                    out.backward(holder["dout"])
+                    grads = [t.grad for t in inputs]
+                row["check"] = _check(impl, case, inputs, model, out.detach(), case.mode, grads, holder["dout"])
+            row["check_failed"] = not row["check"]["passed"]
+    except KeyboardInterrupt:
+        raise
+    except BackendUnavailableError as e:
+        row.update(status="unsupported", reason=str(e))
+    except OverBudget as e:
+        row.update(status="oom", reason=str(e))
+    except Exception as e:  # every failure becomes a recorded row; the sweep goes on
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        if is_oom(e):
+            row.update(status="oom", reason=first)
+        elif isinstance(e, NotImplementedError):
+            row.update(status="unsupported", reason=f"{type(e).__name__}: {first}")
+        else:
+            row.update(status="error", reason=f"{type(e).__name__}: {first}", traceback=traceback.format_exc(limit=4))
+    finally:
+        inputs = model = out = grads = None
+        free_memory(device)
+    return row
+
+
+def run_sweep(jobs, opts: RunOptions, writer: ResultWriter | None, script: str, progress: bool = True,
+              extra_row=None) -> list[dict]:
+    """``jobs``: iterable of ``(Implementation, Case, backend)``. Rows are written as they finish."""
+    jobs = list(jobs)
+    rows = []
+    env = envmod.environment()
+    stamp = envmod.timestamp()
+    cmd = envmod.command_line()
+    bar = tqdm(jobs, desc=script, unit="run", disable=not progress, dynamic_ncols=True)
+    for impl, case, backend in bar:
+        bar.set_postfix_str(f"{impl.name}/{backend} N={case.seq_len} {case.mode}")
+        row = run_case(impl, case, backend, opts)
+        row.update(script=script, env=env, run_timestamp=stamp, command=cmd)
+        if extra_row:
+            row.update(extra_row(row))
+        rows.append(row)
+        if writer is not None:
+            writer.append(row)
+    return rows

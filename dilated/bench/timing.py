@@ -1,0 +1,88 @@
+"""Timing: CUDA events around each call after warm-up, L2 flushed between calls; perf_counter on CPU."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+
+def _l2_flusher(device):
+    if device.type != "cuda":
+        return lambda: None
+    size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) or (50 << 20)
+    buf = torch.empty(2 * size // 4, dtype=torch.int32, device=device)
+    return lambda: buf.zero_()
+
+
+def summarize(samples_ms: list[float]) -> dict:
+    xs = sorted(samples_ms)
+    n = len(xs)
+    if n == 0:
+        return {"n": 0}
+
+    def pct(p):
+        i = (n - 1) * p / 100
+        lo, hi = math.floor(i), math.ceil(i)
+        return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    return {"median": pct(50), "mean": mean, "std": std, "min": xs[0], "max": xs[-1],
+            "p10": pct(10), "p50": pct(50), "p90": pct(90), "p95": pct(95), "p99": pct(99), "n": n}
+
+
+def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | None = None,
+            setup=None, flush_l2: bool = True, cuda_graph: bool = False) -> list[float]:
+    """Per-call times (ms) of ``step()``; ``setup()`` runs untimed before each call.
+
+    With ``budget_s``, warm-up and repetitions stop once that much wall time is spent (at least
+    one warm-up and three timed calls). ``cuda_graph`` captures ``step`` once and times replays
+    (only for steps without ``setup``).
+    """
+    device = torch.device(device)
+    flush = _l2_flusher(device) if flush_l2 else (lambda: None)
+    cuda = device.type == "cuda"
+    if cuda_graph:
+        if not cuda or setup is not None:
+            raise ValueError("cuda_graph timing needs a CUDA device and a step without setup")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(max(1, warmup)):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        step = graph.replay
+    t0 = time.perf_counter()
+    for i in range(max(1, warmup)):
+        if setup:
+            setup()
+        step()
+        if budget_s is not None and time.perf_counter() - t0 > budget_s / 4 and i >= 0:
+            break
+    if cuda:
+        torch.cuda.synchronize(device)
+    samples = []
+    t0 = time.perf_counter()
+    limit = reps if budget_s is None else 10 ** 6
+    while len(samples) < limit:
+        if setup:
+            setup()
+        flush()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            s = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - s) * 1e3)
+        if budget_s is not None and len(samples) >= 3 and time.perf_counter() - t0 > budget_s:
+            break
+    return samples
