@@ -19,3 +19,8 @@ __all__ += ["dilated_attention", "DilatedAttention", "improved_dilated_attention
 from .multihead import MultiheadDilatedAttention  # noqa: E402
 
 __all__ += ["MultiheadDilatedAttention"]
+from .distributed import init_distributed, shard, unshard  # noqa: E402
+from .distributed_dilated_attention import DistributedDilatedAttention  # noqa: E402
+from .ring_attention import RingAttention  # noqa: E402
+
+__all__ += ["RingAttention", "DistributedDilatedAttention", "shard", "unshard", "init_distributed"]

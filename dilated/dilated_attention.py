@@ -42,34 +42,45 @@ def check_dilated_inputs(q, k, v, segment_lengths, dilation_rates):
     return check_schedule(segment_lengths, dilation_rates)
 
 
-def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto"):
-    """Exact LongNet dilated attention (see the module docstring); returns ``[B, N, H, D]``."""
-    segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates)
+def branch_attention(q, k, v, w: int, r: int, *, causal: bool, scale: float, backend: str):
+    """One branch: ``(O_i [B, N, H, D], lse_i [B, N, H])``, lse ``-inf`` where p is not selected.
+
+    ``k``/``v`` carry one head per q head here (GQA expanded by the caller).
+    """
     b, n, h, d = q.shape
-    scale = default_scale(d, scale)
-    groups = h // k.shape[2]
-    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)  # head h reads kv h // groups
-    outs, lses = [], []
-    for w, r in zip(segs, dils):
-        w = min(w, n)
-        o_i = q.new_zeros(b, n, h, d)
-        lse_i = q.new_full((b, n, h), float("-inf"), dtype=torch.float32)
-        for start, count, length in segment_blocks(n, w):
-            seg = lambda x: x[:, start:start + count * length].unflatten(1, (count, length))  # noqa: E731
-            for off in range(r):  # heads off::r read positions off::r of every segment
-                qs, ks, vs = (seg(x)[:, :, off::r, off::r].flatten(0, 1) for x in (q, k, v))
-                if qs.numel() == 0:
-                    continue
-                o, lse = attention(qs, ks, vs, causal=causal, scale=scale, backend=backend, return_lse=True)
-                seg(o_i)[:, :, off::r, off::r] = o.unflatten(0, (b, count))
-                seg(lse_i)[:, :, off::r, off::r] = lse.transpose(1, 2).unflatten(0, (b, count))
-        outs.append(o_i)
-        lses.append(lse_i)
+    w = min(w, n)
+    o_i = q.new_zeros(b, n, h, d)
+    lse_i = q.new_full((b, n, h), float("-inf"), dtype=torch.float32)
+    for start, count, length in segment_blocks(n, w):
+        seg = lambda x: x[:, start:start + count * length].unflatten(1, (count, length))  # noqa: E731
+        for off in range(r):  # heads off::r read positions off::r of every segment
+            qs, ks, vs = (seg(x)[:, :, off::r, off::r].flatten(0, 1) for x in (q, k, v))
+            if qs.numel() == 0:
+                continue
+            o, lse = attention(qs, ks, vs, causal=causal, scale=scale, backend=backend, return_lse=True)
+            seg(o_i)[:, :, off::r, off::r] = o.unflatten(0, (b, count))
+            seg(lse_i)[:, :, off::r, off::r] = lse.transpose(1, 2).unflatten(0, (b, count))
+    return o_i, lse_i
+
+
+def mix_branches(outs, lses, dtype):
+    """LongNet eq. 9-10: ``O = sum_i exp(lse_i - logsumexp_j lse_j) * O_i`` (0 where no branch selects p)."""
     lse_all = torch.stack(lses)                                   # [k, B, N, H]
     total = torch.logsumexp(lse_all, dim=0)
     total = torch.where(torch.isinf(total), torch.zeros_like(total), total)  # uncovered rows
     weights = torch.exp(lse_all - total).unsqueeze(-1)            # 0 where a branch skips p
-    return (torch.stack(outs).float() * weights).sum(0).to(q.dtype)
+    return (torch.stack(outs).float() * weights).sum(0).to(dtype)
+
+
+def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto"):
+    """Exact LongNet dilated attention (see the module docstring); returns ``[B, N, H, D]``."""
+    segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates)
+    scale = default_scale(q.shape[-1], scale)
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)  # head h reads kv h // groups
+    branches = [branch_attention(q, k, v, w, r, causal=causal, scale=scale, backend=backend)
+                for w, r in zip(segs, dils)]
+    return mix_branches([o for o, _ in branches], [l for _, l in branches], q.dtype)
 
 
 class DilatedAttention(nn.Module):

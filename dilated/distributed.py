@@ -1,0 +1,84 @@
+"""Process groups and sequence sharding for the distributed implementations.
+
+``init_distributed()`` works under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and
+under srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), picks NCCL on GPUs and gloo on CPUs, and
+sets a process-group timeout so that a dead rank ends the job with an error instead of a hang.
+
+Layouts along the sequence dimension:
+
+* ``contiguous``: rank r holds chunk r of P.
+* ``zigzag``: the sequence is cut into 2P chunks and rank r holds chunks r and 2P-1-r, so that
+  causal work is balanced across ranks.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> tuple[int, int, torch.device]:
+    """Initialise the default group from the environment; return ``(rank, world_size, device)``."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
+        env.setdefault("RANK", env["SLURM_PROCID"])
+        env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    device = torch.device("cuda", local % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if use_cuda else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _world(group):
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_layout(layout, n, p):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    parts = 2 * p if layout == "zigzag" else p
+    if n % parts:
+        raise ValueError(f"sequence length {n} must be divisible by {parts} "
+                         f"({'2 x ' if layout == 'zigzag' else ''}world size {p}) for layout={layout!r}")
+
+
+def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """This rank's part of the full tensor ``x`` along ``dim``."""
+    rank, p = _world(group)
+    _check_layout(layout, x.shape[dim], p)
+    if layout == "contiguous":
+        return x.chunk(p, dim)[rank].contiguous()
+    chunks = x.chunk(2 * p, dim)
+    return torch.cat([chunks[rank], chunks[2 * p - 1 - rank]], dim).contiguous()
+
+
+def unshard(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """All-gather the shards and put the full sequence back in order (differentiable is not needed here)."""
+    rank, p = _world(group)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if p == 1:
+        return x_local
+    parts = [torch.empty_like(x_local) for _ in range(p)]
+    dist.all_gather(parts, x_local.contiguous(), group=group)
+    if layout == "contiguous":
+        return torch.cat(parts, dim)
+    halves = [t.chunk(2, dim) for t in parts]
+    ordered = [halves[i][0] for i in range(p)] + [halves[i][1] for i in reversed(range(p))]
+    return torch.cat(ordered, dim)

@@ -1,0 +1,86 @@
+"""Workers for tests/test_distributed.py: real gloo process groups, no mocks."""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+import dilated
+from dilated.reference import dense_reference
+
+
+def init(rank, world, port, timeout_s=60):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _full(seed, n, h, hkv, d=16, b=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n, hh, d, generator=g) for hh in (h, hkv, hkv)]
+
+
+def _check(name, got, ref, tol=2e-4):
+    err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-3)).item()
+    assert err < tol, f"{name}: rel err {err:.2e}"
+
+
+def _compare(module, layout, q, k, v, ref_fn, name):
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(99))  # the same on every rank
+    ql, kl, vl, dl = (dilated.shard(t, layout=layout).requires_grad_(t is not dout) for t in (q, k, v, dout))
+    out = module(ql, kl, vl)
+    out.backward(dl)
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = ref_fn(qf, kf, vf)
+    ref.backward(dout)
+    _check(f"{name} out", dilated.unshard(out.detach(), layout=layout), ref.detach())
+    for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
+        _check(f"{name} d{t}", dilated.unshard(local.grad, layout=layout), full.grad)
+
+
+def correctness(rank, world, port):
+    init(rank, world, port)
+    n = 16 * world
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            for h, hkv in ((4, 4), (4, 2)):
+                q, k, v = _full(7, n, h, hkv)
+                ring = dilated.RingAttention(causal=causal, layout=layout, backend="manual")
+                _compare(ring, layout, q, k, v,
+                         lambda a, b_, c: dense_reference(a, b_, c, causal=causal, dtype=torch.float32)[0],
+                         f"ring {layout} causal={causal} H={h}/{hkv}")
+                # what a ring sends: one message (K and V packed) per step, P - 1 steps forward
+                ring.stats.reset()
+                ring(*(dilated.shard(t, layout=layout) for t in (q, k, v)))
+                assert ring.stats.messages == world - 1, ring.stats.as_dict()
+    segs = [8, 16, n] if world == 2 else [8, 32, n]  # segments inside a shard, over 2 ranks, over all
+    for causal in (False, True):
+        for h, hkv, dils in ((4, 4, [1, 2, 4]), (6, 2, [1, 2, 3])):
+            q, k, v = _full(11, n, h, hkv)
+            mod = dilated.DistributedDilatedAttention(segs, dils, causal=causal, backend="manual")
+            ref = dilated.DilatedAttention(segs, dils, causal=causal, backend="manual")
+            _compare(mod, "contiguous", q, k, v, ref, f"distributed dilated causal={causal} H={h}/{hkv}")
+    dist.destroy_process_group()
+
+
+def bad_length(rank, world, port):
+    init(rank, world, port)
+    q = torch.randn(1, 5 * world + 1, 2, 8)
+    try:
+        dilated.shard(q, layout="contiguous")
+    except ValueError as e:
+        assert "divisible" in str(e)
+    else:
+        raise AssertionError("no ValueError for N not divisible by P")
+    dist.destroy_process_group()
+
+
+def dies(rank, world, port):
+    init(rank, world, port, timeout_s=15)
+    q = torch.randn(1, 8, 2, 8)
+    ring = dilated.RingAttention(backend="manual")
+    ring(q, q, q)
+    if rank == 1:
+        raise RuntimeError("rank 1 failed on purpose")
+    ring(q, q, q)  # rank 0 waits for rank 1 here until the timeout or until it is terminated
+    dist.destroy_process_group()
