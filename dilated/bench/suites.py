@@ -120,3 +120,101 @@ def backends_main(argv=None) -> int:
     rows = run_sweep(jobs, run_options(args), writer, "benchmark_backends", not args.no_progress)
     finish(rows, writer, args)
     return 0
+
+
+# -- benchmark_extreme_sequences ----------------------------------------------------------
+EXTREME_SET = ["dilated", "improved", "multihead", "dense"]
+
+
+def find_max_length(run, start: int, granularity: int, limit: int) -> tuple[int | None, dict | None]:
+    """Longest N in [start, limit] for which ``run(N)`` returns an ok row: doubling, then bisection.
+
+    Returns ``(N, row)`` of the longest success, or ``(None, None)``.
+    """
+    best, best_row, n, fail = None, None, start, None
+    while n <= limit:
+        row = run(n)
+        if row["status"] != "ok":
+            fail = n
+            break
+        best, best_row = n, row
+        n *= 2
+    if fail is None or best is None:
+        return best, best_row
+    lo, hi = best, fail
+    while hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity
+        if mid <= lo:
+            break
+        row = run(mid)
+        if row["status"] == "ok":
+            lo, best_row = mid, row
+        else:
+            hi = mid
+    return lo, best_row
+
+
+def extreme_main(argv=None) -> int:
+    from .cli import parse_size
+    from .report import fit_exponent
+    from . import env as envmod
+
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description="Sequence length sweep (doubling) of dilated, improved, multihead and "
+                                "dense attention; --find-max searches the longest sequence each one runs.")
+    add_common_args(p, seq_lengths="1", batch=1, heads=16 if gpu else 4, head_dim=128 if gpu else 32)  # lengths come from --min/--max-seq-length
+    p.add_argument("--min-seq-length", type=parse_size, default=parse_size("8k") if gpu else 256)
+    p.add_argument("--max-seq-length", type=parse_size, default=parse_size("1M") if gpu else 4096)
+    p.add_argument("--implementation", type=str_list, default="all")
+    p.add_argument("--find-max", action="store_true", help="then search the longest N per implementation")
+    p.add_argument("--find-max-limit", type=parse_size, default=parse_size("64M"))
+    p.add_argument("--granularity", type=parse_size, default=None, help="bisection step (default: max/16)")
+    args = parse_with_config(p, argv)
+    names = EXTREME_SET if args.implementation == ["all"] else args.implementation
+    impls = [get_implementation(n) for n in names]
+    lengths = []
+    n = args.min_seq_length
+    while n <= args.max_seq_length:
+        lengths.append(n)
+        n *= 2
+    opts = run_options(args)
+    if args.time_budget is None and not gpu:
+        opts.reps, opts.warmup = min(opts.reps, 3), 1
+    writer = open_writer("benchmark_extreme_sequences", args)
+    print(f"dilated extreme-sequence sweep on {envmod.environment()['gpu'] or 'CPU'}: "
+          f"N = {lengths[0]}..{lengths[-1]} (doubling), implementations {names}, modes {args.mode}, "
+          f"B={args.batch_size} H={args.num_heads} D={args.head_dim}; each row checked against a reference.")
+    jobs = [(impl, case, b) for case in _cases(args, lengths, args.mode) for impl in impls for b in args.backend]
+    rows = run_sweep(jobs, opts, writer, "benchmark_extreme_sequences", not args.no_progress)
+    finish(rows, writer, args)
+    print("\nscaling exponents (fit of log time and log memory against log N):")
+    for impl in impls:
+        for mode in args.mode:
+            ok = [r for r in rows if r["implementation"] == impl.name and r["mode"] == mode and r["status"] == "ok"]
+            if len(ok) >= 2:
+                ns = [r["config"]["seq_len"] for r in ok]
+                et = fit_exponent(ns, [r["time_ms"]["median"] for r in ok])
+                em = fit_exponent(ns, [(r.get("memory") or {}).get("peak_above_inputs_mib") or 0 for r in ok])
+                per_tok = ok[-1]["memory"]["peak_total_mib"] * (1 << 20) / ok[-1]["config"]["seq_len"]
+                print(f"  {impl.name:<12} {mode:<8} time ~ N^{et:.2f}" + (f", memory ~ N^{em:.2f}" if em else "")
+                      + f"; {per_tok:.0f} bytes/token total at N={ns[-1]}")
+    if args.find_max:
+        gran = args.granularity or max(1, args.max_seq_length // 16)
+        print(f"\n--find-max: doubling from {args.max_seq_length}, then bisection to {gran} tokens")
+        for impl in impls:
+            for mode in args.mode:
+                def run(n, impl=impl, mode=mode):
+                    case = next(_cases(args, [n], [mode]))
+                    r = run_sweep([(impl, case, args.backend[0])], opts, writer, "benchmark_extreme_sequences",
+                                  False, extra_row=lambda _: {"find_max": True})[0]
+                    print(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else ""))
+                    return r
+                n, row = find_max_length(run, args.max_seq_length, gran, args.find_max_limit)
+                if n is None:
+                    print(f"  => {impl.name} {mode}: nothing ran at N >= {args.max_seq_length}")
+                else:
+                    mem = row["memory"]
+                    print(f"  => {impl.name} {mode}: longest N = {n} (peak {mem['peak_total_mib']:.0f} MiB total, "
+                          f"{mem['peak_above_inputs_mib']:.0f} MiB above inputs)")
+    print(f"\nresults are in {writer.path}" + ("" if args.plot else f"; plot them with: python -m dilated.bench plot {writer.path}"))
+    return 0
