@@ -1,0 +1,145 @@
+"""The harness: FLOP counts, JSONL rows, compare, plot, OOM rows, bad input."""
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dilated.bench import Case, Implementation, RunOptions, read_jsonl, register_implementation, run_sweep
+from dilated.bench.flops import dense_flops, dilated_flops, visible_pairs
+from dilated.bench.registry import IMPLEMENTATIONS
+from dilated.bench.report import compare, plot
+from dilated.bench.results import ResultWriter
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_flop_counts_by_hand():
+    assert dense_flops(2, 4, 8, 8, 16) == 4 * 2 * 4 * 64 * 16
+    assert visible_pairs(4, 4, True) == 10                 # 1 + 2 + 3 + 4
+    assert visible_pairs(2, 5, True) == 4 + 5              # bottom-right: rows see 4 and 5 keys
+    assert visible_pairs(5, 2, True) == 0 + 0 + 0 + 1 + 2  # early rows see nothing
+    assert dense_flops(1, 8, 4, 4, 8) == dense_flops(1, 8, 4, 4, 8)  # GQA counted by q heads (same call)
+    assert dense_flops(1, 1, 4, 4, 8, mode="fwd_bwd") == 3.5 * dense_flops(1, 1, 4, 4, 8)
+    # N=10, w=4 (segments 4, 4, 2), r=2, two heads: head 0 rows {0,2},{0,2},{0}; head 1 {1,3},{1,3},{1}
+    # -> per head 4 + 4 + 1 = 9 pairs; plus w=10, r=1: 100 pairs per head
+    assert dilated_flops(1, 2, 10, 8, [4, 10], [2, 1]) == 4 * 8 * (2 * 9 + 2 * 100)
+    # causal: w=4 r=1 over N=4 -> 10 pairs per head
+    assert dilated_flops(1, 1, 4, 8, [4], [1], causal=True) == 4 * 8 * 10
+
+
+def _run_script(script, *args, tmp_path):
+    out = tmp_path / "run.jsonl"
+    res = subprocess.run([sys.executable, str(ROOT / script), "--quick", "--no-progress", "--output", str(out), *args],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return read_jsonl(str(out)), res.stdout
+
+
+@pytest.mark.parametrize("script", ["benchmarks/core/benchmark_implementations.py",
+                                    "benchmarks/core/benchmark_backends.py"])
+def test_quick_run_writes_valid_rows(script, tmp_path):
+    extra = ["--no-compiled"] if "backends" in script else []
+    rows, stdout = _run_script(script, *extra, tmp_path=tmp_path)
+    assert rows and "results:" in stdout
+    for r in rows:
+        assert r["status"] == "ok", r
+        for key in ("implementation", "backend", "mode", "config", "time_ms", "tflops", "tokens_per_s", "memory",
+                    "check", "env", "command", "run_timestamp", "bytes_min", "bandwidth_gbs", "arith_intensity"):
+            assert key in r, key
+        assert r["check"]["passed"] and r["time_ms"]["n"] >= 3
+        for key in ("median", "mean", "std", "min", "p10", "p50", "p90", "p95", "p99"):
+            assert key in r["time_ms"]
+        for key in ("torch", "cuda", "cudnn", "triton", "flash_attn", "xformers", "hostname", "git_commit", "gpu_count"):
+            assert key in r["env"]
+
+
+def _fake_rows(path, factor):
+    rows = []
+    for i, n in enumerate([128, 256]):
+        t = {"median": 10.0 * (i + 1) * factor, "p10": 9.9 * (i + 1) * factor, "p90": 10.1 * (i + 1) * factor}
+        rows.append({"implementation": "x", "backend": "b", "mode": "fwd", "status": "ok", "time_ms": t,
+                     "config": Case(batch=1, seq_len=n, num_heads=2, head_dim=8).config(),
+                     "tokens_per_s": 1.0 / t["median"],
+                     "memory": {"peak_above_inputs_mib": n / 100}})
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_compare_flags_a_2x_slowdown_not_1_percent(tmp_path):
+    base, slow, same = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    _fake_rows(base, 1.0)
+    _fake_rows(slow, 2.0)
+    _fake_rows(same, 1.01)
+    text, regressed = compare(str(base), str(slow))
+    assert regressed and "REGRESSION" in text
+    text, regressed = compare(str(base), str(same))
+    assert not regressed
+    cli = [sys.executable, "-m", "dilated.bench", "compare", str(base), str(slow), "--fail-on-regression"]
+    assert subprocess.run(cli, capture_output=True, cwd=ROOT).returncode == 1
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run.jsonl"
+    _fake_rows(run, 1.0)
+    paths = plot(str(run))
+    assert paths and all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_injected_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
+    base = IMPLEMENTATIONS["dense"]
+
+    def build(case, backend):
+        def fn(q, k, v):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 PiB")
+        return fn
+
+    oom = register_implementation(Implementation("oom_for_test", "dense", build))
+    try:
+        case = Case(batch=1, seq_len=16, num_heads=2, head_dim=8, dtype="float32")
+        writer = ResultWriter(str(tmp_path / "r.jsonl"))
+        rows = run_sweep([(oom, case, "manual"), (base, case, "manual")], RunOptions(reps=3, warmup=1), writer,
+                         "test", progress=False)
+        assert [r["status"] for r in rows] == ["oom", "ok"]
+        assert [r["status"] for r in read_jsonl(writer.path)] == ["oom", "ok"]
+    finally:
+        del IMPLEMENTATIONS["oom_for_test"]
+
+
+def test_memory_budget_marks_rows_oom(tmp_path):
+    case = Case(batch=1, seq_len=16, num_heads=2, head_dim=8, dtype="float32")
+    rows = run_sweep([(IMPLEMENTATIONS["dense"], case, "manual")], RunOptions(reps=3, warmup=1,
+                     memory_budget_mib=-1), None, "test", progress=False)
+    assert rows[0]["status"] == "oom" and "budget" in rows[0]["reason"]
+
+
+def test_malformed_yaml_and_unknown_implementation(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seq-lengths: [1024\n  mode: : :\n")
+    script = str(ROOT / "benchmarks/core/benchmark_implementations.py")
+    res = subprocess.run([sys.executable, script, "--config", str(bad)], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode != 0 and "cannot read YAML" in res.stderr
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("sequence_lenghts: 1024\n")
+    res = subprocess.run([sys.executable, script, "--config", str(unknown)], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode != 0 and "unknown option" in res.stderr
+    res = subprocess.run([sys.executable, script, "--implementations", "nope", "--no-progress"], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert res.returncode != 0 and "unknown implementation 'nope'" in res.stderr
+
+
+def test_yaml_config_sets_the_sweep(tmp_path):
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text("seq-lengths: [64, 128]\nnum-heads: 2\nhead-dim: 16\nimplementations: [dense, improved]\n"
+                   "reps: 3\nwarmup: 1\n")
+    out = tmp_path / "r.jsonl"
+    script = str(ROOT / "benchmarks/core/benchmark_implementations.py")
+    res = subprocess.run([sys.executable, script, "--config", str(cfg), "--output", str(out), "--no-progress"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-1500:]
+    rows = read_jsonl(str(out))
+    assert {(r["implementation"], r["config"]["seq_len"]) for r in rows} == {
+        ("dense", 64), ("dense", 128), ("improved", 64), ("improved", 128)}
