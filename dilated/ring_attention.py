@@ -117,30 +117,36 @@ def _plan(step_src: int, rank: int, n: int, causal: bool, layout: str):
     return slice(half, n), full, False
 
 
+def _ring_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: bool):
+    """Yield ``(k_block, v_block, plan)`` for each ring step; the next block is in flight meanwhile
+    (or, with ``overlap=False``, received before the current one is computed)."""
+    rank, p = ring.rank, ring.size
+    kv = _pack(k, v)
+    for step in range(p):
+        pending = ring.start(kv) if step < p - 1 else None
+        if pending is not None and not overlap:
+            kv_next, pending = ring.wait(pending), None
+        kb, vb = _unpack(kv, (k, v))
+        yield kb, vb, _plan((rank - step) % p, rank, n, causal, layout)
+        if pending is not None:
+            kv_next = ring.wait(pending)
+        if step < p - 1:
+            kv = kv_next
+        ring.stats.steps += 1
+
+
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, backend, causal, scale, layout, group, stats, overlap):
-        ring = _Ring(group, stats, stats is not None and stats.measure_enabled)
-        rank, p, n = ring.rank, ring.size, q.shape[1]
+        ring = _Ring(group, stats, stats.measure_enabled)
+        n = q.shape[1]
         acc = torch.zeros(q.shape[:3] + (v.shape[3],), device=q.device, dtype=torch.float32)
         acc_lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
-        kv = _pack(k, v)
-        for step in range(p):
-            pending = ring.start(kv) if step < p - 1 else None
-            if pending is not None and not overlap:
-                nxt = ring.wait(pending)
-                pending = None
-            kb, vb = _unpack(kv, (k, v))
-            plan = _plan((rank - step) % p, rank, n, causal, layout)
+        for kb, vb, plan in _ring_blocks(ring, k, v, n, causal, layout, overlap):
             if plan is not None:
                 qs, ks, c = plan
                 o, lse = attention_forward(backend, q[:, qs], kb[:, ks], vb[:, ks], c, scale)
                 merge_(acc[:, qs], acc_lse[:, qs], o, lse.transpose(1, 2))
-            if pending is not None:
-                nxt = ring.wait(pending)
-            if step < p - 1:
-                kv = nxt
-            stats.steps += 1
         out = acc.to(q.dtype)
         lse = acc_lse.transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -152,19 +158,12 @@ class _RingFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         backend, causal, scale, layout, group, stats, overlap = ctx.cfg
         ring = _Ring(group, stats, stats.measure_enabled)
-        rank, p, n = ring.rank, ring.size, q.shape[1]
+        p, n = ring.size, q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         dkv = torch.zeros(k.numel() + v.numel(), device=k.device, dtype=torch.float32)
-        kv = _pack(k, v)
         pending_d = None
-        for step in range(p):
-            pending = ring.start(kv) if step < p - 1 else None
-            if pending is not None and not overlap:
-                nxt = ring.wait(pending)
-                pending = None
-            kb, vb = _unpack(kv, (k, v))
-            plan = _plan((rank - step) % p, rank, n, causal, layout)
+        for kb, vb, plan in _ring_blocks(ring, k, v, n, causal, layout, overlap):
             local = torch.zeros_like(dkv)
             if plan is not None:
                 qs, ks, c = plan
@@ -176,12 +175,8 @@ class _RingFunction(torch.autograd.Function):
                 dv_l[:, ks] += g[2]
             if pending_d is not None:
                 local += ring.wait(pending_d)  # the accumulator of this block from the previous ranks
-            if pending is not None:
-                nxt = ring.wait(pending)
             if p > 1:  # pass this block's dK/dV on (after the last step: to its owner)
                 pending_d = ring.start(local, tag=1)
-            if step < p - 1:
-                kv = nxt
         dkv = ring.wait(pending_d) if p > 1 else local
         dk, dv = _unpack(dkv, (k, v))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None

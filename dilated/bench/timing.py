@@ -61,7 +61,7 @@ def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | 
         if setup:
             setup()
         step()
-        if budget_s is not None and time.perf_counter() - t0 > budget_s / 4 and i >= 0:
+        if budget_s is not None and time.perf_counter() - t0 > budget_s / 4:
             break
     if cuda:
         torch.cuda.synchronize(device)
