@@ -143,3 +143,34 @@ def test_yaml_config_sets_the_sweep(tmp_path):
     rows = read_jsonl(str(out))
     assert {(r["implementation"], r["config"]["seq_len"]) for r in rows} == {
         ("dense", 64), ("dense", 128), ("improved", 64), ("improved", 128)}
+
+
+class _NotATensor:
+    pass
+
+
+def test_captured_inputs_give_the_case_and_are_loaded_weights_only(tmp_path):
+    from dilated.bench.captured import load_captured
+
+    d = tmp_path / "cap"
+    d.mkdir()
+    g = torch.Generator().manual_seed(3)
+    torch.save({"q": torch.randn(1, 96, 4, 16, generator=g), "k": torch.randn(1, 96, 2, 16, generator=g),
+                "v": torch.randn(1, 96, 2, 16, generator=g)}, d / "attn.pt")
+    torch.save({"x": torch.randn(2, 64, 32, generator=g)}, d / "module.pt")
+    out = tmp_path / "cap.jsonl"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/core/benchmark_implementations.py"), "--inputs",
+                          str(d), "--num-heads", "2", "--implementations", "dense,improved,multihead", "--reps", "2",
+                          "--warmup", "1", "--no-progress", "--output", str(out)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {(r["implementation"], r["inputs"].rsplit("/", 1)[-1]): r for r in read_jsonl(str(out))}
+    attn = rows[("improved", "attn.pt")]
+    assert attn["status"] == "ok" and attn["check"]["passed"]
+    assert (attn["config"]["seq_len"], attn["config"]["num_heads"], attn["config"]["num_kv_heads"]) == (96, 4, 2)
+    assert rows[("multihead", "module.pt")]["status"] == "ok"
+    assert rows[("multihead", "module.pt")]["config"]["head_dim"] == 16  # E=32 over --num-heads 2
+    assert rows[("multihead", "attn.pt")]["status"] == "unsupported"  # a module needs x
+    torch.save({"q": _NotATensor()}, d / "zz_code.pt")  # would run code on a full unpickle
+    with pytest.raises(ValueError, match="weights_only"):
+        load_captured(str(d))

@@ -69,6 +69,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
     g.add_argument("--dtype", default=dtype, help="bfloat16 (GPU default), float32 (CPU default), float16")
     g.add_argument("--mode", type=str_list, default=mode, help="fwd, bwd, fwd_bwd (comma list)")
     g.add_argument("--backend", type=str_list, default="auto", help="attention backend(s), comma list")
+    g.add_argument("--inputs", default=None, metavar="DIR",
+                   help="captured tensors: a directory of .pt files, each a dict of q, k, v [B, N, H, D] "
+                        "(or x [B, N, E] for modules), loaded with weights_only; shapes come from the files")
     t = p.add_argument_group("measurement")
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--reps", type=int, default=10)

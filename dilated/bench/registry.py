@@ -63,7 +63,16 @@ class Implementation:
     description: str = ""
     options: dict = field(default_factory=dict)
 
-    def inputs(self, case: Case, device, gen: torch.Generator, requires_grad: bool):
+    def inputs(self, case: Case, device, gen: torch.Generator, requires_grad: bool, captured: dict | None = None):
+        """Seeded random inputs, or ``captured`` tensors (see :mod:`dilated.bench.captured`) moved to ``device``."""
+        if captured is not None:
+            keys = ("x",) if self.kind == "module" else ("q", "k", "v")
+            if not set(keys) <= captured.keys():
+                raise NotImplementedError(f"captured inputs hold {sorted(captured)}; a {self.kind} implementation "
+                                          f"needs {', '.join(keys)}")
+            return tuple(captured[k].detach().to(device=device, dtype=case.torch_dtype).requires_grad_(requires_grad)
+                         for k in keys)
+
         def r(*shape):
             return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=case.torch_dtype)
 

@@ -69,10 +69,11 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
                 status += " CHECK FAILED"
             mark = "*" if r is best else " "
             pct = f"{r['pct_peak']:.0f}" if r.get("pct_peak") else "-"
-            out.append(
-                f"{mark}{r['implementation']:<21}{r['backend']:<15}{_fmt_time(t):<30}"
-                f"{(r.get('tokens_per_s') or 0):>12.3g}{(r.get('tflops') or 0):>9.2f}{pct:>7}"
-                f"{(mem if mem is not None else float('nan')):>10.1f}{err:>9}  {speed:>8}  {status}")
+            tok = f"{r['tokens_per_s']:.3g}" if r.get("tokens_per_s") else "-"
+            tfl = f"{r['tflops']:.2f}" if r.get("tflops") else "-"
+            mib = f"{mem:.1f}" if mem is not None else "-"
+            out.append(f"{mark}{r['implementation']:<21}{r['backend']:<15}{_fmt_time(t):<30}"
+                       f"{tok:>12}{tfl:>9}{pct:>7}{mib:>10}{err:>9}  {speed:>8}  {status}")
     return "\n".join(out)
 
 

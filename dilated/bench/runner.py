@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import traceback
 from dataclasses import dataclass
 
@@ -73,18 +74,24 @@ def _check(impl, case, inputs, model, out, mode, grads, dout):
     return res
 
 
-def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, extra: dict | None = None) -> dict:
-    """Measure one (implementation, case, backend); never raises except on Ctrl-C."""
+def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, extra: dict | None = None,
+             captured=None) -> dict:
+    """Measure one (implementation, case, backend); never raises except on Ctrl-C.
+
+    ``captured``: a :class:`~dilated.bench.captured.Captured` whose tensors replace the random inputs.
+    """
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     row = {"implementation": impl.name, "backend": backend, "mode": case.mode, "config": case.config(),
            "device": str(device), "cuda_graph": opts.cuda_graph, "status": "ok", "reason": None}
     if extra:
         row.update(extra)
+    if captured is not None:
+        row["inputs"] = captured.path
     inputs = model = out = grads = None
     try:
         gen = torch.Generator().manual_seed(opts.seed)
         needs_grad = case.mode != "fwd"
-        inputs = impl.inputs(case, device, gen, needs_grad)
+        inputs = impl.inputs(case, device, gen, needs_grad, captured.tensors if captured is not None else None)
         model = impl.build(case, backend)
         if isinstance(model, torch.nn.Module):
             model = model.to(device=device, dtype=case.torch_dtype)
@@ -174,20 +181,28 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
 
 def run_sweep(jobs, opts: RunOptions, writer: ResultWriter | None, script: str, progress: bool = True,
               extra_row=None) -> list[dict]:
-    """``jobs``: iterable of ``(Implementation, Case, backend)``. Rows are written as they finish."""
+    """``jobs``: iterable of ``(Implementation, Case, backend)`` or ``(..., captured)``. Rows are
+    written as they finish. Progress is a tqdm bar on a terminal and one line per row otherwise
+    (logs of batch jobs stay readable)."""
     jobs = list(jobs)
     rows = []
     env = envmod.environment()
     stamp = envmod.timestamp()
     cmd = envmod.command_line()
-    bar = tqdm(jobs, desc=script, unit="run", disable=not progress, dynamic_ncols=True)
-    for impl, case, backend in bar:
-        bar.set_postfix_str(f"{impl.name}/{backend} N={case.seq_len} {case.mode}")
-        row = run_case(impl, case, backend, opts)
+    tty = sys.stderr.isatty()
+    bar = tqdm(jobs, desc=script, unit="run", disable=not (progress and tty), dynamic_ncols=True)
+    for i, (impl, case, backend, *cap) in enumerate(bar):
+        label = f"{impl.name}/{backend} N={case.seq_len} {case.mode}"
+        bar.set_postfix_str(label)
+        row = run_case(impl, case, backend, opts, captured=cap[0] if cap else None)
         row.update(script=script, env=env, run_timestamp=stamp, command=cmd)
         if extra_row:
             row.update(extra_row(row))
         rows.append(row)
         if writer is not None:
             writer.append(row)
+        if progress and not tty:
+            t = row.get("time_ms", {}).get("median")
+            print(f"[{i + 1}/{len(jobs)}] {label}: {row['status']}" + (f" {t:.3f} ms" if t is not None else "")
+                  + (f" ({row['reason'][:100]})" if row.get("reason") else ""), file=sys.stderr, flush=True)
     return rows

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -9,6 +10,7 @@ import dilated
 
 from .cli import (add_common_args, default_dtype, default_schedule, finish, open_writer, parse_with_config,
                   run_options, str_list)
+from .captured import captured_case, load_captured
 from .registry import Case, get_implementation
 from .runner import run_sweep
 
@@ -35,6 +37,24 @@ def _cases(args, seq_lengths, modes, **overrides):
             yield Case(**kw)
 
 
+def _jobs(args, impls, backends, seq_lengths, modes):
+    """(implementation, case, backend[, captured]) for every combination; from ``--inputs`` when given."""
+    if not args.inputs:
+        return [(impl, case, b) for case in _cases(args, seq_lengths, modes) for impl in impls for b in backends]
+    try:
+        caps = load_captured(args.inputs)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    jobs = []
+    for cap in caps:
+        for mode in modes:
+            case = captured_case(cap, args.num_heads, mode=mode, causal=args.causal, dtype=args.dtype)
+            segs, dils = _schedule(args, case.seq_len)
+            case = dataclasses.replace(case, segment_lengths=segs, dilation_rates=dils)
+            jobs += [(impl, case, b, cap) for impl in impls for b in backends]
+    return jobs
+
+
 # -- benchmark_implementations ------------------------------------------------------------
 IMPLEMENTATION_SET = ["dense", "dilated", "improved", "improved_nocache", "improved_pool", "multihead",
                       "multihead_readable"]
@@ -52,8 +72,7 @@ def implementations_main(argv=None) -> int:
         args.seq_lengths, args.reps, args.warmup = [min(args.seq_lengths[0], 2048 if gpu else 512)], 3, 1
     impls = [get_implementation(n) for n in args.implementations]
     args.baseline = args.baseline or "dense"
-    jobs = [(impl, case, b) for case in _cases(args, args.seq_lengths, args.mode) for impl in impls
-            for b in args.backend]
+    jobs = _jobs(args, impls, args.backend, args.seq_lengths, args.mode)
     writer = open_writer("benchmark_implementations", args)
     rows = run_sweep(jobs, run_options(args), writer, "benchmark_implementations", not args.no_progress)
     finish(rows, writer, args)
@@ -115,6 +134,8 @@ def backends_main(argv=None) -> int:
                     jobs += [(dense, case, name) for name in names]
                     if case.q_len is None:
                         jobs += [(impl, case, "sdpa" if impl.name == "dense_compiled" else "manual") for impl in compiled]
+    if args.inputs:  # captured tensors replace the generated scenarios
+        jobs = _jobs(args, [dense], names, None, args.mode)
     args.baseline = args.baseline or "dense/sdpa"
     writer = open_writer("benchmark_backends", args)
     rows = run_sweep(jobs, run_options(args), writer, "benchmark_backends", not args.no_progress)
@@ -170,6 +191,8 @@ def extreme_main(argv=None) -> int:
     p.add_argument("--find-max-limit", type=parse_size, default=parse_size("64M"))
     p.add_argument("--granularity", type=parse_size, default=None, help="bisection step (default: max/16)")
     args = parse_with_config(p, argv)
+    if args.inputs:
+        p.error("--inputs: the length sweep generates its inputs; use benchmark_implementations.py for captured ones")
     names = EXTREME_SET if args.implementation == ["all"] else args.implementation
     impls = [get_implementation(n) for n in names]
     lengths = []
