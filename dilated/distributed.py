@@ -12,13 +12,71 @@ Layouts along the sequence dimension:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 LAYOUTS = ("contiguous", "zigzag")
+
+
+class CommStats:
+    """What a rank's attention module communicated: point-to-point messages, collectives, bytes
+    sent, and (``measure=True``) the time its compute stream stalled waiting on communication.
+
+    The stall is measured with CUDA events around each wait, read lazily (no synchronisation per
+    wait), so measuring does not change what it measures; on CPU it is wall time in the waits.
+    """
+
+    def __init__(self, measure: bool = False):
+        self.measure = measure
+        self.reset()
+
+    def reset(self):
+        self.messages = 0
+        self.collectives = 0
+        self.bytes_sent = 0
+        self.steps = 0
+        self._cpu_ms = 0.0
+        self._events = []
+
+    def sent(self, nbytes: int, collective: bool = False):
+        if collective:
+            self.collectives += 1
+        else:
+            self.messages += 1
+        self.bytes_sent += int(nbytes)
+
+    @contextlib.contextmanager
+    def waiting(self, device: torch.device):
+        if not self.measure:
+            yield
+            return
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self._cpu_ms += (time.perf_counter() - t) * 1e3
+
+    @property
+    def exposed_ms(self) -> float:
+        for start, end in self._events:
+            end.synchronize()
+            self._cpu_ms += start.elapsed_time(end)
+        self._events = []
+        return self._cpu_ms
+
+    def as_dict(self) -> dict:
+        return {"p2p_messages": self.messages, "collectives": self.collectives, "bytes_sent": self.bytes_sent,
+                "exposed_comm_ms": self.exposed_ms if self.measure else None, "ring_steps": self.steps}
 
 
 def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> tuple[int, int, torch.device]:

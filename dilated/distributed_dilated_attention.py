@@ -22,6 +22,7 @@ from torch import nn
 
 from ._checks import check_qkv, check_schedule
 from .dilated_attention import branch_attention, mix_branches
+from .distributed import CommStats
 from .functional import attention, default_scale
 
 
@@ -39,10 +40,10 @@ class _GatherRows(torch.autograd.Function):
         pad = torch.zeros((x.shape[0], m) + x.shape[2:], device=x.device, dtype=x.dtype)
         pad[:, :x.shape[1]] = x
         parts = [torch.empty_like(pad) for _ in sizes]
-        dist.all_gather(parts, pad, group=group)
-        stats["bytes_sent"] += pad.numel() * pad.element_size() * (len(sizes) - 1)
-        stats["collectives"] += 1
-        ctx.group, ctx.sizes, ctx.my_index, ctx.m = group, sizes, my_index, m
+        with stats.waiting(x.device):
+            dist.all_gather(parts, pad, group=group)
+        stats.sent(pad.numel() * pad.element_size() * (len(sizes) - 1), collective=True)
+        ctx.group, ctx.sizes, ctx.my_index, ctx.m, ctx.stats = group, sizes, my_index, m, stats
         return torch.cat([t[:, :s] for t, s in zip(parts, sizes)], 1)
 
     @staticmethod
@@ -53,25 +54,32 @@ class _GatherRows(torch.autograd.Function):
             g[:, :s] = grad[:, i:i + s]
             parts.append(g)
             i += s
-        if dist.get_backend(ctx.group) == "nccl":
-            mine = torch.empty_like(parts[0])
-            dist.reduce_scatter(mine, parts, group=ctx.group)
-        else:  # gloo has no reduce_scatter
-            full = torch.stack(parts)
-            dist.all_reduce(full, group=ctx.group)
-            mine = full[ctx.my_index]
+        with ctx.stats.waiting(grad.device):
+            if dist.get_backend(ctx.group) == "nccl":
+                mine = torch.empty_like(parts[0])
+                dist.reduce_scatter(mine, parts, group=ctx.group)
+            else:  # gloo has no reduce_scatter
+                full = torch.stack(parts)
+                dist.all_reduce(full, group=ctx.group)
+                mine = full[ctx.my_index]
+        ctx.stats.sent(mine.numel() * mine.element_size() * (len(ctx.sizes) - 1), collective=True)
         return mine[:, :ctx.sizes[ctx.my_index]], None, None, None, None
 
 
 class DistributedDilatedAttention(nn.Module):
-    """Sequence-parallel dilated attention; ``forward(q, k, v)`` on contiguous shards ``[B, N/P, H, D]``."""
+    """Sequence-parallel dilated attention; ``forward(q, k, v)`` on contiguous shards ``[B, N/P, H, D]``.
 
-    def __init__(self, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto", group=None):
+    ``self.stats`` (a :class:`dilated.distributed.CommStats`) counts collectives and bytes sent;
+    ``measure_comm=True`` also times the compute stream's waits on them.
+    """
+
+    def __init__(self, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto", group=None,
+                 measure_comm: bool = False):
         super().__init__()
         self.segment_lengths, self.dilation_rates = check_schedule(segment_lengths, dilation_rates)
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
         self._groups: dict[int, list] = {}
-        self.stats = {"bytes_sent": 0, "collectives": 0}
+        self.stats = CommStats(measure_comm)
 
     def _segment_group(self, span: int, rank: int, p: int):
         """The process group of the ``span`` consecutive ranks that share this rank's segment."""

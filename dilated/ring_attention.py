@@ -16,46 +16,27 @@ accumulators travel with their block back to its owner (one extra hop at the end
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ._checks import check_qkv
 from .backends import get_backend
+from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import merge_
-
-
-class CommStats:
-    """Messages and bytes a rank sent, and time its compute stream stalled on communication."""
-
-    def __init__(self, measure: bool = False):
-        self.measure_enabled = measure
-        self.reset()
-
-    def reset(self):
-        self.messages = 0
-        self.bytes_sent = 0
-        self.exposed_ms = 0.0
-        self.steps = 0
-
-    def as_dict(self):
-        return {"p2p_messages": self.messages, "bytes_sent": self.bytes_sent,
-                "exposed_comm_ms": self.exposed_ms, "ring_steps": self.steps}
 
 
 class _Ring:
     """Batched send to the next rank and receive from the previous one."""
 
-    def __init__(self, group, stats: CommStats, measure: bool):
+    def __init__(self, group, stats: CommStats):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group else (self.rank - 1) % self.size
-        self.stats, self.measure = stats, measure
+        self.stats = stats
 
     def start(self, send: torch.Tensor, tag: int = 0):
         """Send to next, receive from prev. K/V and dK/dV are in flight together in backward:
@@ -64,29 +45,14 @@ class _Ring:
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
         reqs = dist.batch_isend_irecv(ops)
-        self.stats.messages += 1
-        self.stats.bytes_sent += send.numel() * send.element_size()
+        self.stats.sent(send.numel() * send.element_size())
         return reqs, recv
 
     def wait(self, pending):
         reqs, recv = pending
-        if not self.measure:
+        with self.stats.waiting(recv.device):
             for r in reqs:
                 r.wait()
-            return recv
-        if recv.is_cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for r in reqs:
-                r.wait()
-            b.record()
-            b.synchronize()
-            self.stats.exposed_ms += a.elapsed_time(b)
-        else:
-            t = time.perf_counter()
-            for r in reqs:
-                r.wait()
-            self.stats.exposed_ms += (time.perf_counter() - t) * 1e3
         return recv
 
 
@@ -138,7 +104,7 @@ def _ring_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: 
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, backend, causal, scale, layout, group, stats, overlap):
-        ring = _Ring(group, stats, stats.measure_enabled)
+        ring = _Ring(group, stats)
         n = q.shape[1]
         acc = torch.zeros(q.shape[:3] + (v.shape[3],), device=q.device, dtype=torch.float32)
         acc_lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
@@ -157,7 +123,7 @@ class _RingFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         backend, causal, scale, layout, group, stats, overlap = ctx.cfg
-        ring = _Ring(group, stats, stats.measure_enabled)
+        ring = _Ring(group, stats)
         p, n = ring.size, q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -188,7 +154,7 @@ class RingAttention(nn.Module):
 
     ``overlap=False`` waits for each K/V block before computing (for measuring what overlap buys);
     ``measure_comm=True`` records the time the compute stream stalls on communication in
-    ``self.stats`` (it synchronises at each wait, so time with it off).
+    ``self.stats`` (a :class:`dilated.distributed.CommStats`; CUDA events, read lazily).
     """
 
     def __init__(self, *, causal=False, scale=None, backend="auto", layout="contiguous", group=None,

@@ -99,6 +99,22 @@ class Implementation:
         elem = torch.empty((), dtype=case.torch_dtype).element_size()
         return F.min_bytes(case.batch, case.nq, case.seq_len, case.num_heads, case.kv_heads, case.head_dim, elem, mode)
 
+    # -- hooks for implementations spread over ranks (see dilated.bench.distributed) ---------
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The full tensor of which ``t`` is this process's part (identity on one device)."""
+        return t
+
+    def reduce_max(self, values: list[float]) -> list[float]:
+        """Elementwise maximum over the ranks taking part (identity on one device)."""
+        return values
+
+    def before_call(self) -> None:
+        """Runs untimed before each timed call (a barrier across ranks)."""
+
+    def comm_metrics(self, model, step) -> dict | None:
+        """Communication per call of ``step`` (bytes, messages, exposed wait), or None."""
+        return None
+
     # -- references -----------------------------------------------------------------------
     def _qkv_for_reference(self, case, inputs, model):
         if self.kind != "module":

@@ -127,13 +127,20 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             if setup:
                 setup()
             step()
+        if mem.peak_total_mib is not None:
+            mem.peak_above_mib, mem.peak_total_mib = impl.reduce_max([mem.peak_above_mib, mem.peak_total_mib])
         row["memory"] = {"peak_above_inputs_mib": mem.peak_above_mib, "peak_total_mib": mem.peak_total_mib,
                          "min_theoretical_mib": impl.min_bytes(case, case.mode) / (1 << 20),
                          "measure": "cuda allocator" if device.type == "cuda" else "process peak RSS"}
         if opts.memory_budget_mib is not None and (mem.peak_above_mib or 0) > opts.memory_budget_mib:
             raise OverBudget(f"peak {mem.peak_above_mib:.1f} MiB exceeds the memory budget of {opts.memory_budget_mib} MiB")
+        timed_setup = setup
+        if type(impl).before_call is not Implementation.before_call:  # ranks start each call together
+            timed_setup = (lambda: (setup(), impl.before_call())) if setup else impl.before_call
         samples = measure(step, device, warmup=opts.warmup, reps=opts.reps, budget_s=opts.budget_s,
-                          setup=setup, flush_l2=opts.flush_l2, cuda_graph=opts.cuda_graph and case.mode == "fwd")
+                          setup=timed_setup, flush_l2=opts.flush_l2,
+                          cuda_graph=opts.cuda_graph and case.mode == "fwd" and timed_setup is None)
+        samples = impl.reduce_max(samples)  # a distributed call lasts as long as its slowest rank
         t = summarize(samples)
         row["time_ms"] = t
         row["samples_ms"] = samples
@@ -148,6 +155,9 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         row["bytes_min"] = by
         row["bandwidth_gbs"] = by / sec / 1e9
         row["arith_intensity"] = fl / by
+        comm = impl.comm_metrics(model, (lambda: (setup(), step())) if setup else step)
+        if comm is not None:
+            row["comm"] = comm
         if opts.check:
             with torch.enable_grad() if needs_grad else torch.no_grad():
                 zero_grads()
@@ -156,8 +166,10 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                 grads = None
                 if needs_grad:
                     out.backward(holder["dout"])
-                    grads = [t.grad for t in inputs]
-                row["check"] = _check(impl, case, inputs, model, out.detach(), case.mode, grads, holder["dout"])
+                    grads = [impl.gather(t.grad) for t in inputs]
+                full = tuple(impl.gather(t.detach()) for t in inputs)
+                row["check"] = _check(impl, case, full, model, impl.gather(out.detach()), case.mode, grads,
+                                      impl.gather(holder["dout"]))
             row["check_failed"] = not row["check"]["passed"]
     except KeyboardInterrupt:
         raise

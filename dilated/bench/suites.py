@@ -241,3 +241,142 @@ def extreme_main(argv=None) -> int:
                           f"{mem['peak_above_inputs_mib']:.0f} MiB above inputs)")
     print(f"\nresults are in {writer.path}" + ("" if args.plot else f"; plot them with: python -m dilated.bench plot {writer.path}"))
     return 0
+
+
+# -- benchmark_distributed ----------------------------------------------------------------
+DISTRIBUTED_SET = ["ring", "ring_zigzag", "distributed_dilated"]
+
+
+def _launched_world() -> int:
+    import os
+
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 1
+
+
+def _init_for_benchmark(args):
+    """Join the torchrun/srun world (or a world of one when run plainly) with a timeout."""
+    import os
+    import socket
+
+    from dilated.distributed import init_distributed
+
+    if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        with socket.socket() as s:  # a plain run: a world of one on a free port
+            s.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    gpu = torch.cuda.is_available() and not (args.device or "").startswith("cpu")
+    return init_distributed(timeout_s=args.timeout, backend=None if gpu else "gloo")
+
+
+def distributed_args(description: str, default_impls: list[str]):
+    from .cli import size_list
+
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=description)
+    add_common_args(p, seq_lengths="128k" if gpu else "1024", batch=1, heads=16 if gpu else 4,
+                    head_dim=128 if gpu else 32)
+    p.add_argument("--implementations", type=str_list, default=default_impls)
+    p.add_argument("--scaling", choices=["strong", "weak"], default="strong",
+                   help="strong: --seq-lengths are global N; weak: --seq-lengths are tokens per rank")
+    p.add_argument("--world-sizes", type=size_list, default=None,
+                   help="run on ranks 0..P-1 for each P (default: the whole launched world)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="process-group timeout in seconds")
+    return p
+
+
+def distributed_main(argv=None, script="benchmark_distributed", default_impls=None, description=None,
+                     one_process_baseline_only: bool = False) -> int:
+    import torch.distributed as dist
+
+    from .distributed import BASELINE_OF, distributed_schedule, run_scaling_sweep
+    from .report import format_scaling
+
+    p = distributed_args(description or "RingAttention (contiguous and zigzag) and DistributedDilatedAttention "
+                         "under torchrun: strong or weak scaling against the single-device run of the same problem.",
+                         default_impls or DISTRIBUTED_SET)
+    args = parse_with_config(p, argv)
+    if args.inputs:
+        p.error("--inputs: distributed runs generate their shards; captured inputs are not supported here")
+    rank, world, device = _init_for_benchmark(args)
+    args.device = args.device or str(device)
+    if args.quick:
+        args.seq_lengths, args.reps, args.warmup = [args.seq_lengths[0]], 3, 1
+    sizes = args.world_sizes or [world]
+    if any(s < 1 or s > world for s in sizes):
+        p.error(f"--world-sizes {sizes}: each must be between 1 and the launched world size {world}")
+    impls = [get_implementation(n) for n in args.implementations]
+    if world == 1 and one_process_baseline_only:
+        print("one process: only the single-device baseline is measured (a ring of one is not a ring); "
+              "launch with torchrun --nproc_per_node=P to compare the rings")
+        impls = []
+    elif world == 1:
+        print("one process: reporting the single-device baseline and the distributed classes on a world of 1; "
+              "launch with torchrun --nproc_per_node=P for P ranks")
+    dtype = default_dtype(args)
+
+    def schedule(n):
+        if args.segment_lengths:
+            return _schedule(args, n)
+        return distributed_schedule(n)
+
+    def cases_for(p_, impl):
+        out = []
+        for n in args.seq_lengths:
+            big_n = n * p_ if args.scaling == "weak" else n
+            segs, dils = schedule(big_n) if impl.kind == "dilated" else (None, None)
+            out += [Case(batch=args.batch_size, seq_len=big_n, num_heads=args.num_heads, head_dim=args.head_dim,
+                         num_kv_heads=args.num_kv_heads, dtype=dtype, causal=args.causal, mode=m,
+                         segment_lengths=segs, dilation_rates=dils) for m in args.mode]
+        return out
+
+    def baseline_case(case, p_):
+        n = case.seq_len if args.scaling == "strong" else case.seq_len // p_
+        segs, dils = schedule(n) if case.segment_lengths else (None, None)
+        return dataclasses.replace(case, seq_len=n, segment_lengths=segs, dilation_rates=dils)
+
+    baselines = {kind: get_implementation(name) for kind, name in BASELINE_OF.items()}
+    writer = open_writer(script, args) if rank == 0 else None
+    if rank == 0:
+        print(f"{script}: world {world} ({device.type}), P in {sizes}, {args.scaling} scaling, "
+              f"N={args.seq_lengths}{' per rank' if args.scaling == 'weak' else ''}, {args.implementations}, "
+              f"modes {args.mode}{', causal' if args.causal else ''}; baseline: the single-device run")
+    if impls:
+        rows = run_scaling_sweep(impls, baselines, cases_for, baseline_case, sizes, args.backend, run_options(args),
+                                 writer, script, args.scaling, not args.no_progress)
+    else:
+        dense = get_implementation("dense")
+        rows = run_sweep([(dense, c, b) for c in cases_for(1, dense) for b in args.backend], run_options(args),
+                         writer, script, not args.no_progress,
+                         lambda r: {"world_size": 1, "role": "baseline", "scaling": args.scaling,
+                                    "tokens_per_rank": r["config"]["seq_len"]})
+    if rank == 0:
+        print(format_scaling(rows))
+        bad = [r for r in rows if r.get("check_failed")]
+        if bad:
+            print(f"\n{len(bad)} row(s) FAILED their correctness check")
+        if args.csv:
+            from .results import write_csv
+            write_csv(writer.path, writer.path[:-6] + ".csv")
+        if args.plot:
+            from .report import plot
+            for path in plot(writer.path):
+                print(f"plot: {path}")
+        print(f"\nresults: {writer.path} ({writer.rows} rows)")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# -- benchmark_ring_attention -------------------------------------------------------------
+RING_SET = ["ring", "ring_zigzag", "ring_no_overlap", "ring_zigzag_no_overlap", "torch_cp", "ring_flash_attn",
+            "ring_flash_attn_zigzag"]
+
+
+def ring_main(argv=None) -> int:
+    return distributed_main(argv, "benchmark_ring_attention", RING_SET,
+                            "Ring attention variants (layout, overlap on/off) against PyTorch's context parallel "
+                            "attention and ring-flash-attn where installed, with the single-device run as baseline.",
+                            one_process_baseline_only=True)

@@ -1,0 +1,228 @@
+"""Distributed rows: ring and sequence-parallel dilated attention measured across ranks.
+
+A :class:`DistributedImplementation` is benchmarked by the same :func:`~dilated.bench.run_case`
+as everything else; its hooks make each row honest across ranks:
+
+* inputs are this rank's shards of the global problem (``case.seq_len`` is the global N),
+  generated on the device from a per-rank seed;
+* each timed call starts after a barrier, and a call's time is the maximum over the ranks;
+* peak memory is the maximum over the ranks;
+* the correctness check gathers the shards and compares the global result with the reference;
+* communication per call (bytes sent, messages, collectives) and the exposed communication time
+  (CUDA events around each wait on the compute stream) come from the module's ``stats``.
+
+:func:`run_scaling_sweep` runs strong or weak scaling over sub-groups of the launched world
+(ranks ``0..P-1`` for each ``P``) with the single-device run of the same problem as the baseline,
+and adds scaling efficiency to each row. Only rank 0 writes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import dilated
+
+from .registry import Case, Implementation, register_implementation
+from .runner import RunOptions, run_sweep
+
+#: a schedule whose largest segment spans all ranks (LongNet's sequence-parallel setting).
+DISTRIBUTED_SEGMENTS = (4096, 16384, 65536, 262144)
+DISTRIBUTED_DILATIONS = (1, 2, 4, 16)
+
+
+def distributed_schedule(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Segments 4K, 16K, 64K, 256K (dilations 1, 2, 4, 16) below N, then N itself with dilation
+    N/16K, so the last branch spans every rank; for N < 16K a scaled one (N/8, N/2, N; 1, 2, 4)."""
+    if n < 16384:
+        return (n // 8, n // 2, n), (1, 2, 4)
+    keep = [(w, r) for w, r in zip(DISTRIBUTED_SEGMENTS, DISTRIBUTED_DILATIONS) if w < n]
+    keep.append((n, max(keep[-1][1], n // 16384)))
+    return tuple(w for w, _ in keep), tuple(r for _, r in keep)
+
+
+def _max_over_ranks(values, group):
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+@dataclass
+class OnEveryRank(Implementation):
+    """A single-device implementation run by every rank at once on its own device (the baseline
+    of a distributed run); a call's time and memory are the slowest rank's."""
+
+    def reduce_max(self, values):
+        return _max_over_ranks(values, None)
+
+    @classmethod
+    def of(cls, impl: Implementation) -> "OnEveryRank":
+        return cls(**{f.name: getattr(impl, f.name) for f in dataclasses.fields(Implementation)})
+
+
+@dataclass
+class DistributedImplementation(Implementation):
+    """An implementation whose inputs and outputs are shards over ``group`` in ``layout``."""
+
+    layout: str = "contiguous"
+    group: object = None
+    factory: object = None  # factory(case, backend, group) -> module
+
+    def __post_init__(self):
+        self.build = lambda case, backend: self.factory(case, backend, self.group)
+
+    def on(self, group) -> "DistributedImplementation":
+        """This implementation on ``group`` (None: the default group)."""
+        return dataclasses.replace(self, group=group)
+
+    def inputs(self, case: Case, device, gen, requires_grad, captured=None):
+        if captured is not None:
+            raise NotImplementedError("captured inputs are not sharded by the distributed benchmark")
+        if not dist.is_initialized():
+            raise NotImplementedError(f"{self.name} needs torch.distributed: launch with torchrun")
+        rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
+        parts = 2 * p if self.layout == "zigzag" else p
+        if case.seq_len % parts:
+            raise ValueError(f"--seq-lengths: N={case.seq_len} must be divisible by {parts} for {self.name} on "
+                             f"{p} ranks")
+        seed = int(torch.randint(0, 2 ** 31, (1,), generator=gen)) + 7919 * rank
+        g = torch.Generator(device=device).manual_seed(seed)
+        n = case.seq_len // p
+
+        def r(h):
+            return torch.randn(case.batch, n, h, case.head_dim, generator=g, device=device,
+                               dtype=case.torch_dtype).requires_grad_(requires_grad)
+
+        return r(case.num_heads), r(case.kv_heads), r(case.kv_heads)
+
+    def gather(self, t):
+        return dilated.unshard(t.contiguous(), group=self.group, layout=self.layout)
+
+    def reduce_max(self, values):
+        return _max_over_ranks(values, self.group)
+
+    def before_call(self):
+        dist.barrier(group=self.group)
+
+    def comm_metrics(self, model, step, calls: int = 3):
+        stats = getattr(model, "stats", None)
+        if stats is None:
+            return {"note": "not instrumented (a third-party implementation)"}
+        stats.reset()
+        stats.measure = True
+        try:
+            for _ in range(calls):
+                self.before_call()
+                step()
+            exposed = stats.exposed_ms / calls
+        finally:
+            stats.measure = False
+        mine = {"bytes_sent_per_rank": stats.bytes_sent / calls, "p2p_messages": stats.messages / calls,
+                "collectives": stats.collectives / calls, "exposed_comm_ms": exposed}
+        worst = self.reduce_max([mine["bytes_sent_per_rank"], exposed])
+        mine["bytes_sent_per_rank_max"], mine["exposed_comm_ms_max"] = worst
+        return mine
+
+
+def _ring(case, backend, layout, overlap, group):
+    return dilated.RingAttention(causal=case.causal, backend=backend, layout=layout, group=group, overlap=overlap)
+
+
+def _distributed_dilated(case, backend, group):
+    return dilated.DistributedDilatedAttention(case.segment_lengths, case.dilation_rates, causal=case.causal,
+                                               backend=backend, group=group)
+
+
+def _make(name, kind, layout, factory, description):
+    return DistributedImplementation(name, kind, None, description, layout=layout, factory=factory)
+
+
+RING_IMPLEMENTATIONS = {
+    "ring": _make("ring", "dense", "contiguous", lambda c, b, g: _ring(c, b, "contiguous", True, g),
+                  "RingAttention, contiguous shards, communication overlapped"),
+    "ring_zigzag": _make("ring_zigzag", "dense", "zigzag", lambda c, b, g: _ring(c, b, "zigzag", True, g),
+                         "RingAttention, zigzag shards (balanced causal work), overlapped"),
+    "ring_no_overlap": _make("ring_no_overlap", "dense", "contiguous",
+                             lambda c, b, g: _ring(c, b, "contiguous", False, g),
+                             "RingAttention, contiguous, each K/V block received before it is computed"),
+    "ring_zigzag_no_overlap": _make("ring_zigzag_no_overlap", "dense", "zigzag",
+                                    lambda c, b, g: _ring(c, b, "zigzag", False, g),
+                                    "RingAttention, zigzag, no overlap"),
+    "distributed_dilated": _make("distributed_dilated", "dilated", "contiguous", _distributed_dilated,
+                                 "DistributedDilatedAttention (LongNet sequence parallel)"),
+}
+for _impl in RING_IMPLEMENTATIONS.values():
+    register_implementation(_impl)
+
+#: the single-device implementation each distributed one is compared with
+BASELINE_OF = {"dense": "dense", "dilated": "improved"}
+
+
+def run_scaling_sweep(impls, baseline_impls, cases_for, baseline_case, world_sizes, backends, opts: RunOptions,
+                      writer, script: str, scaling: str, progress: bool = True) -> list[dict]:
+    """For each world size P: the single-device baseline of the same problem, run on every rank at
+    once (the slowest recorded), then each distributed implementation on ranks ``0..P-1``.
+
+    ``cases_for(P, impl)`` gives the global cases (strong scaling: the same N for every P; weak:
+    N = P x tokens per rank); ``baseline_case(case, P)`` the single-device case it is compared with
+    (strong: the same; weak: the tokens of one rank); ``baseline_impls`` maps an implementation's
+    kind to its single-device baseline. Rows go to ``writer`` on rank 0, each with ``world_size``,
+    ``per_rank_tflops``, ``efficiency`` and ``comm``.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows, baseline_ms = [], {}
+    for p in world_sizes:
+        group = dist.new_group(list(range(p))) if p < world else None  # collective: every rank calls it
+        jobs = []
+        for impl in impls:
+            for case in cases_for(p, impl):
+                bcase = baseline_case(case, p)
+                bkey = (impl.kind, repr(bcase))
+                if bkey not in baseline_ms:
+                    baseline_ms[bkey] = {}
+                    jobs += [(OnEveryRank.of(baseline_impls[impl.kind]), bcase, b, "baseline", bkey) for b in backends]
+                jobs += [(impl.on(group), case, b, "distributed", bkey) for b in backends]
+        for impl, case, backend, role, bkey in jobs:
+            row = None
+            if role == "baseline" or rank < p:
+                extra = {"world_size": 1 if role == "baseline" else p, "role": role, "scaling": scaling,
+                         "tokens_per_rank": case.seq_len if role == "baseline" else case.seq_len // p}
+                row = run_sweep([(impl, case, backend)], opts, None, script, False, lambda _: extra)[0]
+            dist.barrier()
+            if rank != 0:
+                continue
+            _add_scaling(row, role, bkey, backend, baseline_ms, p, scaling)
+            rows.append(row)
+            if writer is not None:
+                writer.append(row)
+            if progress:
+                t = (row.get("time_ms") or {}).get("median")
+                eff = row.get("efficiency")
+                print(f"[P={row['world_size']}] {row['implementation']}/{backend} N={case.seq_len} {case.mode}"
+                      f"{' causal' if case.causal else ''}: {row['status']}" + (f" {t:.3f} ms" if t is not None else "")
+                      + (f", efficiency {eff:.2f}" if eff is not None else "")
+                      + (f" ({row['reason'][:100]})" if row.get("reason") else ""), flush=True)
+    return rows
+
+
+def _add_scaling(row, role, bkey, backend, baseline_ms, p, scaling):
+    t = (row.get("time_ms") or {}).get("median") if row["status"] == "ok" else None
+    if role == "baseline":
+        if t is not None:
+            baseline_ms[bkey][backend] = (t, row.get("tflops"))
+        return
+    row["per_rank_tflops"] = row["tflops"] / p if t is not None else None
+    base = baseline_ms.get(bkey, {}).get(backend)
+    if t is None or base is None:
+        row["efficiency"] = None
+        return
+    row["baseline_ms"], base_tflops = base
+    # strong: T_1 / (P T_P); weak: T_1(n) / T_P(P n); "work" efficiency: per-rank TFLOP/s over one GPU's
+    row["efficiency"] = base[0] / (p * t) if scaling == "strong" else base[0] / t
+    row["work_efficiency"] = row["per_rank_tflops"] / base_tflops if base_tflops else None
+    comm = row.get("comm") or {}
+    if comm.get("exposed_comm_ms_max") is not None:
+        row["exposed_comm_fraction"] = comm["exposed_comm_ms_max"] / t

@@ -1,0 +1,119 @@
+"""Other people's ring attention as benchmark implementations, on the same shards as ours.
+
+* ``torch_cp``: PyTorch's context parallel attention
+  (``torch.distributed.tensor.experimental.context_parallel``), which patches
+  ``F.scaled_dot_product_attention`` with a ring over a device mesh. Causal runs use its
+  head-tail load balancing, whose shard layout is our ``zigzag``; non-causal runs turn load
+  balancing off (PyTorch refuses non-causal with it on), which is our ``contiguous``. The local
+  kernel is pinned with ``sdpa_kernel`` to the SDPA kernel our backend name resolves to, so
+  both rings run the same kernel. CUDA only: its ring dispatches the CUDA SDPA kernels.
+* ``ring_flash_attn`` / ``ring_flash_attn_zigzag``: zhuzilin's ring-flash-attention
+  (``ring_flash_attn_func`` / ``zigzag_ring_flash_attn_func`` on ``[B, N/P, H, D]`` shards),
+  when installed. It needs flash-attn, which our GPU machines lack, so this adapter is written
+  against its published signature and not exercised there.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dilated.backends import get_backend
+
+from .distributed import DistributedImplementation
+from .registry import register_implementation
+
+_SDPA_KERNELS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
+                 "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
+
+
+def torch_cp_unavailable() -> str | None:
+    """Why PyTorch's context parallel cannot run here, or None."""
+    try:
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+        from torch.distributed.tensor.experimental._attention import _cp_options  # noqa: F401
+    except ImportError as e:
+        return f"this torch ({torch.__version__}) has no context_parallel: {e}"
+    if not torch.cuda.is_available():
+        return "PyTorch's context parallel rings the CUDA SDPA kernels only (no CPU path)"
+    return None
+
+
+class TorchContextParallel(nn.Module):
+    """``forward(q, k, v)`` on shards ``[B, N/P, H, D]`` (zigzag when causal, else contiguous)."""
+
+    def __init__(self, causal: bool, backend: str, group=None):
+        super().__init__()
+        from torch.distributed.device_mesh import DeviceMesh
+
+        reason = torch_cp_unavailable()
+        if reason:
+            raise NotImplementedError(reason)
+        self.causal, self.backend = causal, backend
+        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        self.mesh = DeviceMesh("cuda", ranks)
+
+    def forward(self, q, k, v):
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import _cp_options
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if k.shape[2] != q.shape[2]:
+            raise NotImplementedError("torch context parallel: GQA (fewer k/v heads) is not supported")
+        name = get_backend(self.backend, q, k, self.causal).name
+        if name not in _SDPA_KERNELS:
+            raise NotImplementedError(f"torch context parallel runs SDPA kernels only, not backend {name!r}")
+        # context_parallel shards its buffers on entry: a two-element dummy keeps that to nothing,
+        # and its load balancer follows _cp_options, which we set per call (causal -> head-tail).
+        _cp_options.enable_load_balance = self.causal
+        dummy = torch.zeros(2 * self.mesh.size(), device=q.device)
+        with context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy}), \
+                sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[name])):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=self.causal)
+        return out.transpose(1, 2)
+
+
+def _ring_flash_attn(zigzag: bool):
+    def factory(case, backend, group):
+        if importlib.util.find_spec("ring_flash_attn") is None:
+            raise NotImplementedError("ring-flash-attn is not installed (pip install ring-flash-attn; needs flash-attn)")
+        import ring_flash_attn as rfa
+
+        fn = rfa.zigzag_ring_flash_attn_func if zigzag else rfa.ring_flash_attn_func
+
+        class RingFlashAttn(nn.Module):
+            def forward(self, q, k, v):
+                return fn(q, k, v, causal=case.causal, group=group)
+
+        return RingFlashAttn()
+
+    return factory
+
+
+def _torch_cp(case, backend, group):
+    return TorchContextParallel(case.causal, backend, group)
+
+
+class _CausalLayout(DistributedImplementation):
+    """Shards in zigzag for causal cases and contiguous otherwise (PyTorch's CP convention)."""
+
+    def inputs(self, case, device, gen, requires_grad, captured=None):
+        self.layout = "zigzag" if case.causal else "contiguous"
+        return super().inputs(case, device, gen, requires_grad, captured)
+
+
+EXTERNAL_RINGS = {
+    "torch_cp": _CausalLayout("torch_cp", "dense", None, "PyTorch context_parallel (ring over SDPA)",
+                              factory=_torch_cp),
+    "ring_flash_attn": DistributedImplementation("ring_flash_attn", "dense", None, "ring-flash-attn ring_flash_attn_func",
+                                                 factory=_ring_flash_attn(False)),
+    "ring_flash_attn_zigzag": DistributedImplementation("ring_flash_attn_zigzag", "dense", None,
+                                                        "ring-flash-attn zigzag_ring_flash_attn_func",
+                                                        layout="zigzag", factory=_ring_flash_attn(True)),
+}
+for _impl in EXTERNAL_RINGS.values():
+    register_implementation(_impl)
