@@ -174,3 +174,50 @@ def test_captured_inputs_give_the_case_and_are_loaded_weights_only(tmp_path):
     torch.save({"q": _NotATensor()}, d / "zz_code.pt")  # would run code on a full unpickle
     with pytest.raises(ValueError, match="weights_only"):
         load_captured(str(d))
+
+
+def test_extreme_script_cpu_default_writes_results_and_plots(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/specialized/benchmark_extreme_sequences.py")],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "extreme-sequence sweep on CPU" in res.stdout and "results are in" in res.stdout
+    rows = read_jsonl(str(next((tmp_path / "results" / "cpu").glob("*.jsonl"))))
+    assert {r["implementation"] for r in rows} == {"dilated", "improved", "improved_pool", "multihead", "dense"}
+    assert all(r["status"] == "ok" and r["check"]["passed"] for r in rows)
+    assert "time ~ N^" in res.stdout and list((tmp_path / "results" / "cpu").glob("*.png"))
+
+
+def test_find_max_under_a_memory_budget_finds_the_right_length(tmp_path):
+    """A fake implementation that holds exactly N x 64 KiB: with a 208 MiB budget and 512-token
+    bisection the longest length is 3072 (192 MiB; 3584 would need 224 MiB)."""
+    from dilated.bench.suites import extreme_main, find_max_length
+
+    def build(case, backend):
+        def fn(q, k, v):
+            held = torch.ones(case.seq_len * 16384)  # N x 64 KiB, touched
+            return q * held[0]
+        return fn
+
+    register_implementation(Implementation("holds_64k_per_token", "dense", build))
+    try:
+        out = tmp_path / "fm.jsonl"
+        extreme_main(["--implementation", "holds_64k_per_token", "--min-seq-length", "512", "--max-seq-length", "1024",
+                      "--find-max", "--memory-budget-mib", "208", "--granularity", "512", "--no-check", "--reps", "2",
+                      "--no-progress", "--no-plot", "--output", str(out)])
+    finally:
+        IMPLEMENTATIONS.pop("holds_64k_per_token")
+    found = json.loads((tmp_path / "fm-find_max.json").read_text())["results"][0]
+    assert found["max_seq_len"] == 3072, found
+    probes = {r["config"]["seq_len"]: r["status"] for r in read_jsonl(str(out)) if r.get("find_max")}
+    assert probes[4096] == probes[3584] == "oom" and probes[3072] == "ok"
+    # a failure at the configured maximum bisects down towards the last length that ran
+    assert find_max_length(lambda n: {"status": "ok" if n <= 700 else "oom"}, 1024, 64, 1 << 20, known_ok=512)[0] == 640
+
+
+def test_custom_benchmark_example_runs(tmp_path):
+    example = ROOT / "examples" / "custom_benchmark.py"
+    assert len(example.read_text().splitlines()) < 40
+    res = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = read_jsonl(str(next(tmp_path.glob("results/*/custom_benchmark.jsonl"))))
+    assert {r["implementation"] for r in rows} == {"mine", "dense"} and all(r["check"]["passed"] for r in rows)

@@ -88,7 +88,7 @@ class DistributedImplementation(Implementation):
         if case.seq_len % parts:
             raise ValueError(f"--seq-lengths: N={case.seq_len} must be divisible by {parts} for {self.name} on "
                              f"{p} ranks")
-        seed = int(torch.randint(0, 2 ** 31, (1,), generator=gen)) + 7919 * rank
+        seed = int(torch.randint(0, 2 ** 31, (1,), generator=gen)) + 7919 * rank  # a different shard per rank
         g = torch.Generator(device=device).manual_seed(seed)
         n = case.seq_len // p
 

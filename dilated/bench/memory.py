@@ -18,6 +18,29 @@ def _rss_bytes(field: str) -> int | None:
     return None
 
 
+_MALLOC_PINNED = False
+
+
+def _track_large_allocations() -> None:
+    """Make glibc serve every allocation above 64 KiB with its own mmap, returned on free.
+
+    By default glibc raises that threshold as large blocks are freed (up to 32 MiB) and then reuses
+    freed heap memory, so a call's tensors would not show in the resident set and peak RSS would
+    miss them. Pinning the threshold makes peak RSS follow the tensors a call allocates.
+    """
+    global _MALLOC_PINNED
+    if _MALLOC_PINNED:
+        return
+    _MALLOC_PINNED = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _reset_cpu_peak() -> bool:
     try:  # Linux >= 4.0: "5" resets the peak resident set size (VmHWM) to the current one
         with open("/proc/self/clear_refs", "w") as f:
@@ -42,6 +65,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            _track_large_allocations()
             self._ok = _reset_cpu_peak()
             self._base = _rss_bytes("VmRSS")
         return self

@@ -18,6 +18,13 @@ DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfl
           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
 
 
+def device_generator(gen: torch.Generator, device) -> torch.Generator:
+    """A generator on ``device`` seeded from ``gen``: inputs are made where they live (a 4M-token
+    q in float32 would be 32 GB of host memory), reproducibly for a given seed and device type."""
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 @dataclass(frozen=True)
 class Case:
     """One benchmarked configuration. ``q_len`` < ``seq_len`` is decode/chunked prefill against a KV cache."""
@@ -73,8 +80,10 @@ class Implementation:
             return tuple(captured[k].detach().to(device=device, dtype=case.torch_dtype).requires_grad_(requires_grad)
                          for k in keys)
 
+        dev_gen = device_generator(gen, device)
+
         def r(*shape):
-            return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=case.torch_dtype)
+            return torch.randn(*shape, generator=dev_gen, device=device, dtype=case.torch_dtype)
 
         if self.kind == "module":
             x = r(case.batch, case.seq_len, case.num_heads * case.head_dim)

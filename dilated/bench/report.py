@@ -198,3 +198,25 @@ def format_scaling(rows: list[dict]) -> str:
                        f"{f((r.get('memory') or {}).get('peak_total_mib'), '.0f'):>10}  {chk}"
                        + ("" if r["status"] == "ok" else f"  {r['status']}: {(r.get('reason') or '')[:60]}"))
     return "\n".join(out)
+
+
+def format_speedups(rows: list[dict], new_class: list[str], old_class: list[str]) -> str:
+    """Per config: the best backend of ``new_class`` against the best of ``old_class``."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r["status"] == "ok":
+            groups[(r["implementation"], _key(r))].append(r)
+    out = ["", "best Hopper-class kernel against the best previous-class one, per config:",
+           f"{'implementation':<16}{'config':<62}{'best new':>22}{'best previous':>24}{'speed-up':>10}"]
+    for (impl, _), grp in groups.items():
+        def best(names):
+            cand = [r for r in grp if r["backend"] in names]
+            return min(cand, key=lambda r: r["time_ms"]["median"]) if cand else None
+
+        new, old = best(new_class), best(old_class)
+        cfg = _cfg_title(grp[0]["config"])
+        cfg = cfg.split(" w=")[0]
+        fmt = lambda r: f"{r['backend']} {r['time_ms']['median']:.3f} ms" if r else "-"  # noqa: E731
+        sp = f"{old['time_ms']['median'] / new['time_ms']['median']:.2f}x" if new and old else "-"
+        out.append(f"{impl:<16}{cfg:<62}{fmt(new):>22}{fmt(old):>24}{sp:>10}")
+    return "\n".join(out)

@@ -64,3 +64,14 @@ def write_csv(jsonl_path: str, csv_path: str) -> None:
         w.writeheader()
         w.writerows(rows)
     os.replace(tmp, csv_path)
+
+
+def write_json(path: str, data) -> None:
+    """Write ``data`` as JSON all at once: a temporary file renamed into place."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

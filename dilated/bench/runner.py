@@ -14,7 +14,7 @@ from dilated.backends import BackendUnavailableError
 from . import env as envmod
 from .flops import peak_tflops
 from .memory import PeakMemory, free_memory, is_oom
-from .registry import Case, Implementation
+from .registry import Case, Implementation, device_generator
 from .results import ResultWriter
 from .timing import measure, summarize
 
@@ -121,7 +121,8 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                 holder["out"].backward(holder["dout"])
         with torch.no_grad() if case.mode == "fwd" else torch.enable_grad():
             out_probe = model(*inputs)
-        holder["dout"] = torch.randn(out_probe.shape, generator=gen, dtype=torch.float32).to(device, out_probe.dtype)
+        holder["dout"] = torch.randn(out_probe.shape, generator=device_generator(gen, device), device=device,
+                                     dtype=out_probe.dtype)
         del out_probe
         with PeakMemory(device) as mem:
             if setup:

@@ -12,6 +12,7 @@ from .cli import (add_common_args, default_dtype, default_schedule, finish, open
                   run_options, str_list)
 from .captured import captured_case, load_captured
 from .registry import Case, get_implementation
+from .results import write_json
 from .runner import run_sweep
 
 
@@ -144,24 +145,32 @@ def backends_main(argv=None) -> int:
 
 
 # -- benchmark_extreme_sequences ----------------------------------------------------------
-EXTREME_SET = ["dilated", "improved", "multihead", "dense"]
+EXTREME_SET = ["dilated", "improved", "improved_pool", "multihead", "dense"]
 
 
-def find_max_length(run, start: int, granularity: int, limit: int) -> tuple[int | None, dict | None]:
-    """Longest N in [start, limit] for which ``run(N)`` returns an ok row: doubling, then bisection.
+def find_max_length(run, start: int, granularity: int, limit: int, known_ok: int | None = None,
+                    max_call_s: float | None = None) -> tuple[int | None, dict | None, str]:
+    """Longest N in [start, limit] for which ``run(N)`` returns an ok row: doubling from ``start``,
+    then bisection to ``granularity``; if ``start`` itself fails, bisection down to ``known_ok``.
 
-    Returns ``(N, row)`` of the longest success, or ``(None, None)``.
+    The search also stops growing once one call takes longer than ``max_call_s`` (then the answer
+    is limited by time, not memory, and the returned note says so). Returns ``(N, row, note)``.
     """
-    best, best_row, n, fail = None, None, start, None
+    best, best_row, n, fail, note = known_ok, None, start, None, ""
     while n <= limit:
         row = run(n)
         if row["status"] != "ok":
             fail = n
             break
         best, best_row = n, row
+        if max_call_s is not None and row["time_ms"]["median"] > 1e3 * max_call_s:
+            return best, best_row, (f"stopped growing: one call took {row['time_ms']['median'] / 1e3:.1f} s "
+                                    f"> --max-call-seconds {max_call_s:g}; memory was not the limit")
         n *= 2
+    else:
+        note = f"reached --find-max-limit {limit}"
     if fail is None or best is None:
-        return best, best_row
+        return best, best_row, note
     lo, hi = best, fail
     while hi - lo > granularity:
         mid = (lo + hi) // 2 // granularity * granularity
@@ -170,9 +179,21 @@ def find_max_length(run, start: int, granularity: int, limit: int) -> tuple[int 
         row = run(mid)
         if row["status"] == "ok":
             lo, best_row = mid, row
+            if max_call_s is not None and row["time_ms"]["median"] > 1e3 * max_call_s:
+                return lo, best_row, (f"stopped bisecting: one call took {row['time_ms']['median'] / 1e3:.1f} s "
+                                      f"> --max-call-seconds {max_call_s:g}; N={hi} failed")
         else:
             hi = mid
-    return lo, best_row
+    return lo, best_row, f"first failure at N={hi} ({'oom' if fail else ''})".replace(" ()", "")
+
+
+def _have_matplotlib() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return False
+    return True
 
 
 def extreme_main(argv=None) -> int:
@@ -190,7 +211,13 @@ def extreme_main(argv=None) -> int:
     p.add_argument("--find-max", action="store_true", help="then search the longest N per implementation")
     p.add_argument("--find-max-limit", type=parse_size, default=parse_size("64M"))
     p.add_argument("--granularity", type=parse_size, default=None, help="bisection step (default: max/16)")
+    p.add_argument("--max-call-seconds", type=float, default=30.0,
+                   help="--find-max stops growing N once one call takes longer (dense attention at many M tokens)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG plots")
     args = parse_with_config(p, argv)
+    if args.time_budget is None and gpu:
+        args.time_budget = 5.0  # seconds per row: at least 1 warm-up and 3 timed calls (dense at 1M: ~15 s a call)
+    args.plot = not args.no_plot and _have_matplotlib()
     if args.inputs:
         p.error("--inputs: the length sweep generates its inputs; use benchmark_implementations.py for captured ones")
     names = EXTREME_SET if args.implementation == ["all"] else args.implementation
@@ -209,7 +236,9 @@ def extreme_main(argv=None) -> int:
           f"B={args.batch_size} H={args.num_heads} D={args.head_dim}; each row checked against a reference.")
     jobs = [(impl, case, b) for case in _cases(args, lengths, args.mode) for impl in impls for b in args.backend]
     rows = run_sweep(jobs, opts, writer, "benchmark_extreme_sequences", not args.no_progress)
+    want_plot, args.plot = args.plot, False  # plotted at the end, with the --find-max rows
     finish(rows, writer, args)
+    args.plot = want_plot
     print("\nscaling exponents (fit of log time and log memory against log N):")
     for impl in impls:
         for mode in args.mode:
@@ -224,21 +253,40 @@ def extreme_main(argv=None) -> int:
     if args.find_max:
         gran = args.granularity or max(1, args.max_seq_length // 16)
         print(f"\n--find-max: doubling from {args.max_seq_length}, then bisection to {gran} tokens")
+        found = []
+        # a probe needs to run and be checked; a few timed calls are enough
+        probe_opts = dataclasses.replace(opts, warmup=1, reps=min(opts.reps, 3), budget_s=None)
         for impl in impls:
             for mode in args.mode:
                 def run(n, impl=impl, mode=mode):
                     case = next(_cases(args, [n], [mode]))
-                    r = run_sweep([(impl, case, args.backend[0])], opts, writer, "benchmark_extreme_sequences",
+                    r = run_sweep([(impl, case, args.backend[0])], probe_opts, writer, "benchmark_extreme_sequences",
                                   False, extra_row=lambda _: {"find_max": True})[0]
                     print(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else ""))
                     return r
-                n, row = find_max_length(run, args.max_seq_length, gran, args.find_max_limit)
+                swept = [r["config"]["seq_len"] for r in rows if r["implementation"] == impl.name
+                         and r["mode"] == mode and r["status"] == "ok"]
+                n, row, note = find_max_length(run, args.max_seq_length, gran, args.find_max_limit,
+                                               known_ok=max(swept) if swept else None,
+                                               max_call_s=args.max_call_seconds)
                 if n is None:
-                    print(f"  => {impl.name} {mode}: nothing ran at N >= {args.max_seq_length}")
+                    print(f"  => {impl.name} {mode}: nothing ran at N >= {args.min_seq_length}")
+                elif row is None:
+                    print(f"  => {impl.name} {mode}: longest N = {n} (from the sweep; {note})")
                 else:
                     mem = row["memory"]
                     print(f"  => {impl.name} {mode}: longest N = {n} (peak {mem['peak_total_mib']:.0f} MiB total, "
-                          f"{mem['peak_above_inputs_mib']:.0f} MiB above inputs)")
+                          f"{mem['peak_above_inputs_mib']:.0f} MiB above inputs, "
+                          f"{mem['peak_total_mib'] * (1 << 20) / n:.0f} bytes/token; {note})")
+                found.append({"implementation": impl.name, "mode": mode, "max_seq_len": n, "note": note,
+                              "memory": (row or {}).get("memory"), "backend": args.backend[0],
+                              "config": (row or {}).get("config"), "check": (row or {}).get("check")})
+        path = writer.path[:-len(".jsonl")] + "-find_max.json"
+        write_json(path, {"granularity": gran, "max_call_seconds": args.max_call_seconds, "results": found})
+        print(f"longest lengths: {path}")
+    if args.plot and writer.rows:
+        from .report import plot
+        print("plots: " + ", ".join(plot(writer.path)))
     print(f"\nresults are in {writer.path}" + ("" if args.plot else f"; plot them with: python -m dilated.bench plot {writer.path}"))
     return 0
 
@@ -380,3 +428,47 @@ def ring_main(argv=None) -> int:
                             "Ring attention variants (layout, overlap on/off) against PyTorch's context parallel "
                             "attention and ring-flash-attn where installed, with the single-device run as baseline.",
                             one_process_baseline_only=True)
+
+
+# -- benchmark_flash_attention_3 ----------------------------------------------------------
+HOPPER_CLASS = ["flash_attn_3", "flash_attn_4", "sdpa_cudnn", "flex"]
+PREVIOUS_CLASS = ["flash_attn", "sdpa_flash", "manual"]
+
+
+def hopper_main(argv=None) -> int:
+    from .report import format_speedups
+
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description="Hopper-class kernels (flash-attn 3/4, cuDNN SDPA, flex_attention) "
+                                "against the previous generation (flash-attn 2, SDPA flash, manual) on dense "
+                                "attention and under ImprovedDilatedAttention.")
+    add_common_args(p, seq_lengths="512,2k,8k,32k,64k" if gpu else "256", batch=1, heads=16 if gpu else 4,
+                    head_dim=128 if gpu else 32, mode="fwd,fwd_bwd")
+    p.add_argument("--head-dims", type=lambda s: [int(x) for x in str_list(s)], default=None,
+                   help="default 64,128,256 on a GPU")
+    p.add_argument("--causal-modes", type=str_list, default="false,true", help="false,true: both")
+    p.add_argument("--implementations", type=str_list, default="dense,improved")
+    p.add_argument("--backends", type=str_list, default=HOPPER_CLASS + PREVIOUS_CLASS)
+    args = parse_with_config(p, argv)
+    if args.quick:
+        args.seq_lengths, args.reps, args.warmup = [args.seq_lengths[0]], 3, 1
+        args.head_dims = args.head_dims or [args.head_dim]
+    head_dims = args.head_dims or ([64, 128, 256] if gpu else [args.head_dim])
+    report = dilated.available_backends(args.device)
+    print("kernels on this device:")
+    for name in args.backends:
+        reason = report.get(name, "unknown backend")
+        cls = "Hopper class" if name in HOPPER_CLASS else "previous class"
+        print(f"  {name:<15} {cls:<15} {'available' if reason is None else 'unavailable: ' + reason}")
+    names = [n for n in args.backends if report.get(n) is None]
+    impls = [get_implementation(n) for n in args.implementations]
+    jobs = []
+    for d in head_dims:
+        for causal in (c.lower() in ("true", "1", "yes") for c in args.causal_modes):
+            args.head_dim, args.causal = d, causal
+            jobs += _jobs(args, impls, names, args.seq_lengths, args.mode)
+    writer = open_writer("benchmark_flash_attention_3", args)
+    rows = run_sweep(jobs, run_options(args), writer, "benchmark_flash_attention_3", not args.no_progress)
+    finish(rows, writer, args)
+    print(format_speedups(rows, HOPPER_CLASS, PREVIOUS_CLASS))
+    return 0
