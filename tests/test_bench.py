@@ -221,3 +221,12 @@ def test_custom_benchmark_example_runs(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     rows = read_jsonl(str(next(tmp_path.glob("results/*/custom_benchmark.jsonl"))))
     assert {r["implementation"] for r in rows} == {"mine", "dense"} and all(r["check"]["passed"] for r in rows)
+
+
+def test_kernel_floor_is_timed_beside_dilated_rows():
+    impl = IMPLEMENTATIONS["improved"]
+    case = Case(batch=1, seq_len=256, num_heads=4, head_dim=16, dtype="float32", mode="fwd_bwd",
+                segment_lengths=(64, 256), dilation_rates=(1, 4))
+    row = run_sweep([(impl, case, "auto")], RunOptions(warmup=1, reps=3, floor=True), None, "t", progress=False)[0]
+    assert row["status"] == "ok" and row["check"]["passed"]
+    assert row["kernel_floor_ms"]["n"] == 3 and row["floor_ratio"] > 0

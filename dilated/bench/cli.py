@@ -79,6 +79,8 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
     t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows; marked in results)")
     t.add_argument("--no-l2-flush", action="store_true")
+    t.add_argument("--floor", action="store_true",
+                   help="dilated rows: also time the kernel floor (the kernels alone on pre-gathered segments)")
     t.add_argument("--memory-budget-mib", type=float, default=None, help="record rows above this peak as oom")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default=None)
@@ -122,7 +124,8 @@ def parse_with_config(p: argparse.ArgumentParser, argv=None) -> argparse.Namespa
 def run_options(args) -> RunOptions:
     return RunOptions(warmup=args.warmup, reps=args.reps, budget_s=args.time_budget, check=not args.no_check,
                       cuda_graph=args.cuda_graph, flush_l2=not args.no_l2_flush,
-                      memory_budget_mib=args.memory_budget_mib, seed=args.seed, device=args.device)
+                      memory_budget_mib=args.memory_budget_mib, seed=args.seed, device=args.device,
+                      floor=args.floor)
 
 
 def default_dtype(args) -> str:

@@ -67,6 +67,8 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             status = r["status"] + ("" if not r.get("reason") else f" ({r['reason'][:60]})")
             if r.get("check_failed"):
                 status += " CHECK FAILED"
+            if r.get("floor_ratio"):
+                status += f" ({r['floor_ratio']:.2f}x kernel floor {r['kernel_floor_ms']['median']:.3f} ms)"
             mark = "*" if r is best else " "
             pct = f"{r['pct_peak']:.0f}" if r.get("pct_peak") else "-"
             tok = f"{r['tokens_per_s']:.3g}" if r.get("tokens_per_s") else "-"

@@ -34,6 +34,7 @@ class RunOptions:
     cuda_graph: bool = False
     flush_l2: bool = True
     memory_budget_mib: float | None = None  # rows over this are recorded as oom (tests, --find-max)
+    floor: bool = False  # also time the kernel floor of dilated rows (dilated.bench.floor)
     seed: int = 0
     device: str | None = None
 
@@ -156,6 +157,17 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         row["bytes_min"] = by
         row["bandwidth_gbs"] = by / sec / 1e9
         row["arith_intensity"] = fl / by
+        local = type(impl).before_call is Implementation.before_call
+        if opts.floor and impl.kind == "dilated" and local:
+            from .floor import kernel_floor_step
+
+            floor_step = kernel_floor_step(*inputs, case.segment_lengths, case.dilation_rates, case.causal,
+                                           backend, case.mode)
+            floor = summarize(impl.reduce_max(measure(floor_step, device, warmup=opts.warmup, reps=opts.reps,
+                                                      budget_s=opts.budget_s, flush_l2=opts.flush_l2)))
+            row["kernel_floor_ms"] = floor
+            row["floor_ratio"] = t["median"] / floor["median"]
+            del floor_step
         comm = impl.comm_metrics(model, (lambda: (setup(), step())) if setup else step)
         if comm is not None:
             row["comm"] = comm
