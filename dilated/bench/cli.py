@@ -75,7 +75,7 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
     t = p.add_argument_group("measurement")
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--reps", type=int, default=10)
-    t.add_argument("--time-budget", type=float, default=None, help="seconds per row instead of --reps")
+    t.add_argument("--time-budget", type=float, default=None, help="at most this many seconds of timed calls per row (at least 3 calls)")
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
     t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows; marked in results)")
     t.add_argument("--no-l2-flush", action="store_true")

@@ -53,8 +53,9 @@ class TorchContextParallel(nn.Module):
         if reason:
             raise NotImplementedError(reason)
         self.causal, self.backend = causal, backend
-        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-        self.mesh = DeviceMesh("cuda", ranks)
+        # from the existing group: building a mesh from ranks would create groups, a collective
+        # that ranks outside this run's sub-group never join
+        self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cuda")
 
     def forward(self, q, k, v):
         from torch.distributed.tensor.experimental import context_parallel

@@ -120,7 +120,7 @@ class Implementation:
     def before_call(self) -> None:
         """Runs untimed before each timed call (a barrier across ranks)."""
 
-    def comm_metrics(self, model, step) -> dict | None:
+    def comm_metrics(self, model, step, seconds_per_call: float = 0.0) -> dict | None:
         """Communication per call of ``step`` (bytes, messages, exposed wait), or None."""
         return None
 

@@ -168,7 +168,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             row["kernel_floor_ms"] = floor
             row["floor_ratio"] = t["median"] / floor["median"]
             del floor_step
-        comm = impl.comm_metrics(model, (lambda: (setup(), step())) if setup else step)
+        comm = impl.comm_metrics(model, (lambda: (setup(), step())) if setup else step, sec)
         if comm is not None:
             row["comm"] = comm
         if opts.check:

@@ -36,8 +36,8 @@ def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | 
             setup=None, flush_l2: bool = True, cuda_graph: bool = False) -> list[float]:
     """Per-call times (ms) of ``step()``; ``setup()`` runs untimed before each call.
 
-    With ``budget_s``, warm-up and repetitions stop once that much wall time is spent (at least
-    one warm-up and three timed calls). ``cuda_graph`` captures ``step`` once and times replays
+    With ``budget_s``, warm-up and repetitions also stop once that much wall time is spent (at
+    least one warm-up and three timed calls): long calls get fewer samples, short ones ``reps``. ``cuda_graph`` captures ``step`` once and times replays
     (only for steps without ``setup``).
     """
     device = torch.device(device)
@@ -67,8 +67,7 @@ def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | 
         torch.cuda.synchronize(device)
     samples = []
     t0 = time.perf_counter()
-    limit = reps if budget_s is None else 10 ** 6
-    while len(samples) < limit:
+    while len(samples) < reps:
         if setup:
             setup()
         flush()
