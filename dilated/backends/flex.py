@@ -21,6 +21,13 @@ from .base import Backend, to_bhnd
 def _compiled():
     from torch.nn.attention.flex_attention import flex_attention
 
+    # one compiled kernel per shape (dilated attention calls several); past dynamo's default
+    # recompile limit (8) flex would silently fall back to its eager, unfused form
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 1024))
     return torch.compile(flex_attention, dynamic=False)
 
 

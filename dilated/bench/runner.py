@@ -120,11 +120,13 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
 
             def step():
                 holder["out"].backward(holder["dout"])
-        with torch.no_grad() if case.mode == "fwd" else torch.enable_grad():
-            out_probe = model(*inputs)
-        holder["dout"] = torch.randn(out_probe.shape, generator=device_generator(gen, device), device=device,
-                                     dtype=out_probe.dtype)
-        del out_probe
+        holder["dout"] = None
+        if needs_grad:  # the output's shape and dtype for the incoming gradient
+            with torch.enable_grad():
+                out_probe = model(*inputs)
+            holder["dout"] = torch.randn(out_probe.shape, generator=device_generator(gen, device), device=device,
+                                         dtype=out_probe.dtype)
+            del out_probe
         with PeakMemory(device) as mem:
             if setup:
                 setup()
@@ -139,7 +141,8 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         timed_setup = setup
         if type(impl).before_call is not Implementation.before_call:  # ranks start each call together
             timed_setup = (lambda: (setup(), impl.before_call())) if setup else impl.before_call
-        samples = measure(step, device, warmup=opts.warmup, reps=opts.reps, budget_s=opts.budget_s,
+        # the memory call above was the first warm-up call
+        samples = measure(step, device, warmup=max(0, opts.warmup - 1), reps=opts.reps, budget_s=opts.budget_s,
                           setup=timed_setup, flush_l2=opts.flush_l2,
                           cuda_graph=opts.cuda_graph and case.mode == "fwd" and timed_setup is None)
         samples = impl.reduce_max(samples)  # a distributed call lasts as long as its slowest rank
@@ -182,7 +185,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                     grads = [impl.gather(t.grad) for t in inputs]
                 full = tuple(impl.gather(t.detach()) for t in inputs)
                 row["check"] = _check(impl, case, full, model, impl.gather(out.detach()), case.mode, grads,
-                                      impl.gather(holder["dout"]))
+                                      impl.gather(holder["dout"]) if needs_grad else None)
             row["check_failed"] = not row["check"]["passed"]
     except KeyboardInterrupt:
         raise

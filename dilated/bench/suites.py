@@ -156,10 +156,13 @@ def find_max_length(run, start: int, granularity: int, limit: int, known_ok: int
     The search also stops growing once one call takes longer than ``max_call_s`` (then the answer
     is limited by time, not memory, and the returned note says so). Returns ``(N, row, note)``.
     """
+    def ok(row):  # a result that failed its correctness check does not count
+        return row["status"] == "ok" and not row.get("check_failed")
+
     best, best_row, n, fail, note = known_ok, None, start, None, ""
     while n <= limit:
         row = run(n)
-        if row["status"] != "ok":
+        if not ok(row):
             fail = n
             break
         best, best_row = n, row
@@ -177,14 +180,14 @@ def find_max_length(run, start: int, granularity: int, limit: int, known_ok: int
         if mid <= lo:
             break
         row = run(mid)
-        if row["status"] == "ok":
+        if ok(row):
             lo, best_row = mid, row
             if max_call_s is not None and row["time_ms"]["median"] > 1e3 * max_call_s:
                 return lo, best_row, (f"stopped bisecting: one call took {row['time_ms']['median'] / 1e3:.1f} s "
                                       f"> --max-call-seconds {max_call_s:g}; N={hi} failed")
         else:
             hi = mid
-    return lo, best_row, f"first failure at N={hi} ({'oom' if fail else ''})".replace(" ()", "")
+    return lo, best_row, f"first failure at N={hi}"
 
 
 def _have_matplotlib() -> bool:
@@ -258,11 +261,17 @@ def extreme_main(argv=None) -> int:
         probe_opts = dataclasses.replace(opts, warmup=1, reps=min(opts.reps, 3), budget_s=None)
         for impl in impls:
             for mode in args.mode:
-                def run(n, impl=impl, mode=mode):
+                done = {r["config"]["seq_len"]: r for r in rows if r["implementation"] == impl.name
+                        and r["mode"] == mode and r["status"] == "ok"}
+
+                def run(n, impl=impl, mode=mode, done=done):
+                    if n in done:  # measured by the sweep already
+                        return done[n]
                     case = next(_cases(args, [n], [mode]))
                     r = run_sweep([(impl, case, args.backend[0])], probe_opts, writer, "benchmark_extreme_sequences",
                                   False, extra_row=lambda _: {"find_max": True})[0]
-                    print(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else ""))
+                    print(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else "")
+                          + (" CHECK FAILED: not counted" if r.get("check_failed") else ""))
                     return r
                 swept = [r["config"]["seq_len"] for r in rows if r["implementation"] == impl.name
                          and r["mode"] == mode and r["status"] == "ok"]

@@ -57,7 +57,7 @@ def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | 
             step()
         step = graph.replay
     t0 = time.perf_counter()
-    for i in range(max(1, warmup)):
+    for i in range(warmup):
         if setup:
             setup()
         step()
