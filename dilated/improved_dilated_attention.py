@@ -80,17 +80,29 @@ class _ImprovedDilatedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, backend, causal, scale, pool):
         b, n, h, d = q.shape
+        first = plan[0] if plan else None
+        # a first branch that covers every row (r = 1, whole segments) initialises the accumulators
+        init = first is not None and first.mode == "view" and first.start == 0 and first.count * first.length == n
         if pool is not None:
-            acc = pool.acquire((b, n, h, d), torch.float32, q.device).zero_()
-            acc_lse = pool.acquire((b, n, h), torch.float32, q.device).fill_(float("-inf"))
+            acc = pool.acquire((b, n, h, d), torch.float32, q.device)
+            acc_lse = pool.acquire((b, n, h), torch.float32, q.device)
         else:
-            acc = torch.zeros(b, n, h, d, device=q.device, dtype=torch.float32)
-            acc_lse = torch.full((b, n, h), float("-inf"), device=q.device, dtype=torch.float32)
-        for c in plan:
-            (qb, bq), (kb, bk), (vb, bv) = (_gather(x, c, i > 0, pool) for i, x in enumerate((q, k, v)))
+            acc = torch.empty(b, n, h, d, device=q.device, dtype=torch.float32)
+            acc_lse = torch.empty((b, n, h), device=q.device, dtype=torch.float32)
+        if not init:
+            acc.zero_()
+            acc_lse.fill_(float("-inf"))
+        for i, c in enumerate(plan):
+            (qb, bq), (kb, bk), (vb, bv) = (_gather(x, c, j > 0, pool) for j, x in enumerate((q, k, v)))
             o, lse = attention_forward(backend, qb, kb, vb, causal, scale)
-            merge_(branch_view(acc, c), branch_view(acc_lse, c), o.view(branch_view(acc, c).shape),
-                   lse.transpose(1, 2).reshape(branch_view(acc_lse, c).shape))
+            rows = branch_view(acc_lse, c)
+            if init and i == 0:
+                acc.view(o.shape).copy_(o)
+                rows.copy_(lse.transpose(1, 2).reshape(rows.shape))
+            else:
+                merge_(branch_view(acc, c), rows, o.view(branch_view(acc, c).shape),
+                       lse.transpose(1, 2).reshape(rows.shape))
+            del o, lse, qb, kb, vb  # free this branch's tensors before the next branch allocates its own
             for buf in (bq, bk, bv):
                 if buf is not None:
                     pool.release(buf)
@@ -118,7 +130,12 @@ class _ImprovedDilatedFunction(torch.autograd.Function):
             _scatter_add(dq, g[0], c, False)
             _scatter_add(dk, g[1], c, True)
             _scatter_add(dv, g[2], c, True)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+            del g
+        grads = []
+        for g32, like in ((dq, q), (dk, k), (dv, v)):  # cast one at a time: one float32 copy freed per step
+            grads.append(g32.to(like.dtype))
+            g32.resize_(0)
+        return (*grads, None, None, None, None, None)
 
 
 def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,

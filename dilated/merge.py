@@ -22,9 +22,9 @@ def merge_(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: tor
     buffers (a dilated branch's rows), which is how branches merge without a full-size copy.
     """
     new = torch.logaddexp(acc_lse, lse)
-    ref = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # -inf only where both are
+    ref = torch.where(torch.isinf(new), 0.0, new)  # -inf only where both are
     acc.mul_(_rows(torch.exp(acc_lse - ref)))
-    acc.add_(out.float() * _rows(torch.exp(lse.float() - ref)))
+    acc.addcmul_(out, _rows(torch.exp(lse - ref)))  # reads out in its own dtype: no float32 copy of it
     acc_lse.copy_(new)
 
 
