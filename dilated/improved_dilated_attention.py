@@ -131,11 +131,10 @@ class _ImprovedDilatedFunction(torch.autograd.Function):
             _scatter_add(dk, g[1], c, True)
             _scatter_add(dv, g[2], c, True)
             del g
-        grads = []
-        for g32, like in ((dq, q), (dk, k), (dv, v)):  # cast one at a time: one float32 copy freed per step
-            grads.append(g32.to(like.dtype))
-            g32.resize_(0)
-        return (*grads, None, None, None, None, None)
+        dq = dq.to(q.dtype)  # rebinding frees each float32 accumulator before the next cast
+        dk = dk.to(k.dtype)
+        dv = dv.to(v.dtype)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
