@@ -3,16 +3,20 @@
 Each rank holds a contiguous shard of ``n = N/P`` positions. For a branch ``(w, r)`` with
 ``w' = min(w, N)``:
 
-* if ``n % w' == 0`` its segments lie inside shards: the branch runs locally, no communication;
-* if ``w' % n == 0`` a segment spans ``w'/n`` ranks: for each head offset, each rank selects its
-  *dilated* rows of K/V (``n/r`` of them) and all-gathers them within the ranks of its segment
-  (backward: a reduce-scatter of their gradients; on gloo, which has no reduce-scatter, an
-  all-reduce and a slice). Communication per rank is ``(w'/n) * n/r`` rows per branch, bounded by
-  the schedule, not by N. Causal: a rank's queries see the gathered keys of earlier ranks and its
-  own keys causally, which is bottom-right causal attention over ``[earlier ranks, own]``.
+* if ``n % w' == 0`` its segments lie inside shards: the branch runs locally, no communication,
+  through the same kernel calls as :class:`dilated.ImprovedDilatedAttention`;
+* if ``w' % n == 0`` a segment spans ``w'/n`` ranks: each rank selects its *dilated* rows of K/V
+  for every head offset (``n/r`` rows per offset) and the ranks of the segment exchange them in
+  one all-gather per branch (backward: one reduce-scatter of their gradients; on gloo, which has
+  no reduce-scatter, an all-reduce and a slice). Communication per rank is ``(w'/n) * n/r`` rows
+  per offset and branch, bounded by the schedule, not by N. Causal: a rank's queries see the
+  gathered keys of earlier ranks and its own keys causally, which is bottom-right causal
+  attention over ``[earlier ranks, own]``.
 
-Branch outputs mix by their softmax denominators exactly as in :func:`dilated.dilated_attention`;
-the result equals ``DilatedAttention`` on the gathered sequence, forward and backward.
+All branches merge into one float32 accumulator by log-sum-exp (the mixing of LongNet eq. 9-10);
+backward is a custom autograd Function in which every kernel backward gets the *merged* output
+and lse, which is the exact gradient of the mixture. The result equals ``DilatedAttention`` on
+the gathered sequence, forward and backward.
 """
 from __future__ import annotations
 
@@ -21,9 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ._checks import check_qkv, check_schedule
-from .dilated_attention import branch_attention, mix_branches
+from .backends import get_backend
 from .distributed import CommStats
-from .functional import attention, default_scale
+from .functional import attention_backward, attention_forward, default_scale
+from .improved_dilated_attention import backward_calls, forward_calls
+from .merge import merge_
+from .pattern_cache import build_plan
 
 
 def _selected(start_t: int, n: int, r: int, off: int) -> slice:
@@ -31,39 +38,143 @@ def _selected(start_t: int, n: int, r: int, off: int) -> slice:
     return slice((off - start_t) % r, n, r)
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather a rank's rows (sizes may differ per rank) along dim 1; backward reduce-scatters."""
+def _count(sl: slice, n: int) -> int:
+    return len(range(*sl.indices(n)))
+
+
+class _Span:
+    """A branch whose segment spans ``span`` ranks: who is in it and which rows each one holds."""
+
+    def __init__(self, w, r, rank, n, h, groups, group, device):
+        self.r, self.span = r, w // n
+        self.first = (rank // self.span) * self.span
+        self.me = rank - self.first
+        self.group = group
+        self.offsets = []  # (off, my rows, rows per member, kv-head index of heads off::r)
+        for off in range(min(r, h)):
+            rows = _selected(self.me * n, n, r, off)
+            sizes = [_count(_selected(m * n, n, r, off), n) for m in range(self.span)]
+            kvidx = torch.arange(off, h, r, device=device) // groups
+            self.offsets.append((off, rows, sizes, kvidx))
+
+    def member_len(self, m, d, b=1):
+        """Elements member ``m`` contributes: K and V rows of every offset."""
+        return sum(2 * sizes[m] * len(kvidx) * d for _, _, sizes, kvidx in self.offsets) * b
+
+
+def _all_gather_flat(x, group, lens, stats):
+    """All-gather ``x`` ``[B, L_me]`` from members contributing ``lens``; returns one tensor per member."""
+    m = max(lens)
+    pad = x.new_zeros(x.shape[0], m)
+    pad[:, :x.shape[1]] = x
+    parts = [torch.empty_like(pad) for _ in lens]
+    with stats.waiting(x.device):
+        dist.all_gather(parts, pad, group=group)
+    stats.sent(pad.numel() * pad.element_size() * (len(lens) - 1), collective=True)
+    return [t[:, :n] for t, n in zip(parts, lens)]
+
+
+def _reduce_scatter_flat(parts, group, lens, me, stats):
+    """Sum each member's ``[B, L_m]`` part over the group; return this rank's sum."""
+    m = max(lens)
+    padded = [p.new_zeros(p.shape[0], m) for p in parts]
+    for dst, src in zip(padded, parts):
+        dst[:, :src.shape[1]] = src
+    with stats.waiting(parts[0].device):
+        if dist.get_backend(group) == "nccl":
+            mine = torch.empty_like(padded[0])
+            dist.reduce_scatter(mine, padded, group=group)
+        else:  # gloo has no reduce_scatter
+            full = torch.stack(padded)
+            dist.all_reduce(full, group=group)
+            mine = full[me]
+    stats.sent(mine.numel() * mine.element_size() * (len(lens) - 1), collective=True)
+    return mine[:, :lens[me]]
+
+
+def _gather_span(sp: _Span, k, v, stats):
+    """For each offset: the K and V rows of every member of the segment, in order ``[B, rows, h', D]``."""
+    b, d = k.shape[0], k.shape[3]
+    mine = [t[:, rows].index_select(2, kvidx).reshape(b, -1) for _, rows, _, kvidx in sp.offsets for t in (k, v)]
+    lens = [sp.member_len(m, d) for m in range(sp.span)]
+    parts = _all_gather_flat(torch.cat(mine, 1), sp.group, lens, stats)
+    ks, vs = [], []
+    for j, (_, _, sizes, kvidx) in enumerate(sp.offsets):
+        h_off = len(kvidx)
+        per = [[], []]
+        for m, part in enumerate(parts):
+            i = sum(2 * sz[m] * len(kx) * d for _, _, sz, kx in sp.offsets[:j])
+            for t in range(2):
+                cnt = sizes[m] * h_off * d
+                per[t].append(part[:, i + t * cnt:i + (t + 1) * cnt].view(b, sizes[m], h_off, d))
+        ks.append(torch.cat(per[0], 1))
+        vs.append(torch.cat(per[1], 1))
+    return ks, vs
+
+
+class _DistributedDilatedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, spans, backend, causal, scale, stats):
+        b, n, h, d = q.shape
+        acc = torch.empty(b, n, h, d, device=q.device, dtype=torch.float32)
+        acc_lse = torch.empty(b, n, h, device=q.device, dtype=torch.float32)
+        forward_calls(q, k, v, plan, backend, causal, scale, None, acc, acc_lse)
+        gathered = []
+        for sp in spans:
+            ks, vs = _gather_span(sp, k, v, stats)
+            gathered.append((ks, vs))
+            for (off, rows, sizes, _), kj, vj in zip(sp.offsets, ks, vs):
+                if sizes[sp.me] == 0:
+                    continue
+                if causal:  # keys of earlier ranks, then own keys: bottom-right causal
+                    upto = sum(sizes[:sp.me + 1])
+                    kj, vj = kj[:, :upto], vj[:, :upto]
+                o, lse = attention_forward(backend, q[:, rows, off::sp.r], kj, vj, causal, scale)
+                merge_(acc[:, rows, off::sp.r], acc_lse[:, rows, off::sp.r], o, lse.transpose(1, 2))
+        out = acc.to(q.dtype)
+        del acc
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.gathered, ctx.cfg = gathered, (plan, spans, backend, causal, scale, stats)
+        return out
 
     @staticmethod
-    def forward(ctx, x, group, sizes, my_index, stats):
-        m = max(sizes)
-        pad = torch.zeros((x.shape[0], m) + x.shape[2:], device=x.device, dtype=x.dtype)
-        pad[:, :x.shape[1]] = x
-        parts = [torch.empty_like(pad) for _ in sizes]
-        with stats.waiting(x.device):
-            dist.all_gather(parts, pad, group=group)
-        stats.sent(pad.numel() * pad.element_size() * (len(sizes) - 1), collective=True)
-        ctx.group, ctx.sizes, ctx.my_index, ctx.m, ctx.stats = group, sizes, my_index, m, stats
-        return torch.cat([t[:, :s] for t, s in zip(parts, sizes)], 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        parts, i = [], 0
-        for s in ctx.sizes:
-            g = torch.zeros((grad.shape[0], ctx.m) + grad.shape[2:], device=grad.device, dtype=grad.dtype)
-            g[:, :s] = grad[:, i:i + s]
-            parts.append(g)
-            i += s
-        with ctx.stats.waiting(grad.device):
-            if dist.get_backend(ctx.group) == "nccl":
-                mine = torch.empty_like(parts[0])
-                dist.reduce_scatter(mine, parts, group=ctx.group)
-            else:  # gloo has no reduce_scatter
-                full = torch.stack(parts)
-                dist.all_reduce(full, group=ctx.group)
-                mine = full[ctx.my_index]
-        ctx.stats.sent(mine.numel() * mine.element_size() * (len(ctx.sizes) - 1), collective=True)
-        return mine[:, :ctx.sizes[ctx.my_index]], None, None, None, None
+    def backward(ctx, dout):
+        q, k, v, out, lse_rows = ctx.saved_tensors
+        plan, spans, backend, causal, scale, stats = ctx.cfg
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk = torch.zeros_like(k, dtype=torch.float32)
+        dv = torch.zeros_like(v, dtype=torch.float32)
+        backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, dq, dk, dv)
+        b, d = q.shape[0], q.shape[3]
+        for sp, (ks, vs) in zip(spans, ctx.gathered):
+            to_member = [[] for _ in range(sp.span)]
+            for (off, rows, sizes, kvidx), kj, vj in zip(sp.offsets, ks, vs):
+                dkj = torch.zeros(kj.shape, device=k.device, dtype=torch.float32)
+                dvj = torch.zeros_like(dkj)
+                if sizes[sp.me]:
+                    upto = sum(sizes[:sp.me + 1]) if causal else kj.shape[1]
+                    sel = (slice(None), rows, slice(off, None, sp.r))
+                    lse_s = lse_rows[sel].transpose(1, 2).contiguous()
+                    g = attention_backward(backend, dout[sel], q[sel], kj[:, :upto], vj[:, :upto], out[sel], lse_s,
+                                           causal, scale)
+                    dq[sel] += g[0]
+                    dkj[:, :upto] += g[1]
+                    dvj[:, :upto] += g[2]
+                i = 0
+                for m in range(sp.span):
+                    to_member[m] += [dkj[:, i:i + sizes[m]].reshape(b, -1), dvj[:, i:i + sizes[m]].reshape(b, -1)]
+                    i += sizes[m]
+            lens = [sp.member_len(m, d) for m in range(sp.span)]
+            mine = _reduce_scatter_flat([torch.cat(t, 1) for t in to_member], sp.group, lens, sp.me, stats)
+            i = 0
+            for off, rows, sizes, kvidx in sp.offsets:
+                cnt = sizes[sp.me] * len(kvidx) * d
+                for acc_t in (dk, dv):
+                    acc_t[:, rows].index_add_(2, kvidx, mine[:, i:i + cnt].view(b, sizes[sp.me], len(kvidx), d))
+                    i += cnt
+        ctx.gathered = None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 class DistributedDilatedAttention(nn.Module):
@@ -79,6 +190,7 @@ class DistributedDilatedAttention(nn.Module):
         self.segment_lengths, self.dilation_rates = check_schedule(segment_lengths, dilation_rates)
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
         self._groups: dict[int, list] = {}
+        self._layouts: dict = {}
         self.stats = CommStats(measure_comm)
 
     def _segment_group(self, span: int, rank: int, p: int):
@@ -91,56 +203,33 @@ class DistributedDilatedAttention(nn.Module):
                                   for s in range(0, p, span)]
         return self._groups[span][rank // span]
 
+    def _layout(self, q, k, rank, p):
+        b, n, h, d = q.shape
+        key = (n, h, k.shape[2], str(q.device))
+        if key not in self._layouts:
+            big_n = n * p
+            local, spans = [], []
+            for w, r in zip(self.segment_lengths, self.dilation_rates):
+                w = min(w, big_n)
+                if n % w == 0:
+                    local.append((w, r))
+                elif w % n == 0:
+                    spans.append(_Span(w, r, rank, n, h, h // k.shape[2], self._segment_group(w // n, rank, p),
+                                       q.device))
+                else:
+                    raise ValueError(
+                        f"segment length {w} and the per-rank shard length {n} (N={big_n} over {p} ranks) must "
+                        "divide one another: choose segment_lengths that are multiples or divisors of N / world_size")
+            plan = build_plan(n, h, k.shape[2], [w for w, _ in local], [r for _, r in local], q.device)
+            self._layouts[key] = (plan, spans)
+        return self._layouts[key]
+
     def forward(self, q, k, v):
         check_qkv(q, k, v)
         if not dist.is_initialized():
             raise RuntimeError("DistributedDilatedAttention needs torch.distributed initialised")
         rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
-        b, n, h, d = q.shape
-        big_n = n * p
-        scale = default_scale(d, self.scale)
-        groups = h // k.shape[2]
-        k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
-        outs, lses = [], []
-        for w, r in zip(self.segment_lengths, self.dilation_rates):
-            w = min(w, big_n)
-            if n % w == 0:
-                o_i, lse_i = branch_attention(q, k, v, w, r, causal=self.causal, scale=scale, backend=self.backend)
-            elif w % n == 0:
-                o_i, lse_i = self._spanning_branch(q, k, v, w, r, rank, p, scale)
-            else:
-                raise ValueError(
-                    f"segment length {w} and the per-rank shard length {n} (N={big_n} over {p} ranks) must divide "
-                    "one another: choose segment_lengths that are multiples or divisors of N / world_size")
-            outs.append(o_i)
-            lses.append(lse_i)
-        return mix_branches(outs, lses, q.dtype)
-
-    def _spanning_branch(self, q, k, v, w, r, rank, p, scale):
-        b, n, h, d = q.shape
-        span = w // n
-        first = (rank // span) * span
-        members = range(first, min(first + span, p))
-        group = self._segment_group(span, rank, p)
-        o_i = q.new_zeros(b, n, h, d)
-        lse_i = q.new_full((b, n, h), float("-inf"), dtype=torch.float32)
-        for off in range(min(r, h)):
-            rows = _selected((rank - first) * n, n, r, off)
-            sizes = [len(range(*_selected((m - first) * n, n, r, off).indices(n))) for m in members]
-            qs = q[:, rows, off::r]
-            if qs.shape[1] == 0 and sum(sizes) == 0:
-                continue
-            ks = _GatherRows.apply(k[:, rows, off::r].contiguous(), group, sizes, rank - first, self.stats)
-            vs = _GatherRows.apply(v[:, rows, off::r].contiguous(), group, sizes, rank - first, self.stats)
-            if qs.shape[1] == 0:
-                # nothing to compute here, but keep the gathered rows in the graph so that the
-                # collective in backward runs on every rank of the group
-                o_i = o_i + 0 * (ks.sum() + vs.sum())
-                continue
-            if self.causal:  # keys of earlier ranks, then own keys: bottom-right causal
-                upto = sum(sizes[:rank - first + 1])
-                ks, vs = ks[:, :upto], vs[:, :upto]
-            o, lse = attention(qs, ks, vs, causal=self.causal, scale=scale, backend=self.backend, return_lse=True)
-            o_i[:, rows, off::r] = o
-            lse_i[:, rows, off::r] = lse.transpose(1, 2)
-        return o_i, lse_i
+        plan, spans = self._layout(q, k, rank, p)
+        scale = default_scale(q.shape[-1], self.scale)
+        impl = get_backend(self.backend, q, k, self.causal)
+        return _DistributedDilatedFunction.apply(q, k, v, plan, spans, impl, self.causal, scale, self.stats)

@@ -76,36 +76,57 @@ def _scatter_add(acc, grad, c: BranchCall, is_kv: bool):
         view.add_(grad.view(view.shape))
 
 
+def forward_calls(q, k, v, plan, backend, causal, scale, pool, acc, acc_lse) -> None:
+    """Run the kernel calls of ``plan`` and merge them into ``(acc, acc_lse)`` in place.
+
+    A first call that covers every row (r = 1, whole segments) initialises uninitialised
+    accumulators; otherwise they must hold zeros and ``-inf``.
+    """
+    n = q.shape[1]
+    first = plan[0] if plan else None
+    init = first is not None and first.mode == "view" and first.start == 0 and first.count * first.length == n
+    if not init:
+        acc.zero_()
+        acc_lse.fill_(float("-inf"))
+    for i, c in enumerate(plan):
+        (qb, bq), (kb, bk), (vb, bv) = (_gather(x, c, j > 0, pool) for j, x in enumerate((q, k, v)))
+        o, lse = attention_forward(backend, qb, kb, vb, causal, scale)
+        rows = branch_view(acc_lse, c)
+        if init and i == 0:
+            acc.view(o.shape).copy_(o)
+            rows.copy_(lse.transpose(1, 2).reshape(rows.shape))
+        else:
+            merge_(branch_view(acc, c), rows, o.view(branch_view(acc, c).shape),
+                   lse.transpose(1, 2).reshape(rows.shape))
+        del o, lse, qb, kb, vb  # free this branch's tensors before the next branch allocates its own
+        for buf in (bq, bk, bv):
+            if buf is not None:
+                pool.release(buf)
+
+
+def backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, dq, dk, dv) -> None:
+    """Add each call's kernel backward, given the *merged* out and lse, into float32 dq, dk, dv."""
+    for c in plan:
+        qb, kb, vb = (_gather(x, c, i > 0, None)[0] for i, x in enumerate((q, k, v)))
+        ob, dob = _gather(out, c, False, None)[0], _gather(dout, c, False, None)[0]
+        g = attention_backward(backend, dob, qb, kb, vb, ob, _merged_lse_for(lse_rows, c), causal, scale)
+        _scatter_add(dq, g[0], c, False)
+        _scatter_add(dk, g[1], c, True)
+        _scatter_add(dv, g[2], c, True)
+        del g
+
+
 class _ImprovedDilatedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, backend, causal, scale, pool):
         b, n, h, d = q.shape
-        first = plan[0] if plan else None
-        # a first branch that covers every row (r = 1, whole segments) initialises the accumulators
-        init = first is not None and first.mode == "view" and first.start == 0 and first.count * first.length == n
         if pool is not None:
             acc = pool.acquire((b, n, h, d), torch.float32, q.device)
             acc_lse = pool.acquire((b, n, h), torch.float32, q.device)
         else:
             acc = torch.empty(b, n, h, d, device=q.device, dtype=torch.float32)
             acc_lse = torch.empty((b, n, h), device=q.device, dtype=torch.float32)
-        if not init:
-            acc.zero_()
-            acc_lse.fill_(float("-inf"))
-        for i, c in enumerate(plan):
-            (qb, bq), (kb, bk), (vb, bv) = (_gather(x, c, j > 0, pool) for j, x in enumerate((q, k, v)))
-            o, lse = attention_forward(backend, qb, kb, vb, causal, scale)
-            rows = branch_view(acc_lse, c)
-            if init and i == 0:
-                acc.view(o.shape).copy_(o)
-                rows.copy_(lse.transpose(1, 2).reshape(rows.shape))
-            else:
-                merge_(branch_view(acc, c), rows, o.view(branch_view(acc, c).shape),
-                       lse.transpose(1, 2).reshape(rows.shape))
-            del o, lse, qb, kb, vb  # free this branch's tensors before the next branch allocates its own
-            for buf in (bq, bk, bv):
-                if buf is not None:
-                    pool.release(buf)
+        forward_calls(q, k, v, plan, backend, causal, scale, pool, acc, acc_lse)
         out = acc.to(q.dtype)
         lse_rows = acc_lse.clone() if pool is not None else acc_lse
         if pool is not None:
@@ -118,19 +139,11 @@ class _ImprovedDilatedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse_rows = ctx.saved_tensors
-        dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk = torch.zeros_like(k, dtype=torch.float32)
         dv = torch.zeros_like(v, dtype=torch.float32)
-        for c in ctx.plan:
-            qb, kb, vb = (_gather(x, c, i > 0, None)[0] for i, x in enumerate((q, k, v)))
-            ob, dob = _gather(out, c, False, None)[0], _gather(dout, c, False, None)[0]
-            g = attention_backward(ctx.backend, dob, qb, kb, vb, ob, _merged_lse_for(lse_rows, c),
-                                   ctx.causal, ctx.scale)
-            _scatter_add(dq, g[0], c, False)
-            _scatter_add(dk, g[1], c, True)
-            _scatter_add(dv, g[2], c, True)
-            del g
+        backward_calls(ctx.plan, ctx.backend, ctx.causal, ctx.scale, q, k, v, out, lse_rows, dout.contiguous(),
+                       dq, dk, dv)
         dq = dq.to(q.dtype)  # rebinding frees each float32 accumulator before the next cast
         dk = dk.to(k.dtype)
         dv = dv.to(v.dtype)
