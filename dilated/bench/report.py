@@ -167,7 +167,40 @@ def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    scaled = [r for r in rows if r.get("role") == "distributed" and r.get("efficiency") is not None]
+    if scaled:
+        written.append(_plot_scaling(plt, scaled, os.path.join(out_dir, f"{stem}_scaling.png"), stem))
     return written
+
+
+def _plot_scaling(plt, rows, path, title):
+    """Scaling efficiency and per-GPU TFLOP/s against the number of ranks."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    series = defaultdict(list)
+    for r in rows:
+        c = r["config"]
+        n = c["seq_len"] if r.get("scaling") == "strong" else r.get("tokens_per_rank")
+        name = (f"{r['implementation']} {r['mode']} {'causal' if c['causal'] else 'non-causal'} "
+                f"{'N' if r.get('scaling') == 'strong' else 'N/rank'}={n}")
+        series[name].append((r["world_size"], r["efficiency"], r.get("per_rank_tflops")))
+    for name, pts in sorted(series.items()):
+        pts.sort()
+        ps = [p[0] for p in pts]
+        axes[0].plot(ps, [p[1] for p in pts], marker="o", label=name)
+        axes[1].plot(ps, [p[2] for p in pts], marker="o", label=name)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set_ylabel("scaling efficiency")
+    axes[1].set_ylabel("TFLOP/s per rank")
+    for ax in axes:
+        ax.set_xlabel("ranks (P)")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{title} — scaling")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # -- scaling ------------------------------------------------------------------------------
