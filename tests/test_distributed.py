@@ -78,3 +78,13 @@ def test_distributed_benchmark_weak_scaling_and_ring_script(tmp_path):
     status = {r["implementation"]: r["status"] for r in rows}
     assert status["ring"] == status["ring_no_overlap"] == "ok"
     assert status["torch_cp"] == "unsupported"  # its ring needs CUDA SDPA kernels; a CPU run says so
+
+
+def test_extreme_script_under_torchrun_adds_the_distributed_classes(tmp_path):
+    rows, stdout = _torchrun("benchmarks/specialized/benchmark_extreme_sequences.py", 2, tmp_path,
+                             "--min-seq-length", "256", "--max-seq-length", "512", "--no-plot", "--no-progress")
+    names = {r["implementation"] for r in rows}
+    assert {"ring_zigzag", "distributed_dilated", "improved", "dense"} <= names
+    for r in rows:
+        assert r["status"] == "ok" and r["check"]["passed"], r
+        assert r["world_size"] == (2 if r["implementation"] in ("ring_zigzag", "distributed_dilated") else 1)

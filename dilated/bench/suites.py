@@ -146,6 +146,7 @@ def backends_main(argv=None) -> int:
 
 # -- benchmark_extreme_sequences ----------------------------------------------------------
 EXTREME_SET = ["dilated", "improved", "improved_pool", "multihead", "dense"]
+EXTREME_DISTRIBUTED = ["ring_zigzag", "distributed_dilated"]  # joined to "all" under torchrun
 
 
 def find_max_length(run, start: int, granularity: int, limit: int, known_ok: int | None = None,
@@ -217,14 +218,28 @@ def extreme_main(argv=None) -> int:
     p.add_argument("--max-call-seconds", type=float, default=30.0,
                    help="--find-max stops growing N once one call takes longer (dense attention at many M tokens)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plots")
+    p.add_argument("--timeout", type=float, default=1800.0, help="process-group timeout under torchrun (s)")
     args = parse_with_config(p, argv)
+    launched = _launched_world() > 1  # under torchrun/srun: the ring and distributed classes join "all"
+    rank = 0
+    if launched:
+        from .distributed import DistributedImplementation
+
+        rank, world, device = _init_for_benchmark(args)
+        args.device = args.device or str(device)
+    lead = rank == 0  # only rank 0 runs the single-device implementations, prints and writes
     if args.time_budget is None and gpu:
         args.time_budget = 5.0  # seconds per row: at least 1 warm-up and 3 timed calls (dense at 1M: ~15 s a call)
     args.plot = not args.no_plot and _have_matplotlib()
     if args.inputs:
         p.error("--inputs: the length sweep generates its inputs; use benchmark_implementations.py for captured ones")
-    names = EXTREME_SET if args.implementation == ["all"] else args.implementation
+    names = args.implementation
+    if names == ["all"]:
+        names = EXTREME_SET + (EXTREME_DISTRIBUTED if launched else [])
     impls = [get_implementation(n) for n in names]
+
+    def here(impl):
+        return lead or (launched and isinstance(impl, DistributedImplementation))
     lengths = []
     n = args.min_seq_length
     while n <= args.max_seq_length:
@@ -233,17 +248,23 @@ def extreme_main(argv=None) -> int:
     opts = run_options(args)
     if args.time_budget is None and not gpu:
         opts.reps, opts.warmup = min(opts.reps, 3), 1
-    writer = open_writer("benchmark_extreme_sequences", args)
-    print(f"dilated extreme-sequence sweep on {envmod.environment()['gpu'] or 'CPU'}: "
-          f"N = {lengths[0]}..{lengths[-1]} (doubling), implementations {names}, modes {args.mode}, "
-          f"B={args.batch_size} H={args.num_heads} D={args.head_dim}; each row checked against a reference.")
-    jobs = [(impl, case, b) for case in _cases(args, lengths, args.mode) for impl in impls for b in args.backend]
-    rows = run_sweep(jobs, opts, writer, "benchmark_extreme_sequences", not args.no_progress)
+    writer = open_writer("benchmark_extreme_sequences", args) if lead else None
+    out = print if lead else (lambda *a, **k: None)
+    out(f"dilated extreme-sequence sweep on {envmod.environment()['gpu'] or 'CPU'}"
+        + (f" x {world} ranks" if launched else "") + f": N = {lengths[0]}..{lengths[-1]} (doubling), "
+        f"implementations {names}, modes {args.mode}, B={args.batch_size} H={args.num_heads} D={args.head_dim}; "
+        "each row checked against a reference.")
+    jobs = [(impl, case, b) for case in _cases(args, lengths, args.mode) for impl in impls for b in args.backend
+            if here(impl)]
+    rows = run_sweep(jobs, opts, writer, "benchmark_extreme_sequences", lead and not args.no_progress,
+                     extra_row=(lambda r: {"world_size": world if r["implementation"] in EXTREME_DISTRIBUTED else 1})
+                     if launched else None)
     want_plot, args.plot = args.plot, False  # plotted at the end, with the --find-max rows
-    finish(rows, writer, args)
+    if lead:
+        finish(rows, writer, args)
     args.plot = want_plot
-    print("\nscaling exponents (fit of log time and log memory against log N):")
-    for impl in impls:
+    out("\nscaling exponents (fit of log time and log memory against log N):")
+    for impl in (impls if lead else []):
         for mode in args.mode:
             ok = [r for r in rows if r["implementation"] == impl.name and r["mode"] == mode and r["status"] == "ok"]
             if len(ok) >= 2:
@@ -255,11 +276,11 @@ def extreme_main(argv=None) -> int:
                       + f"; {per_tok:.0f} bytes/token total at N={ns[-1]}")
     if args.find_max:
         gran = args.granularity or max(1, args.max_seq_length // 16)
-        print(f"\n--find-max: doubling from {args.max_seq_length}, then bisection to {gran} tokens")
+        out(f"\n--find-max: doubling from {args.max_seq_length}, then bisection to {gran} tokens")
         found = []
         # a probe needs to run and be checked; a few timed calls are enough
         probe_opts = dataclasses.replace(opts, warmup=1, reps=min(opts.reps, 3), budget_s=None)
-        for impl in impls:
+        for impl in [i for i in impls if here(i)]:
             for mode in args.mode:
                 done = {r["config"]["seq_len"]: r for r in rows if r["implementation"] == impl.name
                         and r["mode"] == mode and r["status"] == "ok"}
@@ -270,7 +291,11 @@ def extreme_main(argv=None) -> int:
                     case = next(_cases(args, [n], [mode]))
                     r = run_sweep([(impl, case, args.backend[0])], probe_opts, writer, "benchmark_extreme_sequences",
                                   False, extra_row=lambda _: {"find_max": True})[0]
-                    print(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else "")
+                    if launched and isinstance(impl, DistributedImplementation):  # every rank takes the same branch
+                        ok = impl.reduce_max([0.0 if r["status"] == "ok" and not r.get("check_failed") else 1.0])[0]
+                        if ok and r["status"] == "ok":
+                            r = dict(r, status="error", reason="failed on another rank")
+                    out(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else "")
                           + (" CHECK FAILED: not counted" if r.get("check_failed") else ""))
                     return r
                 swept = [r["config"]["seq_len"] for r in rows if r["implementation"] == impl.name
@@ -279,24 +304,32 @@ def extreme_main(argv=None) -> int:
                                                known_ok=max(swept) if swept else None,
                                                max_call_s=args.max_call_seconds)
                 if n is None:
-                    print(f"  => {impl.name} {mode}: nothing ran at N >= {args.min_seq_length}")
+                    out(f"  => {impl.name} {mode}: nothing ran at N >= {args.min_seq_length}")
                 elif row is None:
-                    print(f"  => {impl.name} {mode}: longest N = {n} (from the sweep; {note})")
+                    out(f"  => {impl.name} {mode}: longest N = {n} (from the sweep; {note})")
                 else:
                     mem = row["memory"]
-                    print(f"  => {impl.name} {mode}: longest N = {n} (peak {mem['peak_total_mib']:.0f} MiB total, "
+                    out(f"  => {impl.name} {mode}: longest N = {n} (peak {mem['peak_total_mib']:.0f} MiB total, "
                           f"{mem['peak_above_inputs_mib']:.0f} MiB above inputs, "
                           f"{mem['peak_total_mib'] * (1 << 20) / n:.0f} bytes/token; {note})")
                 found.append({"implementation": impl.name, "mode": mode, "max_seq_len": n, "note": note,
                               "memory": (row or {}).get("memory"), "backend": args.backend[0],
                               "config": (row or {}).get("config"), "check": (row or {}).get("check")})
-        path = writer.path[:-len(".jsonl")] + "-find_max.json"
-        write_json(path, {"granularity": gran, "max_call_seconds": args.max_call_seconds, "results": found})
-        print(f"longest lengths: {path}")
-    if args.plot and writer.rows:
+        if lead:
+            path = writer.path[:-len(".jsonl")] + "-find_max.json"
+            write_json(path, {"granularity": gran, "max_call_seconds": args.max_call_seconds, "results": found})
+            print(f"longest lengths: {path}")
+    if lead and args.plot and writer.rows:
         from .report import plot
         print("plots: " + ", ".join(plot(writer.path)))
-    print(f"\nresults are in {writer.path}" + ("" if args.plot else f"; plot them with: python -m dilated.bench plot {writer.path}"))
+    if lead:
+        print(f"\nresults are in {writer.path}"
+              + ("" if args.plot else f"; plot them with: python -m dilated.bench plot {writer.path}"))
+    if launched:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
