@@ -67,8 +67,25 @@ class MultiheadDilatedAttention(nn.Module):
         v = self.v_proj(value).view(b, n, self.num_kv_heads, self.head_dim)
         x = self.attention(q, k, v).reshape(b, n, self.embed_dim)
         if self.norm is not None:
-            x = self.norm(x)
+            x = layer_norm_rows(self.norm, x)
         return self.out_proj(x)
+
+
+#: CUDA's layer_norm computes row offsets in 32 bits and returns wrong values (NaN) once a tensor
+#: has 2^32 elements (pytorch/pytorch#181555, fixed in pytorch/pytorch#181600; torch 2.11 has the
+#: bug: seen here from 2.36M tokens x 2048 features on an H200). Normalise in chunks of rows below it.
+LAYER_NORM_MAX_ELEMENTS = 1 << 31
+
+
+def layer_norm_rows(norm: nn.LayerNorm, x: torch.Tensor, max_elements: int = LAYER_NORM_MAX_ELEMENTS) -> torch.Tensor:
+    """``norm(x)`` for ``x`` ``[B, N, E]``, in chunks of whole rows of under ``max_elements`` each."""
+    if x.numel() < max_elements:
+        return norm(x)
+    rows = max(1, max_elements // (x.shape[0] * x.shape[2]))
+    out = torch.empty_like(x)
+    for s in range(0, x.shape[1], rows):
+        out[:, s:s + rows] = norm(x[:, s:s + rows])
+    return out
 
 
 def magneto_gamma(num_layers: int) -> float:

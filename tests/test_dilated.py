@@ -173,3 +173,17 @@ def test_gpu_bf16_each_backend(backend, impl, causal, gen):
     dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
     for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
         assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]
+
+
+def test_layer_norm_in_row_chunks_equals_one_call():
+    from dilated.multihead import layer_norm_rows
+
+    norm = torch.nn.LayerNorm(12)
+    x = torch.randn(2, 37, 12, requires_grad=True)
+    ref = norm(x)
+    out = layer_norm_rows(norm, x, max_elements=100)  # 4 rows of 24 elements per chunk
+    assert torch.allclose(out, ref, atol=1e-6)
+    g = torch.randn_like(ref)
+    (gx,) = torch.autograd.grad(out, x, g)
+    (rx,) = torch.autograd.grad(ref, x, g)
+    assert torch.allclose(gx, rx, atol=1e-5)
