@@ -60,6 +60,11 @@ def correctness(rank, world, port):
             mod = dilated.DistributedDilatedAttention(segs, dils, causal=causal, backend="manual")
             ref = dilated.DilatedAttention(segs, dils, causal=causal, backend="manual")
             _compare(mod, "contiguous", q, k, v, ref, f"distributed dilated causal={causal} H={h}/{hkv}")
+            # one all-gather per branch that spans ranks (not one per head offset), nothing for local ones
+            mod.stats.reset()
+            mod(*(dilated.shard(t) for t in (q, k, v)))
+            spanning = sum(1 for w in segs if w > n // world)
+            assert mod.stats.collectives == spanning and mod.stats.messages == 0, mod.stats.as_dict()
     dist.destroy_process_group()
 
 
