@@ -142,8 +142,9 @@ def open_writer(script: str, args) -> ResultWriter:
     return ResultWriter(path)
 
 
-def finish(rows, writer: ResultWriter, args, title: str = "") -> None:
-    print(format_tables(rows, args.baseline))
+def finish(rows, writer: ResultWriter, args, title: str = "", table: str | None = None) -> None:
+    """Print ``table`` (default: the per-config tables), then write CSV and plots and say where."""
+    print(table if table is not None else format_tables(rows, args.baseline))
     if writer.rows == 0:
         print("\nno rows were written")
         return

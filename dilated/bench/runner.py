@@ -139,7 +139,8 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         if opts.memory_budget_mib is not None and (mem.peak_above_mib or 0) > opts.memory_budget_mib:
             raise OverBudget(f"peak {mem.peak_above_mib:.1f} MiB exceeds the memory budget of {opts.memory_budget_mib} MiB")
         timed_setup = setup
-        if type(impl).before_call is not Implementation.before_call:  # ranks start each call together
+        spread = type(impl).before_call is not Implementation.before_call  # runs across ranks
+        if spread:  # ranks start each call together
             timed_setup = (lambda: (setup(), impl.before_call())) if setup else impl.before_call
         # the memory call above was the first warm-up call
         samples = measure(step, device, warmup=max(0, opts.warmup - 1), reps=opts.reps, budget_s=opts.budget_s,
@@ -160,8 +161,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         row["bytes_min"] = by
         row["bandwidth_gbs"] = by / sec / 1e9
         row["arith_intensity"] = fl / by
-        local = type(impl).before_call is Implementation.before_call
-        if opts.floor and impl.kind == "dilated" and local:
+        if opts.floor and impl.kind == "dilated" and not spread:
             from .floor import kernel_floor_step
 
             floor_step = kernel_floor_step(*inputs, case.segment_lengths, case.dilation_rates, case.causal,

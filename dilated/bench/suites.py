@@ -38,10 +38,12 @@ def _cases(args, seq_lengths, modes, **overrides):
             yield Case(**kw)
 
 
-def _jobs(args, impls, backends, seq_lengths, modes):
-    """(implementation, case, backend[, captured]) for every combination; from ``--inputs`` when given."""
+def _jobs(args, impls, backends, seq_lengths, modes, **overrides):
+    """(implementation, case, backend[, captured]) for every combination; from ``--inputs`` when given.
+    ``overrides`` replace case fields taken from ``args`` (generated inputs only)."""
     if not args.inputs:
-        return [(impl, case, b) for case in _cases(args, seq_lengths, modes) for impl in impls for b in backends]
+        return [(impl, case, b) for case in _cases(args, seq_lengths, modes, **overrides) for impl in impls
+                for b in backends]
     try:
         caps = load_captured(args.inputs)
     except ValueError as e:
@@ -443,18 +445,7 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
                          lambda r: {"world_size": 1, "role": "baseline", "scaling": args.scaling,
                                     "tokens_per_rank": r["config"]["seq_len"]})
     if rank == 0:
-        print(format_scaling(rows))
-        bad = [r for r in rows if r.get("check_failed")]
-        if bad:
-            print(f"\n{len(bad)} row(s) FAILED their correctness check")
-        if args.csv:
-            from .results import write_csv
-            write_csv(writer.path, writer.path[:-6] + ".csv")
-        if args.plot:
-            from .report import plot
-            for path in plot(writer.path):
-                print(f"plot: {path}")
-        print(f"\nresults: {writer.path} ({writer.rows} rows)")
+        finish(rows, writer, args, table=format_scaling(rows))
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -507,8 +498,7 @@ def hopper_main(argv=None) -> int:
     jobs = []
     for d in head_dims:
         for causal in (c.lower() in ("true", "1", "yes") for c in args.causal_modes):
-            args.head_dim, args.causal = d, causal
-            jobs += _jobs(args, impls, names, args.seq_lengths, args.mode)
+            jobs += _jobs(args, impls, names, args.seq_lengths, args.mode, head_dim=d, causal=causal)
     writer = open_writer("benchmark_flash_attention_3", args)
     rows = run_sweep(jobs, run_options(args), writer, "benchmark_flash_attention_3", not args.no_progress)
     finish(rows, writer, args)
