@@ -13,7 +13,8 @@ Each rank holds a contiguous shard of ``n = N/P`` positions. For a branch ``(w, 
   gathered keys of earlier ranks and its own keys causally, which is bottom-right causal
   attention over ``[earlier ranks, own]``.
 
-All branches merge into one float32 accumulator by log-sum-exp (the mixing of LongNet eq. 9-10);
+Local branches are combined into a float32 accumulator (:func:`dilated.layout.combine`), spanning
+branches merged into it by log-sum-exp (the mixing of LongNet eq. 9-10);
 backward is a custom autograd Function in which every kernel backward gets the *merged* output
 and lse, which is the exact gradient of the mixture. The result equals ``DilatedAttention`` on
 the gathered sequence, forward and backward.
@@ -115,10 +116,7 @@ def _gather_span(sp: _Span, k, v, stats):
 class _DistributedDilatedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, spans, backend, causal, scale, stats):
-        b, n, h, d = q.shape
-        acc = torch.empty(b, n, h, d, device=q.device, dtype=torch.float32)
-        acc_lse = torch.empty(b, n, h, device=q.device, dtype=torch.float32)
-        forward_calls(q, k, v, plan, backend, causal, scale, None, acc, acc_lse)
+        acc, acc_lse = forward_calls(q, k, v, plan, backend, causal, scale, None, torch.float32)
         gathered = []
         for sp in spans:
             ks, vs = _gather_span(sp, k, v, stats)
@@ -142,10 +140,7 @@ class _DistributedDilatedFunction(torch.autograd.Function):
         q, k, v, out, lse_rows = ctx.saved_tensors
         plan, spans, backend, causal, scale, stats = ctx.cfg
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(v, dtype=torch.float32)
-        backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, dq, dk, dv)
+        dq, dk, dv = backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, torch.float32)
         b, d = q.shape[0], q.shape[3]
         for sp, (ks, vs) in zip(spans, ctx.gathered):
             to_member = [[] for _ in range(sp.span)]

@@ -1,19 +1,23 @@
 """LongNet dilated attention, the fast implementation (same contract as :mod:`dilated_attention`).
 
 * r = 1 branches read a free segment view (no copy); r > 1 branches take one gather per branch
-  (a diagonal view over (position mod r, head mod r) made contiguous once) or, where w, the last
-  segment or the heads are not multiples of r, one strided slice per head offset. No index tensor
+  (the rows of a diagonal over (position mod r, head mod r); q, k and v in one launch,
+  :func:`dilated.layout.gather`) or, where w, the last segment or the heads are not multiples
+  of r, one strided slice per head offset. No index tensor
   is data-sized (GQA with r > 1 uses an ``H/r``-entry kv-head index).
-* Each branch's kernel output is merged in place into one float32 accumulator through the same
-  strided view (the online-softmax merge of ring attention), so the k branch outputs are never
-  materialised at full size.
-* Backward is a custom autograd Function: each branch's kernel backward gets the *merged* output
+* The calls' outputs stay in kernel layout (together about twice one output: branch r covers
+  1/r of the rows) and :func:`dilated.layout.combine` writes their log-sum-exp mixture in one
+  pass, each result row once, in the output dtype (on CUDA one Triton kernel; no float32
+  accumulator, no per-branch strided merge). The result overwrites the r = 1 branch's output.
+* Backward is a custom autograd Function: each call's kernel backward gets the *merged* output
   and lse gathered to its rows, which yields the exact gradient of the mixed attention, mixing
-  weights included; gradients are scattered back through the same views.
+  weights included; the calls' gradients are summed by the same combine (a plain sum).
 * A :class:`~dilated.pattern_cache.PatternCache` keeps per-shape plans; an optional
-  :class:`~dilated.memory_pool.MemoryPool` reuses the accumulator and gather buffers.
+  :class:`~dilated.memory_pool.MemoryPool` reuses the gather buffers.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -22,116 +26,65 @@ from ._checks import check_schedule
 from .backends import get_backend
 from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
+from .layout import combine, gather, merged_lse_for
 from .memory_pool import MemoryPool
-from .merge import merge_
-from .pattern_cache import BranchCall, PatternCache
+from .pattern_cache import PatternCache
 
 
-def branch_view(x: torch.Tensor, c: BranchCall, heads: bool = True) -> torch.Tensor:
-    """Strided view of ``x`` (``[B, N, H, *rest]``) holding the rows of call ``c``.
-
-    Layout ``[B, count, r, n, h, *rest]`` for "diag", ``[B, count, n, h, *rest]`` otherwise.
-    ``heads=False`` selects positions only (kv tensors under GQA).
-    """
-    s = x[:, c.start:c.start + c.count * c.length].unflatten(1, (c.count, c.length))
-    if c.mode == "view":
-        return s
-    r = c.r
-    if c.mode == "diag":
-        s = s.unflatten(2, (c.length // r, r)).unflatten(4, (s.shape[3] // r, r))
-        return s.diagonal(dim1=3, dim2=5).movedim(-1, 2)
-    s = s[:, :, c.offset::r]
-    return s[:, :, :, c.offset::r] if heads else s
+def _covering_part(plan, parts, shape):
+    """The part of a ``view`` call covering every row in ``[B, N, H, D]`` order, viewed as such
+    (the combined result may overwrite it in place), or None."""
+    for c, p in zip(plan, parts):
+        if c.mode == "view" and c.start == 0 and c.count * c.length == shape[1] and p.is_contiguous() \
+                and p.numel() == math.prod(shape):
+            return p.view(shape)
+    return None
 
 
-def _kernel_layout(view: torch.Tensor, rest: int) -> torch.Tensor:
-    """``[B, count, (r,) n, h, *rest]`` -> ``[B', n, h, *rest]`` (a copy unless already dense)."""
-    lead = view.dim() - 2 - rest
-    return view.reshape(-1, *view.shape[lead:])
+def _result(plan, parts, like: torch.Tensor, dtype) -> torch.Tensor:
+    out = _covering_part(plan, parts, like.shape) if dtype == like.dtype else None
+    return out if out is not None else torch.empty(like.shape, dtype=dtype, device=like.device)
 
 
-def _gather(x, c: BranchCall, is_kv: bool, pool: MemoryPool | None):
-    if is_kv and c.kv_heads is not None:
-        view = branch_view(x, c, heads=False).index_select(3, c.kv_heads)
-    else:
-        view = branch_view(x, c)
-    if pool is None or c.mode == "view":
-        return _kernel_layout(view, 1), None
-    buf = pool.acquire(view.shape, x.dtype, x.device)
-    buf.copy_(view)
-    return _kernel_layout(buf, 1), buf
-
-
-def _merged_lse_for(lse_rows, c: BranchCall):
-    """The merged lse (row layout ``[B, N, H]``) at the rows of ``c``, as a kernel's ``[B', h, n]``."""
-    return _kernel_layout(branch_view(lse_rows, c), 0).transpose(1, 2).contiguous()
-
-
-def _scatter_add(acc, grad, c: BranchCall, is_kv: bool):
-    if is_kv and c.kv_heads is not None:
-        view = branch_view(acc, c, heads=False)
-        view.index_add_(3, c.kv_heads, grad.view(*view.shape[:3], -1, grad.shape[-1]).to(acc.dtype))
-    else:
-        view = branch_view(acc, c)
-        view.add_(grad.view(view.shape))
-
-
-def forward_calls(q, k, v, plan, backend, causal, scale, pool, acc, acc_lse) -> None:
-    """Run the kernel calls of ``plan`` and merge them into ``(acc, acc_lse)`` in place.
-
-    A first call that covers every row (r = 1, whole segments) initialises uninitialised
-    accumulators; otherwise they must hold zeros and ``-inf``.
-    """
-    n = q.shape[1]
-    first = plan[0] if plan else None
-    init = first is not None and first.mode == "view" and first.start == 0 and first.count * first.length == n
-    if not init:
-        acc.zero_()
-        acc_lse.fill_(float("-inf"))
-    for i, c in enumerate(plan):
-        (qb, bq), (kb, bk), (vb, bv) = (_gather(x, c, j > 0, pool) for j, x in enumerate((q, k, v)))
-        o, lse = attention_forward(backend, qb, kb, vb, causal, scale)
-        rows = branch_view(acc_lse, c)
-        if init and i == 0:
-            acc.view(o.shape).copy_(o)
-            rows.copy_(lse.transpose(1, 2).reshape(rows.shape))
-        else:
-            merge_(branch_view(acc, c), rows, o.view(branch_view(acc, c).shape),
-                   lse.transpose(1, 2).reshape(rows.shape))
-        del o, lse, qb, kb, vb  # free this branch's tensors before the next branch allocates its own
-        for buf in (bq, bk, bv):
-            if buf is not None:
-                pool.release(buf)
-
-
-def backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, dq, dk, dv) -> None:
-    """Add each call's kernel backward, given the *merged* out and lse, into float32 dq, dk, dv."""
+def forward_calls(q, k, v, plan, backend, causal, scale, pool, dtype=None):
+    """Run the kernel calls of ``plan``; return their mixture ``out`` (``dtype``, default q's) and
+    its lse in row layout (float32 ``[B, N, H]``), both written by one :func:`combine`."""
+    parts, lses = [], []
     for c in plan:
-        qb, kb, vb = (_gather(x, c, i > 0, None)[0] for i, x in enumerate((q, k, v)))
-        ob, dob = _gather(out, c, False, None)[0], _gather(dout, c, False, None)[0]
-        g = attention_backward(backend, dob, qb, kb, vb, ob, _merged_lse_for(lse_rows, c), causal, scale)
-        _scatter_add(dq, g[0], c, False)
-        _scatter_add(dk, g[1], c, True)
-        _scatter_add(dv, g[2], c, True)
-        del g
+        (qb, kb, vb), bufs = gather(c, (q, k, v), (False, True, True), pool)
+        o, lse = attention_forward(backend, qb, kb, vb, causal, scale)
+        parts.append(o)
+        lses.append(lse)
+        del qb, kb, vb  # free this branch's inputs before the next branch allocates its own
+        for buf in bufs:
+            pool.release(buf)
+    out = _result(plan, parts, q, dtype or q.dtype)
+    out_lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    return combine(plan, parts, lses, out, out_lse), out_lse
+
+
+def backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, dtype=None):
+    """Each call's kernel backward, given the *merged* out and lse, summed into ``dq, dk, dv``
+    (``dtype``, default the inputs')."""
+    grads = ([], [], [])
+    for c in plan:
+        (qb, kb, vb, ob, dob), _ = gather(c, (q, k, v, out, dout), (False, True, True, False, False))
+        g = attention_backward(backend, dob, qb, kb, vb, ob, merged_lse_for(lse_rows, c), causal, scale)
+        for acc, gi in zip(grads, g):
+            acc.append(gi)
+        del g, qb, kb, vb, ob, dob
+    result = []
+    for i, x in enumerate((q, k, v)):
+        parts = grads[i]
+        result.append(combine(plan, parts, None, _result(plan, parts, x, dtype or x.dtype), kv=i > 0))
+        parts.clear()  # frees this gradient's parts before the next is combined
+    return tuple(result)
 
 
 class _ImprovedDilatedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, backend, causal, scale, pool):
-        b, n, h, d = q.shape
-        if pool is not None:
-            acc = pool.acquire((b, n, h, d), torch.float32, q.device)
-            acc_lse = pool.acquire((b, n, h), torch.float32, q.device)
-        else:
-            acc = torch.empty(b, n, h, d, device=q.device, dtype=torch.float32)
-            acc_lse = torch.empty((b, n, h), device=q.device, dtype=torch.float32)
-        forward_calls(q, k, v, plan, backend, causal, scale, pool, acc, acc_lse)
-        out = acc.to(q.dtype)
-        lse_rows = acc_lse.clone() if pool is not None else acc_lse
-        if pool is not None:
-            pool.release(acc)
-            pool.release(acc_lse)
+        out, lse_rows = forward_calls(q, k, v, plan, backend, causal, scale, pool)
         ctx.save_for_backward(q, k, v, out, lse_rows)
         ctx.plan, ctx.backend, ctx.causal, ctx.scale = plan, backend, causal, scale
         return out
@@ -139,14 +92,8 @@ class _ImprovedDilatedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse_rows = ctx.saved_tensors
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(v, dtype=torch.float32)
-        backward_calls(ctx.plan, ctx.backend, ctx.causal, ctx.scale, q, k, v, out, lse_rows, dout.contiguous(),
-                       dq, dk, dv)
-        dq = dq.to(q.dtype)  # rebinding frees each float32 accumulator before the next cast
-        dk = dk.to(k.dtype)
-        dv = dv.to(v.dtype)
+        dq, dk, dv = backward_calls(ctx.plan, ctx.backend, ctx.causal, ctx.scale, q, k, v, out, lse_rows,
+                                    dout.contiguous())
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -9,7 +9,7 @@ import torch
 
 from dilated.backends import get_backend
 from dilated.functional import attention_backward, attention_forward, default_scale
-from dilated.improved_dilated_attention import _gather
+from dilated.layout import gather
 from dilated.pattern_cache import build_plan
 
 
@@ -24,7 +24,7 @@ def kernel_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, ba
         plan = build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device)
         calls = []
         for c in plan:
-            qb, kb, vb = (_gather(x, c, i > 0, None)[0].contiguous() for i, x in enumerate((q, k, v)))
+            qb, kb, vb = (x.contiguous() for x in gather(c, (q, k, v), (False, True, True))[0])
             if mode == "fwd":
                 calls.append((qb, kb, vb, None, None, None))
                 continue

@@ -1,0 +1,274 @@
+"""Rows of a dilated plan between ``[B, N, H, D]`` and the kernels' layout: gather and combine.
+
+A call ``c`` of a plan (:class:`~dilated.pattern_cache.BranchCall`) covers some rows
+``(b, position, head)``; :func:`branch_view` is the strided view of them, laid out
+``[B, count, (r,) n, h, ...]``, and a kernel sees them as ``[B', n, h, D]`` (kernel layout).
+
+* :func:`gather`: one call's rows of several ``[B, N, H, D]`` tensors (q, k, v forward; q, k, v,
+  out, dout backward) in kernel layout. r = 1 calls are free views; the others one copy each, on
+  CUDA one Triton launch for all the tensors of the call (whole rows, no per-element index
+  arithmetic of a 6-d strided copy).
+* :func:`combine`: the result of all calls, each row written once. With lse (forward) it is the
+  log-sum-exp mixture ``sum_c exp(lse_c - L) o_c``, ``L = logsumexp_c lse_c`` (LongNet eq. 9-10,
+  the merge of :mod:`dilated.merge` for all calls at once), and ``L`` itself; without (gradients)
+  the plain sum. On CUDA one Triton kernel reads every call's rows from its kernel-layout tensor
+  and rounds once to the output dtype: no float32 accumulator in memory, no per-branch strided
+  merge. The output may alias the part of a ``view`` call covering every row in ``[B, N, H, D]``
+  order (each program reads its rows before writing them).
+
+The plan is compile-time for the kernels (divisions by constants); tensors and strides are
+arguments. Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
+``DILATED_TRITON=0``) the same results come from strided views (float32 accumulator for combine).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .memory_pool import MemoryPool
+from .merge import merge_
+from .pattern_cache import BranchCall
+
+try:  # Triton ships with CUDA builds of PyTorch; it is optional here.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def triton_enabled(device: torch.device) -> bool:
+    """Whether gather and combine run Triton kernels on ``device`` (``DILATED_TRITON=0``: never)."""
+    if triton is None or os.environ.get("DILATED_TRITON", "1") == "0":
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def branch_view(x: torch.Tensor, c: BranchCall, heads: bool = True) -> torch.Tensor:
+    """Strided view of ``x`` (``[B, N, H, *rest]``) holding the rows of call ``c``.
+
+    Layout ``[B, count, r, n, h, *rest]`` for "diag", ``[B, count, n, h, *rest]`` otherwise.
+    ``heads=False`` selects positions only (kv tensors under GQA).
+    """
+    s = x[:, c.start:c.start + c.count * c.length].unflatten(1, (c.count, c.length))
+    if c.mode == "view":
+        return s
+    r = c.r
+    if c.mode == "diag":
+        s = s.unflatten(2, (c.length // r, r)).unflatten(4, (s.shape[3] // r, r))
+        return s.diagonal(dim1=3, dim2=5).movedim(-1, 2)
+    s = s[:, :, c.offset::r]
+    return s[:, :, :, c.offset::r] if heads else s
+
+
+def kernel_layout(view: torch.Tensor, rest: int = 1) -> torch.Tensor:
+    """``[B, count, (r,) n, h, *rest]`` -> ``[B', n, h, *rest]`` (a copy unless already dense)."""
+    lead = view.dim() - 2 - rest
+    return view.reshape(-1, *view.shape[lead:])
+
+
+def merged_lse_for(lse_rows: torch.Tensor, c: BranchCall) -> torch.Tensor:
+    """A row-layout lse ``[B, N, H]`` at the rows of ``c``, as a kernel's ``[B', h, n]``."""
+    return kernel_layout(branch_view(lse_rows, c), 0).transpose(1, 2).contiguous()
+
+
+def gather(c: BranchCall, tensors, kv=None, pool: MemoryPool | None = None):
+    """The rows of ``c`` of each tensor, in kernel layout. ``kv[i]`` marks kv tensors (GQA calls
+    select their kv heads). Returns ``(gathered, buffers)``; the buffers came from ``pool``."""
+    kv = kv or [False] * len(tensors)
+    if c.mode == "view":
+        return [kernel_layout(branch_view(x, c)) for x in tensors], []
+    views = [branch_view(x, c, heads=not (is_kv and c.kv_heads is not None)) for x, is_kv in zip(tensors, kv)]
+    views = [v.index_select(3, c.kv_heads) if is_kv and c.kv_heads is not None else v for v, is_kv in zip(views, kv)]
+    bufs = [pool.acquire(v.shape, v.dtype, v.device) if pool else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            for v in views]
+    dense = [kernel_layout(b) for b in bufs]
+    fast = [i for i, x in enumerate(tensors)
+            if not (kv[i] and c.kv_heads is not None) and x.stride(-1) == 1 and x.shape == tensors[0].shape]
+    if fast and triton_enabled(tensors[0].device):
+        _gather_triton(c, [tensors[i] for i in fast], [dense[i] for i in fast])
+    else:
+        fast = []
+    for i, (buf, view) in enumerate(zip(bufs, views)):
+        if i not in fast:
+            buf.copy_(view)
+    return dense, (bufs if pool else [])
+
+
+def combine(plan, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None = None, *, kv: bool = False):
+    """Write the combination of ``parts`` (one per call of ``plan``) into every row of ``out``.
+
+    ``lses``: the calls' kernel lse ``[B', h, n]`` (then ``out_lse``, float32 ``[B, N, H]``, gets
+    ``L``) or None for a plain sum. ``kv``: the parts are k/v gradients (GQA calls scatter them to
+    their kv heads). Rows no call covers get 0 (and lse ``-inf``). Returns ``out``.
+    """
+    gqa = kv and any(c.kv_heads is not None for c in plan)
+    if triton_enabled(out.device) and not gqa and all(p.stride(-1) == 1 for p in parts):
+        _combine_triton(plan, parts, lses, out, out_lse)
+    else:
+        _combine_torch(plan, parts, lses, out, out_lse, kv)
+    return out
+
+
+def _shares_memory(a: torch.Tensor, parts) -> bool:
+    return any(a.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in parts)
+
+
+def _combine_torch(plan, parts, lses, out, out_lse, kv):
+    b, n, h, d = out.shape
+    own = out.dtype == torch.float32 and not _shares_memory(out, parts)
+    acc = out.zero_() if own else out.new_zeros(out.shape, dtype=torch.float32)
+    if lses is None:
+        for c, g in zip(plan, parts):
+            if kv and c.kv_heads is not None:
+                view = branch_view(acc, c, heads=False)
+                view.index_add_(3, c.kv_heads, g.reshape(*view.shape[:3], -1, d).to(acc.dtype))
+            else:
+                view = branch_view(acc, c)
+                view.add_(g.reshape(view.shape))
+    else:
+        acc_lse = out_lse.fill_(float("-inf"))
+        for c, o, lse in zip(plan, parts, lses):
+            rows = branch_view(acc_lse, c)
+            merge_(branch_view(acc, c), rows, o.reshape(branch_view(acc, c).shape),
+                   lse.transpose(1, 2).reshape(rows.shape))
+    if not own:
+        out.copy_(acc)
+
+
+def _call_constants(c: BranchCall) -> tuple:
+    return (c.start, c.count, c.length, c.r, int(c.mode == "diag"), c.offset if c.mode == "offset" else -1)
+
+
+def _gather_triton(c, sources, dests):
+    b, n, h, d = sources[0].shape
+    bp, nc, hc, _ = dests[0].shape
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, 4096 // block_d)
+    _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
+        tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d,
+        CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+
+
+def _combine_triton(plan, parts, lses, out, out_lse):
+    b, n, h, d = out.shape
+    has_lse = lses is not None
+    if not parts:
+        out.zero_()
+        if has_lse:
+            out_lse.fill_(float("-inf"))
+        return
+    # The plan is compile-time (divisions by constants); tensors and their strides are arguments.
+    calls = tuple(_call_constants(c) for c in plan)
+    strides = tuple(s for p in parts for s in p.stride()[:3])
+    if has_lse:
+        lse_parts, lse_strides = tuple(lses), tuple(s for l in lses for s in l.stride())
+    else:
+        lse_parts, lse_strides, out_lse = tuple(parts), strides, out  # not read, not written
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, 4096 // block_d)
+    grid = (triton.cdiv(n * h, block_r), b)
+    _combine_kernel[grid](
+        out, out_lse, tuple(parts), strides, lse_parts, lse_strides, n, d,
+        out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1), out_lse.stride(2),
+        CALLS=calls, N_CALLS=len(calls), H=h, HAS_LSE=has_lse, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, N, D,
+                        s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
+                        CALLS: tl.constexpr, N_CALLS: tl.constexpr, H: tl.constexpr, HAS_LSE: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        b = tl.program_id(1)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (position, head) rows of batch b
+        rmask = rows < N * H
+        p = rows // H
+        hh = rows % H
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        s_i = tl.zeros([BLOCK_R], tl.float32)
+        for c in tl.static_range(N_CALLS):
+            start = CALLS[c][0]
+            count = CALLS[c][1]
+            length = CALLS[c][2]
+            r = CALLS[c][3]
+            diag = CALLS[c][4]
+            off = CALLS[c][5]
+            q = p - start
+            member = rmask & (q >= 0) & (q < count * length)
+            q = tl.where(member, q, 0)
+            seg = q // length
+            i = q - seg * length
+            mh = hh % r
+            member = member & (i % r == mh)
+            if off >= 0:
+                member = member & (mh == off)
+            bi = b * count + seg
+            if diag:
+                bi = bi * r + mh
+            ni = i // r
+            hi = hh // r
+            o_off = (bi.to(tl.int64) * strides[3 * c] + ni.to(tl.int64) * strides[3 * c + 1]
+                     + hi.to(tl.int64) * strides[3 * c + 2])
+            o = tl.load(parts[c] + o_off[:, None] + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0)
+            o = o.to(tl.float32)
+            if HAS_LSE:
+                l_off = (bi.to(tl.int64) * lse_strides[3 * c] + hi.to(tl.int64) * lse_strides[3 * c + 1]
+                         + ni.to(tl.int64) * lse_strides[3 * c + 2])
+                lse = tl.load(lses[c] + l_off, mask=member, other=float("-inf"))
+                m_new = tl.maximum(m_i, lse)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                beta = tl.exp(lse - m_safe)
+                acc = acc * alpha[:, None] + o * beta[:, None]
+                s_i = s_i * alpha + beta
+                m_i = m_new
+            else:
+                acc += o
+        row_o = b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh
+        if HAS_LSE:
+            seen = s_i > 0
+            acc = acc / tl.where(seen, s_i, 1.0)[:, None]
+            lse_out = tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
+            row_l = b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh
+            tl.store(out_lse_ptr + row_l, lse_out, mask=rmask)
+        tl.store(out_ptr + row_o[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & dmask[None, :])
+
+    @triton.jit
+    def _gather_kernel(sources, strides, dests, NC, D, CALL: tl.constexpr, N_T: tl.constexpr, HC: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # program (row block, kernel batch index bi): rows (ni, hi) of bi, from every source
+        start = CALL[0]
+        count = CALL[1]
+        length = CALL[2]
+        r = CALL[3]
+        diag = CALL[4]
+        off = CALL[5]
+        bi = tl.program_id(1)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < NC * HC
+        ni = rows // HC
+        hi = rows % HC
+        if diag:
+            m = bi % r
+            bs = bi // r
+        else:
+            m = off
+            bs = bi
+        seg = bs % count
+        b = bs // count
+        p = start + seg * length + ni * r + m
+        hh = hi * r + m
+        d = tl.arange(0, BLOCK_D)
+        mask = rmask[:, None] & (d < D)[None, :]
+        dst = (bi.to(tl.int64) * NC * HC + rows.to(tl.int64)) * D
+        for t in tl.static_range(N_T):
+            src = (b.to(tl.int64) * strides[3 * t] + p.to(tl.int64) * strides[3 * t + 1]
+                   + hh.to(tl.int64) * strides[3 * t + 2])
+            x = tl.load(sources[t] + src[:, None] + d[None, :], mask=mask)
+            tl.store(dests[t] + dst[:, None] + d[None, :], x, mask=mask)

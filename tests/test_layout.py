@@ -1,0 +1,81 @@
+"""Gather and combine (dilated.layout): the Triton kernels against the torch path.
+
+On a CPU machine the Triton kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, read
+when the kernel is defined, hence the subprocesses); skipped where Triton is not installed.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dilated.layout import _combine_torch, branch_view, combine, gather, kernel_layout
+from dilated.pattern_cache import build_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+PLANS = [  # (N, H, Hkv, segments, dilations)
+    (64, 4, 4, [8, 16], [1, 2]),       # view + diag
+    (72, 6, 6, [8, 32], [1, 4]),       # partial last segments, offset calls
+    (40, 3, 3, [16, 32], [2, 3]),      # rows no call covers
+]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+
+def _interpreted(args):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def check_plans():
+    """Run in the interpreter: gather and combine (Triton) equal the torch path."""
+    gen = torch.Generator().manual_seed(0)
+    for n, h, hkv, segs, dils in PLANS:
+        plan = build_plan(n, h, hkv, segs, dils, "cpu")
+        x = torch.randn(2, n, h, 8, generator=gen)
+        y = torch.randn(2, n, 2 * h, 8, generator=gen)[:, :, ::2]  # strided heads
+        for c in plan:
+            got = gather(c, [x, y.to(torch.bfloat16)])[0]
+            for g, t in zip(got, (x, y.to(torch.bfloat16))):
+                assert torch.equal(g, kernel_layout(branch_view(t, c)))
+        parts = [gather(c, [x])[0][0].clone() * (i + 1) for i, c in enumerate(plan)]
+        lses = [torch.randn(p.shape[0], p.shape[2], p.shape[1], generator=gen) for p in parts]
+        for dtype in (torch.float32, torch.bfloat16):
+            for with_lse in (True, False):
+                ps, ls = [p.to(dtype) for p in parts], (lses if with_lse else None)
+                got, want = torch.empty_like(x, dtype=dtype), torch.empty_like(x, dtype=dtype)
+                got_lse, want_lse = torch.empty(2, n, h), torch.empty(2, n, h)
+                combine(plan, ps, ls, got, got_lse if with_lse else None)
+                _combine_torch(plan, ps, ls, want, want_lse if with_lse else None, False)
+                ulp = 1e-6 if dtype == torch.float32 else 2 ** -7
+                torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=2 * ulp * want.abs().max().item())
+                if with_lse:
+                    torch.testing.assert_close(got_lse, want_lse)  # -inf where no call covers a row
+    print("plans ok")
+
+
+@needs_triton
+def test_triton_combine_equals_torch_path():
+    run = _interpreted(["-c", "import test_layout; test_layout.check_plans()"])
+    assert run.returncode == 0 and "plans ok" in run.stdout, run.stdout + run.stderr
+
+
+@needs_triton
+def test_improved_attention_through_triton_combine():
+    """The whole improved path (forward and gradients against float64) with the kernel doing the combine."""
+    run = _interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_dilated.py",
+                        "-k", "matches_reference and improved"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_combine_writes_in_place_over_the_full_view_part():
+    """The result may overwrite the part of an r = 1 call that covers every row (the forward does)."""
+    plan = build_plan(32, 4, 4, [8, 16], [1, 2], "cpu")
+    x = torch.randn(1, 32, 4, 8)
+    parts = [gather(c, [x])[0][0].clone() for c in plan]
+    want = torch.empty_like(x)
+    _combine_torch(plan, [p.clone() for p in parts], None, want, None, False)
+    got = combine(plan, parts, None, parts[0].view(x.shape))
+    torch.testing.assert_close(got, want)
