@@ -13,8 +13,8 @@ Each rank holds a contiguous shard of ``n = N/P`` positions. For a branch ``(w, 
   gathered keys of earlier ranks and its own keys causally, which is bottom-right causal
   attention over ``[earlier ranks, own]``.
 
-Local branches are combined into a float32 accumulator (:func:`dilated.layout.combine`), spanning
-branches merged into it by log-sum-exp (the mixing of LongNet eq. 9-10);
+All branches, local and spanning, are mixed by log-sum-exp (LongNet eq. 9-10) in one
+:func:`dilated.layout.combine`, straight into the output dtype;
 backward is a custom autograd Function in which every kernel backward gets the *merged* output
 and lse, which is the exact gradient of the mixture. The result equals ``DilatedAttention`` on
 the gathered sequence, forward and backward.
@@ -30,8 +30,7 @@ from .backends import get_backend
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .improved_dilated_attention import backward_calls, forward_calls
-from .merge import merge_
-from .pattern_cache import build_plan
+from .pattern_cache import BranchCall, build_plan
 
 
 def _selected(start_t: int, n: int, r: int, off: int) -> slice:
@@ -116,8 +115,8 @@ def _gather_span(sp: _Span, k, v, stats):
 class _DistributedDilatedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, spans, backend, causal, scale, stats):
-        acc, acc_lse = forward_calls(q, k, v, plan, backend, causal, scale, None, torch.float32)
-        gathered = []
+        n = q.shape[1]
+        calls, parts, lses, gathered = [], [], [], []
         for sp in spans:
             ks, vs = _gather_span(sp, k, v, stats)
             gathered.append((ks, vs))
@@ -128,10 +127,13 @@ class _DistributedDilatedFunction(torch.autograd.Function):
                     upto = sum(sizes[:sp.me + 1])
                     kj, vj = kj[:, :upto], vj[:, :upto]
                 o, lse = attention_forward(backend, q[:, rows, off::sp.r], kj, vj, causal, scale)
-                merge_(acc[:, rows, off::sp.r], acc_lse[:, rows, off::sp.r], o, lse.transpose(1, 2))
-        out = acc.to(q.dtype)
-        del acc
-        ctx.save_for_backward(q, k, v, out, acc_lse)
+                calls.append(BranchCall(0, 1, n, sp.r, "offset", off, row_offset=rows.start))
+                parts.append(o)
+                lses.append(lse)
+        # spanning and local branches mixed by one combine, straight into the output dtype
+        out, lse_rows = forward_calls(q, k, v, plan, backend, causal, scale, None, extra=(calls, parts, lses))
+        del calls, parts, lses
+        ctx.save_for_backward(q, k, v, out, lse_rows)
         ctx.gathered, ctx.cfg = gathered, (plan, spans, backend, causal, scale, stats)
         return out
 

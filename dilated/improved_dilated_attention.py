@@ -46,21 +46,23 @@ def _result(plan, parts, like: torch.Tensor, dtype) -> torch.Tensor:
     return out if out is not None else torch.empty(like.shape, dtype=dtype, device=like.device)
 
 
-def forward_calls(q, k, v, plan, backend, causal, scale, pool, dtype=None):
+def forward_calls(q, k, v, plan, backend, causal, scale, pool, dtype=None, extra=None):
     """Run the kernel calls of ``plan``; return their mixture ``out`` (``dtype``, default q's) and
-    its lse in row layout (float32 ``[B, N, H]``), both written by one :func:`combine`."""
-    parts, lses = [], []
+    its lse in row layout (float32 ``[B, N, H]``), both written by one :func:`combine`.
+    ``extra``: ``(calls, outputs, lses)`` computed elsewhere, mixed in by the same combine."""
+    calls, parts, lses = (list(x) for x in extra) if extra else ([], [], [])
     for c in plan:
         (qb, kb, vb), bufs = gather(c, (q, k, v), (False, True, True), pool)
         o, lse = attention_forward(backend, qb, kb, vb, causal, scale)
+        calls.append(c)
         parts.append(o)
         lses.append(lse)
         del qb, kb, vb  # free this branch's inputs before the next branch allocates its own
         for buf in bufs:
             pool.release(buf)
-    out = _result(plan, parts, q, dtype or q.dtype)
+    out = _result(calls, parts, q, dtype or q.dtype)
     out_lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    return combine(plan, parts, lses, out, out_lse), out_lse
+    return combine(calls, parts, lses, out, out_lse), out_lse
 
 
 def backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, dtype=None):

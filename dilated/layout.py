@@ -57,7 +57,7 @@ def branch_view(x: torch.Tensor, c: BranchCall, heads: bool = True) -> torch.Ten
     if c.mode == "diag":
         s = s.unflatten(2, (c.length // r, r)).unflatten(4, (s.shape[3] // r, r))
         return s.diagonal(dim1=3, dim2=5).movedim(-1, 2)
-    s = s[:, :, c.offset::r]
+    s = s[:, :, c.first_row::r]
     return s[:, :, :, c.offset::r] if heads else s
 
 
@@ -136,18 +136,23 @@ def _combine_torch(plan, parts, lses, out, out_lse, kv):
         out.copy_(acc)
 
 
+_LAUNCH = {"elements": 4096, "num_warps": 4}  # per program: rows x head_dim elements
+
+
 def _call_constants(c: BranchCall) -> tuple:
-    return (c.start, c.count, c.length, c.r, int(c.mode == "diag"), c.offset if c.mode == "offset" else -1)
+    if c.mode == "offset":
+        return (c.start, c.count, c.length, c.r, 0, c.offset, c.first_row)
+    return (c.start, c.count, c.length, c.r, int(c.mode == "diag"), -1, 0)
 
 
 def _gather_triton(c, sources, dests):
     b, n, h, d = sources[0].shape
     bp, nc, hc, _ = dests[0].shape
     block_d = triton.next_power_of_2(d)
-    block_r = max(1, 4096 // block_d)
+    block_r = max(1, _LAUNCH["elements"] // block_d)
     _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
         tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d,
-        CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+        CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
 
 
 def _combine_triton(plan, parts, lses, out, out_lse):
@@ -166,12 +171,12 @@ def _combine_triton(plan, parts, lses, out, out_lse):
     else:
         lse_parts, lse_strides, out_lse = tuple(parts), strides, out  # not read, not written
     block_d = triton.next_power_of_2(d)
-    block_r = max(1, 4096 // block_d)
+    block_r = max(1, _LAUNCH["elements"] // block_d)
     grid = (triton.cdiv(n * h, block_r), b)
     _combine_kernel[grid](
         out, out_lse, tuple(parts), strides, lse_parts, lse_strides, n, d,
         out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1), out_lse.stride(2),
-        CALLS=calls, N_CALLS=len(calls), H=h, HAS_LSE=has_lse, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+        CALLS=calls, N_CALLS=len(calls), H=h, HAS_LSE=has_lse, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
 
 
 if triton is not None:
@@ -198,15 +203,17 @@ if triton is not None:
             r = CALLS[c][3]
             diag = CALLS[c][4]
             off = CALLS[c][5]
+            first = CALLS[c][6]
             q = p - start
             member = rmask & (q >= 0) & (q < count * length)
             q = tl.where(member, q, 0)
             seg = q // length
             i = q - seg * length
             mh = hh % r
-            member = member & (i % r == mh)
-            if off >= 0:
-                member = member & (mh == off)
+            if off >= 0:  # one head offset; its rows start at ``first``
+                member = member & (i % r == first) & (mh == off)
+            else:  # view (r = 1) or diagonal: position and head agree mod r
+                member = member & (i % r == mh)
             bi = b * count + seg
             if diag:
                 bi = bi * r + mh
@@ -249,6 +256,7 @@ if triton is not None:
         r = CALL[3]
         diag = CALL[4]
         off = CALL[5]
+        first = CALL[6]
         bi = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < NC * HC
@@ -257,13 +265,13 @@ if triton is not None:
         if diag:
             m = bi % r
             bs = bi // r
+            p = start + (bs % count) * length + ni * r + m
+            hh = hi * r + m
         else:
-            m = off
             bs = bi
-        seg = bs % count
+            p = start + (bs % count) * length + ni * r + first
+            hh = hi * r + off
         b = bs // count
-        p = start + seg * length + ni * r + m
-        hh = hi * r + m
         d = tl.arange(0, BLOCK_D)
         mask = rmask[:, None] & (d < D)[None, :]
         dst = (bi.to(tl.int64) * NC * HC + rows.to(tl.int64)) * D

@@ -24,6 +24,11 @@ class BranchCall:
     mode: str  # "view" (r == 1), "diag" (all offsets in one gather), "offset" (one offset)
     offset: int = 0
     kv_heads: torch.Tensor | None = field(default=None, compare=False)
+    row_offset: int | None = None  # "offset" calls: first row of each segment, when not ``offset``
+
+    @property
+    def first_row(self) -> int:
+        return self.offset if self.row_offset is None else self.row_offset
 
 
 def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device) -> list[BranchCall]:

@@ -68,6 +68,26 @@ def correctness(rank, world, port):
     dist.destroy_process_group()
 
 
+def sharded_check(rank, world, port):
+    """The sampled check reading shards in place equals the one on gathered tensors."""
+    from dilated.bench.distributed import ShardedSequence
+    from dilated.reference import sampled_reference
+
+    init(rank, world, port)
+    n = 24 * world
+    q, k, v = _full(5, n, 4, 2, b=1)
+    mine = [dilated.shard(t) for t in (q, k, v)]
+    sharded = [ShardedSequence(t) for t in mine]
+    rows = torch.tensor([0, 5, n // 2 + 1, n - 1])
+    assert torch.equal(sharded[0][:, rows], q[:, rows])
+    assert torch.equal(sharded[1][:, 3:n - 2], k[:, 3:n - 2])
+    segs, dils = [8, n], [1, 2]
+    got = sampled_reference(*sharded, rows, causal=True, segment_lengths=segs, dilation_rates=dils, block=7)
+    want = sampled_reference(q, k, v, rows, causal=True, segment_lengths=segs, dilation_rates=dils, block=7)
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    dist.destroy_process_group()
+
+
 def bad_length(rank, world, port):
     init(rank, world, port)
     q = torch.randn(1, 5 * world + 1, 2, 8)

@@ -21,6 +21,11 @@ def test_ring_and_distributed_dilated_match_single_process(world):
     mp.spawn(dist_worker.correctness, args=(world, _port()), nprocs=world, join=True)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_sampled_check_reads_shards_in_place(world):
+    mp.spawn(dist_worker.sharded_check, args=(world, _port()), nprocs=world, join=True)
+
+
 def test_sequence_not_divisible_by_world_size():
     mp.spawn(dist_worker.bad_length, args=(2, _port()), nprocs=2, join=True)
 

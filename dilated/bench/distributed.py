@@ -8,6 +8,8 @@ as everything else; its hooks make each row honest across ranks:
 * each timed call starts after a barrier, and a call's time is the maximum over the ranks;
 * peak memory is the maximum over the ranks;
 * the correctness check gathers the shards and compares the global result with the reference;
+  past :data:`GATHER_LIMIT_BYTES` per tensor (where the check samples rows) the shards stay where
+  they are (:class:`ShardedSequence`) and the reference reads rows and key blocks from their owners;
 * communication per call (bytes sent, messages, collectives) and the exposed communication time
   (CUDA events around each wait on the compute stream) come from the module's ``stats``.
 
@@ -27,6 +29,57 @@ import dilated
 
 from .registry import Case, Implementation, register_implementation
 from .runner import RunOptions, run_sweep
+
+#: above this size of a gathered tensor the check reads the shards in place (16M tokens, H=16, D=128
+#: bf16 is 64 GiB per tensor: q, k, v and out gathered on every rank would not fit).
+GATHER_LIMIT_BYTES = 2 << 30
+
+
+class ShardedSequence:
+    """A ``[B, N, H, D]`` tensor left in its contiguous shards, for the sampled check.
+
+    Supports what :func:`dilated.reference.sampled_reference` and the check read: ``x[:, rows]``
+    (an index tensor: each owner fills its rows, one all-reduce) and ``x[:, a:b]`` (key blocks:
+    a broadcast from each owner). Every rank makes the same reads in the same order, as the
+    check does, so the collectives match.
+    """
+
+    def __init__(self, local: torch.Tensor, group=None):
+        self.local, self.group = local.detach(), group
+        self.rank, self.p = dist.get_rank(group), dist.get_world_size(group)
+        self.n = local.shape[1]
+        self.shape = torch.Size((local.shape[0], self.n * self.p, *local.shape[2:]))
+        self.device, self.dtype = local.device, local.dtype
+
+    def _src(self, owner: int) -> int:
+        return dist.get_global_rank(self.group, owner) if self.group is not None else owner
+
+    def __getitem__(self, idx):
+        whole, sel = idx
+        if whole != slice(None):
+            raise IndexError("ShardedSequence reads [:, rows] or [:, a:b]")
+        if isinstance(sel, slice):
+            start, stop, step = sel.indices(self.shape[1])
+            if step != 1:
+                raise IndexError("ShardedSequence reads contiguous key blocks only")
+            pieces = []
+            for owner in range(start // self.n, (stop - 1) // self.n + 1):
+                a, b = max(start - owner * self.n, 0), min(stop - owner * self.n, self.n)
+                if owner == self.rank:
+                    buf = self.local[:, a:b].contiguous()
+                else:
+                    buf = torch.empty((self.shape[0], b - a, *self.shape[2:]), device=self.device, dtype=self.dtype)
+                dist.broadcast(buf, src=self._src(owner), group=self.group)
+                pieces.append(buf)
+            return torch.cat(pieces, 1)
+        rows = torch.as_tensor(sel, device=self.device)
+        out = torch.zeros((self.shape[0], len(rows), *self.shape[2:]), device=self.device, dtype=self.dtype)
+        lo = self.rank * self.n
+        mine = (rows >= lo) & (rows < lo + self.n)
+        out[:, mine] = self.local[:, rows[mine] - lo]
+        dist.all_reduce(out, group=self.group)  # every row is nonzero on its owner only: exact
+        return out
+
 
 #: a schedule whose largest segment spans all ranks (LongNet's sequence-parallel setting).
 DISTRIBUTED_SEGMENTS = (4096, 16384, 65536, 262144)
@@ -99,6 +152,9 @@ class DistributedImplementation(Implementation):
         return r(case.num_heads), r(case.kv_heads), r(case.kv_heads)
 
     def gather(self, t):
+        full_bytes = t.numel() * t.element_size() * dist.get_world_size(self.group)
+        if self.layout == "contiguous" and full_bytes > GATHER_LIMIT_BYTES:
+            return ShardedSequence(t, self.group)
         return dilated.unshard(t.contiguous(), group=self.group, layout=self.layout)
 
     def reduce_max(self, values):
