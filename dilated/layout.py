@@ -75,20 +75,20 @@ def merged_lse_for(lse_rows: torch.Tensor, c: BranchCall) -> torch.Tensor:
 def gather(c: BranchCall, tensors, kv=None, pool: MemoryPool | None = None):
     """The rows of ``c`` of each tensor, in kernel layout. ``kv[i]`` marks kv tensors (GQA calls
     select their kv heads). Returns ``(gathered, buffers)``; the buffers came from ``pool``."""
-    kv = kv or [False] * len(tensors)
     if c.mode == "view":
         return [kernel_layout(branch_view(x, c)) for x in tensors], []
-    views = [branch_view(x, c, heads=not (is_kv and c.kv_heads is not None)) for x, is_kv in zip(tensors, kv)]
-    views = [v.index_select(3, c.kv_heads) if is_kv and c.kv_heads is not None else v for v, is_kv in zip(views, kv)]
+    select = [bool(is_kv) and c.kv_heads is not None for is_kv in (kv or [False] * len(tensors))]
+    views = [branch_view(x, c, heads=False).index_select(3, c.kv_heads) if sel else branch_view(x, c)
+             for x, sel in zip(tensors, select)]
     bufs = [pool.acquire(v.shape, v.dtype, v.device) if pool else torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for v in views]
-    dense = [kernel_layout(b) for b in bufs]
-    fast = [i for i, x in enumerate(tensors)
-            if not (kv[i] and c.kv_heads is not None) and x.stride(-1) == 1 and x.shape == tensors[0].shape]
-    if fast and triton_enabled(tensors[0].device):
+    dense = [kernel_layout(buf) for buf in bufs]
+    fast = []
+    if triton_enabled(tensors[0].device):
+        fast = [i for i, (x, sel) in enumerate(zip(tensors, select))
+                if not sel and x.stride(-1) == 1 and x.shape == tensors[0].shape]
+    if fast:
         _gather_triton(c, [tensors[i] for i in fast], [dense[i] for i in fast])
-    else:
-        fast = []
     for i, (buf, view) in enumerate(zip(bufs, views)):
         if i not in fast:
             buf.copy_(view)
@@ -152,7 +152,8 @@ def _gather_triton(c, sources, dests):
     block_r = max(1, _LAUNCH["elements"] // block_d)
     _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
         tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d,
-        CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=_LAUNCH["num_warps"])
 
 
 def _combine_triton(plan, parts, lses, out, out_lse):
@@ -176,7 +177,8 @@ def _combine_triton(plan, parts, lses, out, out_lse):
     _combine_kernel[grid](
         out, out_lse, tuple(parts), strides, lse_parts, lse_strides, n, d,
         out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1), out_lse.stride(2),
-        CALLS=calls, N_CALLS=len(calls), H=h, HAS_LSE=has_lse, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        CALLS=calls, N_CALLS=len(calls), H=h, HAS_LSE=has_lse, BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=_LAUNCH["num_warps"])
 
 
 if triton is not None:
