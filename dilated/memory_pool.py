@@ -1,4 +1,4 @@
-"""A bounded pool of scratch buffers (accumulators, gather buffers) reused across calls.
+"""A bounded pool of scratch buffers (the gather buffers of the dilated path) reused across calls.
 
 ``acquire`` hands out a free buffer of the exact shape/dtype/device or allocates one;
 ``release`` returns it (dropped if the pool would exceed ``max_bytes``). On CUDA, reuse is

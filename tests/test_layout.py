@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dilated.layout import _combine_torch, branch_view, combine, gather, kernel_layout
-from dilated.pattern_cache import build_plan
+from dilated.pattern_cache import BranchCall, build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = [  # (N, H, Hkv, segments, dilations)
@@ -32,8 +32,13 @@ def _interpreted(args):
 def check_plans():
     """Run in the interpreter: gather and combine (Triton) equal the torch path."""
     gen = torch.Generator().manual_seed(0)
-    for n, h, hkv, segs, dils in PLANS:
-        plan = build_plan(n, h, hkv, segs, dils, "cpu")
+    for case in PLANS + [None]:
+        if case is None:  # what a rank adds for a segment spanning ranks: rows 2::3 of heads 1::3
+            n, h = 30, 6
+            plan = build_plan(n, h, h, [10], [1], "cpu") + [BranchCall(0, 1, n, 3, "offset", 1, row_offset=2)]
+        else:
+            n, h, hkv, segs, dils = case
+            plan = build_plan(n, h, hkv, segs, dils, "cpu")
         x = torch.randn(2, n, h, 8, generator=gen)
         y = torch.randn(2, n, 2 * h, 8, generator=gen)[:, :, ::2]  # strided heads
         for c in plan:
