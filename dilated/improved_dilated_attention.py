@@ -3,8 +3,8 @@
 * r = 1 branches read a free segment view (no copy); r > 1 branches take one gather per branch
   (the rows of a diagonal over (position mod r, head mod r); q, k and v in one launch,
   :func:`dilated.layout.gather`) or, where w, the last segment or the heads are not multiples
-  of r, one strided slice per head offset. No index tensor
-  is data-sized (GQA with r > 1 uses an ``H/r``-entry kv-head index).
+  of r, one strided slice per head offset. No index tensor is data-sized (GQA with r > 1 uses
+  an ``H/r``-entry kv-head index).
 * The calls' outputs stay in kernel layout (together about twice one output: branch r covers
   1/r of the rows) and :func:`dilated.layout.combine` writes their log-sum-exp mixture in one
   pass, each result row once, in the output dtype (on CUDA one Triton kernel; no float32
