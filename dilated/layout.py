@@ -80,8 +80,9 @@ def gather(c: BranchCall, tensors, kv=None, pool: MemoryPool | None = None):
     select = [bool(is_kv) and c.kv_heads is not None for is_kv in (kv or [False] * len(tensors))]
     views = [branch_view(x, c, heads=False).index_select(3, c.kv_heads) if sel else branch_view(x, c)
              for x, sel in zip(tensors, select)]
-    bufs = [pool.acquire(v.shape, v.dtype, v.device) if pool else torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            for v in views]
+    # an index_select already made its copy: it is the buffer unless the pool provides one
+    bufs = [pool.acquire(v.shape, v.dtype, v.device) if pool else
+            v if sel else torch.empty(v.shape, dtype=v.dtype, device=v.device) for v, sel in zip(views, select)]
     dense = [kernel_layout(buf) for buf in bufs]
     fast = []
     if triton_enabled(tensors[0].device):
@@ -90,7 +91,7 @@ def gather(c: BranchCall, tensors, kv=None, pool: MemoryPool | None = None):
     if fast:
         _gather_triton(c, [tensors[i] for i in fast], [dense[i] for i in fast])
     for i, (buf, view) in enumerate(zip(bufs, views)):
-        if i not in fast:
+        if i not in fast and buf is not view:
             buf.copy_(view)
     return dense, (bufs if pool else [])
 
@@ -129,9 +130,8 @@ def _combine_torch(plan, parts, lses, out, out_lse, kv):
     else:
         acc_lse = out_lse.fill_(float("-inf"))
         for c, o, lse in zip(plan, parts, lses):
-            rows = branch_view(acc_lse, c)
-            merge_(branch_view(acc, c), rows, o.reshape(branch_view(acc, c).shape),
-                   lse.transpose(1, 2).reshape(rows.shape))
+            rows, view = branch_view(acc_lse, c), branch_view(acc, c)
+            merge_(view, rows, o.reshape(view.shape), lse.transpose(1, 2).reshape(rows.shape))
     if not own:
         out.copy_(acc)
 
@@ -145,11 +145,16 @@ def _call_constants(c: BranchCall) -> tuple:
     return (c.start, c.count, c.length, c.r, int(c.mode == "diag"), -1, 0)
 
 
-def _gather_triton(c, sources, dests):
-    b, n, h, d = sources[0].shape
-    bp, nc, hc, _ = dests[0].shape
+def _blocks(d: int) -> tuple[int, int]:
+    """(rows, head_dim padded to a power of two) per program."""
     block_d = triton.next_power_of_2(d)
-    block_r = max(1, _LAUNCH["elements"] // block_d)
+    return max(1, _LAUNCH["elements"] // block_d), block_d
+
+
+def _gather_triton(c, sources, dests):
+    d = sources[0].shape[3]
+    bp, nc, hc, _ = dests[0].shape
+    block_r, block_d = _blocks(d)
     _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
         tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d,
         CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d,
@@ -171,8 +176,7 @@ def _combine_triton(plan, parts, lses, out, out_lse):
         lse_parts, lse_strides = tuple(lses), tuple(s for l in lses for s in l.stride())
     else:
         lse_parts, lse_strides, out_lse = tuple(parts), strides, out  # not read, not written
-    block_d = triton.next_power_of_2(d)
-    block_r = max(1, _LAUNCH["elements"] // block_d)
+    block_r, block_d = _blocks(d)
     grid = (triton.cdiv(n * h, block_r), b)
     _combine_kernel[grid](
         out, out_lse, tuple(parts), strides, lse_parts, lse_strides, n, d,
