@@ -30,7 +30,7 @@ from .backends import get_backend
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .improved_dilated_attention import backward_calls, forward_calls
-from .pattern_cache import BranchCall, build_plan
+from .pattern_cache import BranchCall, plan_for
 
 
 def _selected(start_t: int, n: int, r: int, off: int) -> slice:
@@ -200,9 +200,9 @@ class DistributedDilatedAttention(nn.Module):
                                   for s in range(0, p, span)]
         return self._groups[span][rank // span]
 
-    def _layout(self, q, k, rank, p):
+    def _layout(self, q, k, rank, p, in_place):
         b, n, h, d = q.shape
-        key = (n, h, k.shape[2], str(q.device))
+        key = (b, n, h, k.shape[2], str(q.device), in_place)
         if key not in self._layouts:
             big_n = n * p
             local, spans = [], []
@@ -217,7 +217,7 @@ class DistributedDilatedAttention(nn.Module):
                     raise ValueError(
                         f"segment length {w} and the per-rank shard length {n} (N={big_n} over {p} ranks) must "
                         "divide one another: choose segment_lengths that are multiples or divisors of N / world_size")
-            plan = build_plan(n, h, k.shape[2], [w for w, _ in local], [r for _, r in local], q.device)
+            plan = plan_for(q, k, [w for w, _ in local], [r for _, r in local], in_place)
             self._layouts[key] = (plan, spans)
         return self._layouts[key]
 
@@ -226,7 +226,7 @@ class DistributedDilatedAttention(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("DistributedDilatedAttention needs torch.distributed initialised")
         rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
-        plan, spans = self._layout(q, k, rank, p)
-        scale = default_scale(q.shape[-1], self.scale)
         impl = get_backend(self.backend, q, k, self.causal)
+        plan, spans = self._layout(q, k, rank, p, impl.reads_strided_rows(q, k, self.causal))
+        scale = default_scale(q.shape[-1], self.scale)
         return _DistributedDilatedFunction.apply(q, k, v, plan, spans, impl, self.causal, scale, self.stats)

@@ -1,10 +1,11 @@
 """LongNet dilated attention, the fast implementation (same contract as :mod:`dilated_attention`).
 
-* r = 1 branches read a free segment view (no copy); r > 1 branches take one gather per branch
-  (the rows of a diagonal over (position mod r, head mod r); q, k and v in one launch,
-  :func:`dilated.layout.gather`) or, where w, the last segment or the heads are not multiples
-  of r, one strided slice per head offset. No index tensor is data-sized (GQA with r > 1 uses
-  an ``H/r``-entry kv-head index).
+* r = 1 branches read a free segment view (no copy). r > 1 branches: on kernels that read
+  strided rows (cuDNN, flash), one call per head offset on a strided view, no copy at all, where
+  each call still fills the device; otherwise one gather per branch (the rows of a diagonal over
+  (position mod r, head mod r); q, k and v in one launch, :func:`dilated.layout.gather`) or,
+  where w, the last segment or the heads are not multiples of r, one strided slice per head
+  offset. No index tensor is data-sized (GQA with r > 1 uses an ``H/r``-entry kv-head index).
 * The calls' outputs stay in kernel layout (together about twice one output: branch r covers
   1/r of the rows) and :func:`dilated.layout.combine` writes their log-sum-exp mixture in one
   pass, each result row once, in the output dtype (on CUDA one Triton kernel; no float32
@@ -28,7 +29,7 @@ from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
 from .layout import combine, gather, merged_lse_for
 from .memory_pool import MemoryPool
-from .pattern_cache import PatternCache
+from .pattern_cache import PatternCache, plan_for
 
 
 def _covering_part(plan, parts, shape):
@@ -106,12 +107,11 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
     segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates)
     scale = default_scale(q.shape[-1], scale)
     impl = get_backend(backend, q, k, causal)
+    in_place = impl.reads_strided_rows(q, k, causal)
     if pattern_cache is not None:
-        plan = pattern_cache.plan(q, k, segs, dils, causal)
+        plan = pattern_cache.plan(q, k, segs, dils, causal, in_place)
     else:
-        from .pattern_cache import build_plan
-
-        plan = build_plan(q.shape[1], q.shape[2], k.shape[2], segs, dils, q.device)
+        plan = plan_for(q, k, segs, dils, in_place)
     return _ImprovedDilatedFunction.apply(q, k, v, plan, impl, causal, scale, memory_pool)
 
 

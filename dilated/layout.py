@@ -5,9 +5,9 @@ A call ``c`` of a plan (:class:`~dilated.pattern_cache.BranchCall`) covers some 
 ``[B, count, (r,) n, h, ...]``, and a kernel sees them as ``[B', n, h, D]`` (kernel layout).
 
 * :func:`gather`: one call's rows of several ``[B, N, H, D]`` tensors (q, k, v forward; q, k, v,
-  out, dout backward) in kernel layout. r = 1 calls are free views; the others one copy each, on
-  CUDA one Triton launch for all the tensors of the call (whole rows, no per-element index
-  arithmetic of a 6-d strided copy).
+  out, dout backward) in kernel layout. r = 1 and in-place calls are free (strided) views; the
+  others one copy each, on CUDA one Triton launch for all the tensors of the call (whole rows,
+  no per-element index arithmetic of a 6-d strided copy).
 * :func:`combine`: the result of all calls, each row written once. With lse (forward) it is the
   log-sum-exp mixture ``sum_c exp(lse_c - L) o_c``, ``L = logsumexp_c lse_c`` (LongNet eq. 9-10,
   the merge of :mod:`dilated.merge` for all calls at once), and ``L`` itself; without (gradients)
@@ -75,7 +75,7 @@ def merged_lse_for(lse_rows: torch.Tensor, c: BranchCall) -> torch.Tensor:
 def gather(c: BranchCall, tensors, kv=None, pool: MemoryPool | None = None):
     """The rows of ``c`` of each tensor, in kernel layout. ``kv[i]`` marks kv tensors (GQA calls
     select their kv heads). Returns ``(gathered, buffers)``; the buffers came from ``pool``."""
-    if c.mode == "view":
+    if c.mode == "view" or c.in_place:
         return [kernel_layout(branch_view(x, c)) for x in tensors], []
     select = [bool(is_kv) and c.kv_heads is not None for is_kv in (kv or [False] * len(tensors))]
     views = [branch_view(x, c, heads=False).index_select(3, c.kv_heads) if sel else branch_view(x, c)
@@ -176,12 +176,11 @@ def _combine_triton(plan, parts, lses, out, out_lse):
         lse_parts, lse_strides = tuple(lses), tuple(s for l in lses for s in l.stride())
     else:
         lse_parts, lse_strides, out_lse = tuple(parts), strides, out  # not read, not written
-    block_r, block_d = _blocks(d)
-    grid = (triton.cdiv(n * h, block_r), b)
-    _combine_kernel[grid](
+    block_p, block_d = _blocks(d)
+    _combine_kernel[(triton.cdiv(n, block_p), h, b)](
         out, out_lse, tuple(parts), strides, lse_parts, lse_strides, n, d,
         out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1), out_lse.stride(2),
-        CALLS=calls, N_CALLS=len(calls), H=h, HAS_LSE=has_lse, BLOCK_R=block_r, BLOCK_D=block_d,
+        CALLS=calls, N_CALLS=len(calls), HAS_LSE=has_lse, BLOCK_P=block_p, BLOCK_D=block_d,
         num_warps=_LAUNCH["num_warps"])
 
 
@@ -190,18 +189,19 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, N, D,
                         s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
-                        CALLS: tl.constexpr, N_CALLS: tl.constexpr, H: tl.constexpr, HAS_LSE: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        b = tl.program_id(1)
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (position, head) rows of batch b
-        rmask = rows < N * H
-        p = rows // H
-        hh = rows % H
+                        CALLS: tl.constexpr, N_CALLS: tl.constexpr, HAS_LSE: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        # program (position block, head hh, batch b): a head is in one call per head offset, so
+        # calls of other offsets are skipped whole; member rows of a call are every r-th position
+        hh = tl.program_id(1)
+        b = tl.program_id(2)
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        pmask = p < N
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        s_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+        m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        s_i = tl.zeros([BLOCK_P], tl.float32)
         for c in tl.static_range(N_CALLS):
             start = CALLS[c][0]
             count = CALLS[c][1]
@@ -210,47 +210,53 @@ if triton is not None:
             diag = CALLS[c][4]
             off = CALLS[c][5]
             first = CALLS[c][6]
-            q = p - start
-            member = rmask & (q >= 0) & (q < count * length)
-            q = tl.where(member, q, 0)
-            seg = q // length
-            i = q - seg * length
             mh = hh % r
-            if off >= 0:  # one head offset; its rows start at ``first``
-                member = member & (i % r == first) & (mh == off)
-            else:  # view (r = 1) or diagonal: position and head agree mod r
-                member = member & (i % r == mh)
-            bi = b * count + seg
-            if diag:
-                bi = bi * r + mh
-            ni = i // r
-            hi = hh // r
-            o_off = (bi.to(tl.int64) * strides[3 * c] + ni.to(tl.int64) * strides[3 * c + 1]
-                     + hi.to(tl.int64) * strides[3 * c + 2])
-            o = tl.load(parts[c] + o_off[:, None] + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0)
-            o = o.to(tl.float32)
-            if HAS_LSE:
-                l_off = (bi.to(tl.int64) * lse_strides[3 * c] + hi.to(tl.int64) * lse_strides[3 * c + 1]
-                         + ni.to(tl.int64) * lse_strides[3 * c + 2])
-                lse = tl.load(lses[c] + l_off, mask=member, other=float("-inf"))
-                m_new = tl.maximum(m_i, lse)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                beta = tl.exp(lse - m_safe)
-                acc = acc * alpha[:, None] + o * beta[:, None]
-                s_i = s_i * alpha + beta
-                m_i = m_new
-            else:
-                acc += o
+            if off >= 0:  # one head offset: this head's call or not
+                run = mh == off
+            else:  # view (r = 1) or diagonal: every head
+                run = hh >= 0
+            if run:
+                q = p - start
+                member = pmask & (q >= 0) & (q < count * length)
+                q = tl.where(member, q, 0)
+                seg = q // length
+                i = q - seg * length
+                if off >= 0:  # rows start at ``first``
+                    member = member & (i % r == first)
+                else:  # position and head agree mod r
+                    member = member & (i % r == mh)
+                bi = b * count + seg
+                if diag:
+                    bi = bi * r + mh
+                ni = i // r
+                hi = (hh // r).to(tl.int64)
+                o_off = (bi.to(tl.int64) * strides[3 * c] + ni.to(tl.int64) * strides[3 * c + 1]
+                         + hi * strides[3 * c + 2])
+                o = tl.load(parts[c] + o_off[:, None] + d[None, :], mask=member[:, None] & dmask[None, :],
+                            other=0.0)
+                o = o.to(tl.float32)
+                if HAS_LSE:
+                    l_off = (bi.to(tl.int64) * lse_strides[3 * c] + hi * lse_strides[3 * c + 1]
+                             + ni.to(tl.int64) * lse_strides[3 * c + 2])
+                    lse = tl.load(lses[c] + l_off, mask=member, other=float("-inf"))
+                    m_new = tl.maximum(m_i, lse)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp(m_i - m_safe)
+                    beta = tl.exp(lse - m_safe)
+                    acc = acc * alpha[:, None] + o * beta[:, None]
+                    s_i = s_i * alpha + beta
+                    m_i = m_new
+                else:
+                    acc += o
         row_o = b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh
         if HAS_LSE:
             seen = s_i > 0
             acc = acc / tl.where(seen, s_i, 1.0)[:, None]
             lse_out = tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
             row_l = b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh
-            tl.store(out_lse_ptr + row_l, lse_out, mask=rmask)
+            tl.store(out_lse_ptr + row_l, lse_out, mask=pmask)
         tl.store(out_ptr + row_o[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & dmask[None, :])
+                 mask=pmask[:, None] & dmask[None, :])
 
     @triton.jit
     def _gather_kernel(sources, strides, dests, NC, D, CALL: tl.constexpr, N_T: tl.constexpr, HC: tl.constexpr,

@@ -3,7 +3,9 @@
 A plan is the list of kernel calls one forward makes: for each branch and segment block, how the
 branch's rows are reached (a free segment view for r = 1, one diagonal gather for r > 1, or one
 slice per head offset in the general case) and, for GQA with r > 1, the small index of kv heads
-(``H/r`` entries, never data-sized). Keyed by shape, schedule, causality, device and dtype.
+(``H/r`` entries, never data-sized). Kernels that read strided rows (``reads_strided_rows``) get
+one call per head offset on a strided view instead of a gather (``in_place``), where each such
+call still fills the device. Keyed by shape, schedule, causality, device, dtype and that choice.
 """
 from __future__ import annotations
 
@@ -25,13 +27,29 @@ class BranchCall:
     offset: int = 0
     kv_heads: torch.Tensor | None = field(default=None, compare=False)
     row_offset: int | None = None  # "offset" calls: first row of each segment, when not ``offset``
+    in_place: bool = False  # "offset" calls: the kernel reads the strided rows (no gather)
 
     @property
     def first_row(self) -> int:
         return self.offset if self.row_offset is None else self.row_offset
 
 
-def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device) -> list[BranchCall]:
+QUERY_TILE = 128  # rows per query tile of the flash-type kernels (for the device-filling estimate)
+
+
+def in_place_min_tiles(device) -> int:
+    """Query tiles an in-place call needs to fill ``device``: two waves of its multiprocessors."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device, *, batch: int = 1,
+               in_place_tiles: int | None = None) -> list[BranchCall]:
+    """The calls of one forward. ``in_place_tiles``: the kernel reads strided rows; r > 1 branches
+    become one in-place call per head offset (no gather) where each call has at least this many
+    query tiles (or where a diagonal gather is impossible anyway); None: gather them."""
     from .dilated_attention import segment_blocks
 
     groups = h // hkv
@@ -39,17 +57,29 @@ def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device
     for w, r in zip(segment_lengths, dilation_rates):
         w = min(w, n)
         for start, count, length in segment_blocks(n, w):
+            diag = length % r == 0 and h % r == 0 and groups == 1
+            # kernel layout [B * count, ...] must stay a view: one batch, one segment or all rows
+            viewable = batch == 1 or count == 1 or count * length == n
+            tiles = batch * count * (h // r) * -(-length // (r * QUERY_TILE))
+            in_place = (in_place_tiles is not None and r > 1 and groups == 1 and viewable
+                        and (not diag or tiles >= in_place_tiles))
             if r == 1:
                 calls.append(BranchCall(start, count, length, 1, "view"))
-            elif length % r == 0 and h % r == 0 and groups == 1:
+            elif diag and not in_place:
                 calls.append(BranchCall(start, count, length, r, "diag"))
             else:
                 for off in range(min(r, length, h)):
                     kvh = None
                     if groups > 1:
                         kvh = torch.arange(off, h, r, device=device) // groups
-                    calls.append(BranchCall(start, count, length, r, "offset", off, kvh))
+                    calls.append(BranchCall(start, count, length, r, "offset", off, kvh, in_place=in_place))
     return calls
+
+
+def plan_for(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, in_place: bool = False):
+    """:func:`build_plan` for these inputs (``in_place``: the kernel reads strided rows)."""
+    return build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device,
+                      batch=q.shape[0], in_place_tiles=in_place_min_tiles(q.device) if in_place else None)
 
 
 class PatternCache:
@@ -61,15 +91,17 @@ class PatternCache:
         self.hits = 0
         self.misses = 0
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, causal: bool):
+    def plan(self, q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, causal: bool,
+             in_place: bool = False):
+        """The plan for these inputs; ``in_place``: the kernel reads strided rows."""
         key = (tuple(q.shape), k.shape[2], tuple(segment_lengths), tuple(dilation_rates), causal,
-               str(q.device), q.dtype)
+               str(q.device), q.dtype, in_place)
         if key in self._plans:
             self.hits += 1
             self._plans.move_to_end(key)
             return self._plans[key]
         self.misses += 1
-        plan = build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device)
+        plan = plan_for(q, k, segment_lengths, dilation_rates, in_place)
         self._plans[key] = plan
         while len(self._plans) > self.max_entries:
             self._plans.popitem(last=False)

@@ -40,6 +40,26 @@ def test_matches_reference_forward_and_gradients(impl, case, causal, dtype, gen)
         assert rel_err(g, rg) < 2 * TOL[dtype], f"d{name}"
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}H{c[1]}kv{c[2]}w{c[3]}r{c[4]}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_improved_in_place_matches_reference(case, causal, gen, monkeypatch):
+    """r > 1 branches as one call per head offset on strided views (what cuDNN and flash get on
+    CUDA), here forced for every branch on the CPU backends: forward and gradients."""
+    from dilated.backends.sdpa import SDPABackend
+
+    monkeypatch.setattr(SDPABackend, "reads_strided_rows", lambda self, q, k, causal: True)
+    monkeypatch.setattr("dilated.pattern_cache.in_place_min_tiles", lambda device: 0)
+    n, h, hkv, segs, dils = case
+    q, k, v = (rand(2, n, x, 16, gen=gen, requires_grad=True) for x in (h, hkv, hkv))
+    out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=causal, backend="sdpa")
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dilated_reference(qd, kd, vd, segs, dils, causal)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    dout = rand(2, n, h, 16, gen=gen)
+    for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert rel_err(g, rg) < 2 * TOL[torch.float32]
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "manual"])
 def test_backends_agree_under_dilated(backend, gen):
     q, k, v = (rand(1, 48, 4, 16, gen=gen, requires_grad=True) for _ in range(3))
@@ -167,6 +187,27 @@ def test_gpu_bf16_each_backend(backend, impl, causal, gen):
     n, segs, dils = 1000, [128, 256, 512], [1, 2, 4]
     q, k, v = (rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
     out = IMPLS[impl](q, k, v, segs, dils, causal=causal, backend=backend)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dilated_reference(qd, kd, vd, segs, dils, causal)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
+    for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_in_place_calls(backend, causal, gen, monkeypatch):
+    """Every r > 1 branch read in place (strided views into the kernel, no gather): bf16 against float64."""
+    if backend not in GPU_BACKENDS:
+        pytest.skip(f"{backend} is not available here")
+    monkeypatch.setattr("dilated.pattern_cache.in_place_min_tiles", lambda device: 0)
+    n, segs, dils = 1000, [128, 256, 512], [1, 2, 4]
+    plan = dilated.pattern_cache.build_plan(n, 8, 8, segs, dils, "cuda", in_place_tiles=0)
+    assert all(c.in_place for c in plan if c.r > 1)
+    q, k, v = (rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
+    out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=causal, backend=backend)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = dilated_reference(qd, kd, vd, segs, dils, causal)
     assert rel_err(out, ref) < TOL[torch.bfloat16]

@@ -32,13 +32,14 @@ def _interpreted(args):
 def check_plans():
     """Run in the interpreter: gather and combine (Triton) equal the torch path."""
     gen = torch.Generator().manual_seed(0)
-    for case in PLANS + [None]:
+    for case, in_place in [(c, t) for c in PLANS for t in (None, 0)] + [(None, None)]:
         if case is None:  # what a rank adds for a segment spanning ranks: rows 2::3 of heads 1::3
             n, h = 30, 6
             plan = build_plan(n, h, h, [10], [1], "cpu") + [BranchCall(0, 1, n, 3, "offset", 1, row_offset=2)]
         else:
             n, h, hkv, segs, dils = case
-            plan = build_plan(n, h, hkv, segs, dils, "cpu")
+            plan = build_plan(n, h, hkv, segs, dils, "cpu", batch=2, in_place_tiles=in_place)
+            assert any(c.in_place for c in plan) == (in_place is not None)
         x = torch.randn(2, n, h, 8, generator=gen)
         y = torch.randn(2, n, 2 * h, 8, generator=gen)[:, :, ::2]  # strided heads
         for c in plan:
@@ -71,7 +72,7 @@ def test_triton_combine_equals_torch_path():
 def test_improved_attention_through_triton_combine():
     """The whole improved path (forward and gradients against float64) with the kernel doing the combine."""
     run = _interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_dilated.py",
-                        "-k", "matches_reference and improved"])
+                        "-k", "matches_reference and improved"])  # incl. the in-place calls
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 

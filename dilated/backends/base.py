@@ -39,6 +39,12 @@ class Backend:
         """Why this backend cannot take these particular inputs (dtype, head_dim), or None."""
         return None
 
+    def reads_strided_rows(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+        """Whether ``forward``/``backward`` take q, k, v, out, dout with any row and head strides
+        (last dim contiguous) and read them in place, at the speed of dense inputs. The dilated
+        path then hands the kernel its rows as strided views instead of gathering them."""
+        return False
+
     def probe_dtype(self, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 
