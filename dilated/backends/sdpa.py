@@ -123,9 +123,13 @@ class SDPABackend(Backend):
             return super().backward(dout, q, k, v, out, lse, causal, scale)
         # The efficient kernel's backward gave wrong dq/dk for [B, H, N, D]-contiguous inputs
         # (seen with torch 2.11 on an H200); [B, N, H, D]-contiguous inputs are right for all.
-        # cuDNN and flash read strided rows as they are (``reads_strided_rows``; out and dout alike).
-        keep = (kern in ("cudnn", "flash") and q.device.type == "cuda" and out.stride() == dout.stride()
-                and all(t.stride(-1) == 1 for t in (q, k, v, out)))
+        # cuDNN and flash read strided rows as they are (``reads_strided_rows``) when out and dout
+        # have q's strides (the dilated path's views do). Otherwise all five go contiguous: torch's
+        # cuDNN graph cache keys on the q, k, v strides only, and a graph built for other out/dout
+        # strides gave wrong gradients or illegal accesses (torch 2.11, H200), so out/dout strides
+        # must follow from q's.
+        keep = (kern in ("cudnn", "flash") and q.device.type == "cuda" and q.stride(-1) == 1
+                and out.stride() == dout.stride() == q.stride() and k.stride(-1) == v.stride(-1) == 1)
         qt, kt, vt, ot, dot = (to_bhnd(t if keep else t.contiguous()) for t in (q, k, v, out, dout))
         nq, nk = q.shape[1], k.shape[1]
         lse = lse.contiguous()
