@@ -187,76 +187,84 @@ def _combine_triton(plan, parts, lses, out, out_lse):
 if triton is not None:
 
     @triton.jit
+    def _call_rows(p, pmask, hh, b, CALL: tl.constexpr):
+        """Rows ``(p, hh)`` of batch ``b`` that call ``CALL`` covers, and their place in its output
+        (batch index, row, head)."""
+        start = CALL[0]
+        count = CALL[1]
+        length = CALL[2]
+        r = CALL[3]
+        diag = CALL[4]
+        off = CALL[5]
+        first = CALL[6]
+        q = p - start
+        member = pmask & (q >= 0) & (q < count * length)
+        q = tl.where(member, q, 0)
+        seg = q // length
+        i = q - seg * length
+        mh = hh % r
+        if off >= 0:  # one head offset; its rows start at ``first``
+            member = member & (i % r == first)
+        else:  # view (r = 1) or diagonal: position and head agree mod r
+            member = member & (i % r == mh)
+        bi = b * count + seg
+        if diag:
+            bi = bi * r + mh
+        return member, bi.to(tl.int64), (i // r).to(tl.int64), (hh // r).to(tl.int64)
+
+    @triton.jit
+    def _runs(hh, CALL: tl.constexpr):
+        """Whether head ``hh`` is in call ``CALL`` at all (an offset call holds one head offset)."""
+        if CALL[5] >= 0:
+            return hh % CALL[3] == CALL[5]
+        return hh >= 0
+
+    @triton.jit
     def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, N, D,
                         s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
                         CALLS: tl.constexpr, N_CALLS: tl.constexpr, HAS_LSE: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-        # program (position block, head hh, batch b): a head is in one call per head offset, so
-        # calls of other offsets are skipped whole; member rows of a call are every r-th position
+        # program (position block, head hh, batch b). A head is in one call per head offset, so
+        # calls of other offsets are skipped whole. With lse, a first pass over the calls' lse
+        # gives L = logsumexp; the second adds exp(lse_c - L) o_c: one FMA per element and call.
         hh = tl.program_id(1)
         b = tl.program_id(2)
         p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
         pmask = p < N
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
-        acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
-        m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
-        s_i = tl.zeros([BLOCK_P], tl.float32)
-        for c in tl.static_range(N_CALLS):
-            start = CALLS[c][0]
-            count = CALLS[c][1]
-            length = CALLS[c][2]
-            r = CALLS[c][3]
-            diag = CALLS[c][4]
-            off = CALLS[c][5]
-            first = CALLS[c][6]
-            mh = hh % r
-            if off >= 0:  # one head offset: this head's call or not
-                run = mh == off
-            else:  # view (r = 1) or diagonal: every head
-                run = hh >= 0
-            if run:
-                q = p - start
-                member = pmask & (q >= 0) & (q < count * length)
-                q = tl.where(member, q, 0)
-                seg = q // length
-                i = q - seg * length
-                if off >= 0:  # rows start at ``first``
-                    member = member & (i % r == first)
-                else:  # position and head agree mod r
-                    member = member & (i % r == mh)
-                bi = b * count + seg
-                if diag:
-                    bi = bi * r + mh
-                ni = i // r
-                hi = (hh // r).to(tl.int64)
-                o_off = (bi.to(tl.int64) * strides[3 * c] + ni.to(tl.int64) * strides[3 * c + 1]
-                         + hi * strides[3 * c + 2])
-                o = tl.load(parts[c] + o_off[:, None] + d[None, :], mask=member[:, None] & dmask[None, :],
-                            other=0.0)
-                o = o.to(tl.float32)
-                if HAS_LSE:
-                    l_off = (bi.to(tl.int64) * lse_strides[3 * c] + hi * lse_strides[3 * c + 1]
-                             + ni.to(tl.int64) * lse_strides[3 * c + 2])
-                    lse = tl.load(lses[c] + l_off, mask=member, other=float("-inf"))
+        total = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        if HAS_LSE:
+            m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
+            s_i = tl.zeros([BLOCK_P], tl.float32)
+            for c in tl.static_range(N_CALLS):
+                if _runs(hh, CALLS[c]):
+                    member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c])
+                    lse = tl.load(lses[c] + bi * lse_strides[3 * c] + hi * lse_strides[3 * c + 1]
+                                  + ni * lse_strides[3 * c + 2], mask=member, other=float("-inf"))
                     m_new = tl.maximum(m_i, lse)
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp(m_i - m_safe)
-                    beta = tl.exp(lse - m_safe)
-                    acc = acc * alpha[:, None] + o * beta[:, None]
-                    s_i = s_i * alpha + beta
+                    s_i = s_i * tl.exp(m_i - m_safe) + tl.exp(lse - m_safe)
                     m_i = m_new
+            seen = s_i > 0
+            total = tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
+            tl.store(out_lse_ptr + b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh,
+                     total, mask=pmask)
+        acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+        for c in tl.static_range(N_CALLS):
+            if _runs(hh, CALLS[c]):
+                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c])
+                o = tl.load(parts[c] + (bi * strides[3 * c] + ni * strides[3 * c + 1] + hi * strides[3 * c + 2])[:, None]
+                            + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                if HAS_LSE:
+                    lse = tl.load(lses[c] + bi * lse_strides[3 * c] + hi * lse_strides[3 * c + 1]
+                                  + ni * lse_strides[3 * c + 2], mask=member, other=float("-inf"))
+                    weight = tl.where(member, tl.exp(lse - tl.where(total == float("-inf"), 0.0, total)), 0.0)
+                    acc += o * weight[:, None]
                 else:
                     acc += o
-        row_o = b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh
-        if HAS_LSE:
-            seen = s_i > 0
-            acc = acc / tl.where(seen, s_i, 1.0)[:, None]
-            lse_out = tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
-            row_l = b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh
-            tl.store(out_lse_ptr + row_l, lse_out, mask=pmask)
-        tl.store(out_ptr + row_o[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=pmask[:, None] & dmask[None, :])
+        tl.store(out_ptr + (b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh)[:, None]
+                 + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & dmask[None, :])
 
     @triton.jit
     def _gather_kernel(sources, strides, dests, NC, D, CALL: tl.constexpr, N_T: tl.constexpr, HC: tl.constexpr,
