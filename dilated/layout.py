@@ -187,16 +187,10 @@ def _combine_triton(plan, parts, lses, out, out_lse):
 if triton is not None:
 
     @triton.jit
-    def _call_rows(p, pmask, hh, b, CALL: tl.constexpr):
-        """Rows ``(p, hh)`` of batch ``b`` that call ``CALL`` covers, and their place in its output
-        (batch index, row, head)."""
-        start = CALL[0]
-        count = CALL[1]
-        length = CALL[2]
-        r = CALL[3]
-        diag = CALL[4]
-        off = CALL[5]
-        first = CALL[6]
+    def _call_rows(p, pmask, hh, b, start: tl.constexpr, count: tl.constexpr, length: tl.constexpr,
+                   r: tl.constexpr, diag: tl.constexpr, off: tl.constexpr, first: tl.constexpr):
+        """Rows ``(p, hh)`` of batch ``b`` that a call (``_call_constants``) covers, and their place
+        in its output (batch index, row, head)."""
         q = p - start
         member = pmask & (q >= 0) & (q < count * length)
         q = tl.where(member, q, 0)
@@ -213,10 +207,10 @@ if triton is not None:
         return member, bi.to(tl.int64), (i // r).to(tl.int64), (hh // r).to(tl.int64)
 
     @triton.jit
-    def _runs(hh, CALL: tl.constexpr):
-        """Whether head ``hh`` is in call ``CALL`` at all (an offset call holds one head offset)."""
-        if CALL[5] >= 0:
-            return hh % CALL[3] == CALL[5]
+    def _runs(hh, r: tl.constexpr, off: tl.constexpr):
+        """Whether head ``hh`` is in a call at all (an offset call holds one head offset)."""
+        if off >= 0:
+            return hh % r == off
         return hh >= 0
 
     @triton.jit
@@ -238,8 +232,9 @@ if triton is not None:
             m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
             s_i = tl.zeros([BLOCK_P], tl.float32)
             for c in tl.static_range(N_CALLS):
-                if _runs(hh, CALLS[c]):
-                    member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c])
+                if _runs(hh, CALLS[c][3], CALLS[c][5]):
+                    member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2], CALLS[c][3],
+                                                    CALLS[c][4], CALLS[c][5], CALLS[c][6])
                     lse = tl.load(lses[c] + bi * lse_strides[3 * c] + hi * lse_strides[3 * c + 1]
                                   + ni * lse_strides[3 * c + 2], mask=member, other=float("-inf"))
                     m_new = tl.maximum(m_i, lse)
@@ -252,8 +247,9 @@ if triton is not None:
                      total, mask=pmask)
         acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
         for c in tl.static_range(N_CALLS):
-            if _runs(hh, CALLS[c]):
-                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c])
+            if _runs(hh, CALLS[c][3], CALLS[c][5]):
+                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2], CALLS[c][3],
+                                                    CALLS[c][4], CALLS[c][5], CALLS[c][6])
                 o = tl.load(parts[c] + (bi * strides[3 * c] + ni * strides[3 * c + 1] + hi * strides[3 * c + 2])[:, None]
                             + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 if HAS_LSE:
