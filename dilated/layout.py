@@ -22,6 +22,7 @@ arguments. Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -140,9 +141,22 @@ _LAUNCH = {"elements": 4096, "num_warps": 4}  # per program: rows x head_dim ele
 
 
 def _call_constants(c: BranchCall) -> tuple:
+    """(start, count, length, r, diag, head offset or -1, first row, aligned): ``aligned`` calls
+    start their segments at multiples of r, so a position's rank mod r says if it is a member."""
+    aligned = int(c.start % c.r == 0 and c.length % c.r == 0)
     if c.mode == "offset":
-        return (c.start, c.count, c.length, c.r, 0, c.offset, c.first_row)
-    return (c.start, c.count, c.length, c.r, int(c.mode == "diag"), -1, 0)
+        return (c.start, c.count, c.length, c.r, 0, c.offset, c.first_row, aligned)
+    return (c.start, c.count, c.length, c.r, int(c.mode == "diag"), -1, 0, aligned)
+
+
+_MAX_PERIOD = 64  # largest position period of the combine's programs (lcm of the dilations)
+
+
+def _period(plan, n: int, h: int) -> int:
+    """Positions ``t, t + R, t + 2R, ...`` share each aligned call's membership; R = lcm of the
+    dilations when small, else 1 (membership is then per row)."""
+    period = math.lcm(*(c.r for c in plan))
+    return period if period <= min(_MAX_PERIOD, n) and period * h < 65536 else 1
 
 
 def _blocks(d: int) -> tuple[int, int]:
@@ -177,10 +191,11 @@ def _combine_triton(plan, parts, lses, out, out_lse):
     else:
         lse_parts, lse_strides, out_lse = tuple(parts), strides, out  # not read, not written
     block_p, block_d = _blocks(d)
-    _combine_kernel[(triton.cdiv(n, block_p), h, b)](
+    period = _period(plan, n, h)
+    _combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p), period * h, b)](
         out, out_lse, tuple(parts), strides, lse_parts, lse_strides, n, d,
         out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1), out_lse.stride(2),
-        CALLS=calls, N_CALLS=len(calls), HAS_LSE=has_lse, BLOCK_P=block_p, BLOCK_D=block_d,
+        CALLS=calls, N_CALLS=len(calls), H=h, PERIOD=period, HAS_LSE=has_lse, BLOCK_P=block_p, BLOCK_D=block_d,
         num_warps=_LAUNCH["num_warps"])
 
 
@@ -188,7 +203,8 @@ if triton is not None:
 
     @triton.jit
     def _call_rows(p, pmask, hh, b, start: tl.constexpr, count: tl.constexpr, length: tl.constexpr,
-                   r: tl.constexpr, diag: tl.constexpr, off: tl.constexpr, first: tl.constexpr):
+                   r: tl.constexpr, diag: tl.constexpr, off: tl.constexpr, first: tl.constexpr,
+                   aligned: tl.constexpr, PERIOD: tl.constexpr):
         """Rows ``(p, hh)`` of batch ``b`` that a call (``_call_constants``) covers, and their place
         in its output (batch index, row, head)."""
         q = p - start
@@ -197,18 +213,24 @@ if triton is not None:
         seg = q // length
         i = q - seg * length
         mh = hh % r
-        if off >= 0:  # one head offset; its rows start at ``first``
-            member = member & (i % r == first)
-        else:  # view (r = 1) or diagonal: position and head agree mod r
-            member = member & (i % r == mh)
+        if not aligned or PERIOD % r != 0:  # else the program's position period decided (_runs)
+            if off >= 0:  # one head offset; its rows start at ``first``
+                member = member & (i % r == first)
+            else:  # view (r = 1) or diagonal: position and head agree mod r
+                member = member & (i % r == mh)
         bi = b * count + seg
         if diag:
             bi = bi * r + mh
         return member, bi.to(tl.int64), (i // r).to(tl.int64), (hh // r).to(tl.int64)
 
     @triton.jit
-    def _runs(hh, r: tl.constexpr, off: tl.constexpr):
-        """Whether head ``hh`` is in a call at all (an offset call holds one head offset)."""
+    def _runs(hh, t, r: tl.constexpr, off: tl.constexpr, first: tl.constexpr, aligned: tl.constexpr,
+              PERIOD: tl.constexpr):
+        """Whether a call can hold rows of head ``hh`` at positions ``t`` mod ``PERIOD``."""
+        if aligned and PERIOD % r == 0:
+            if off >= 0:
+                return (hh % r == off) & (t % r == first)
+            return t % r == hh % r
         if off >= 0:
             return hh % r == off
         return hh >= 0
@@ -216,14 +238,16 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, N, D,
                         s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
-                        CALLS: tl.constexpr, N_CALLS: tl.constexpr, HAS_LSE: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-        # program (position block, head hh, batch b). A head is in one call per head offset, so
-        # calls of other offsets are skipped whole. With lse, a first pass over the calls' lse
-        # gives L = logsumexp; the second adds exp(lse_c - L) o_c: one FMA per element and call.
-        hh = tl.program_id(1)
+                        CALLS: tl.constexpr, N_CALLS: tl.constexpr, H: tl.constexpr, PERIOD: tl.constexpr,
+                        HAS_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        # program (block of positions t, t + PERIOD, ...; head hh; batch b). Over such positions
+        # a head is in an aligned call for all of them or none: calls are skipped whole, and the
+        # calls a program runs are the ones with work for it. With lse, a first pass over the
+        # calls' lse gives L = logsumexp; the second adds exp(lse_c - L) o_c (one FMA per element).
+        hh = tl.program_id(1) % H
+        t = tl.program_id(1) // H
         b = tl.program_id(2)
-        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        p = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)) * PERIOD + t
         pmask = p < N
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
@@ -232,9 +256,10 @@ if triton is not None:
             m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
             s_i = tl.zeros([BLOCK_P], tl.float32)
             for c in tl.static_range(N_CALLS):
-                if _runs(hh, CALLS[c][3], CALLS[c][5]):
-                    member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2], CALLS[c][3],
-                                                    CALLS[c][4], CALLS[c][5], CALLS[c][6])
+                if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
+                    member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2],
+                                                    CALLS[c][3], CALLS[c][4], CALLS[c][5], CALLS[c][6],
+                                                    CALLS[c][7], PERIOD)
                     lse = tl.load(lses[c] + bi * lse_strides[3 * c] + hi * lse_strides[3 * c + 1]
                                   + ni * lse_strides[3 * c + 2], mask=member, other=float("-inf"))
                     m_new = tl.maximum(m_i, lse)
@@ -247,9 +272,9 @@ if triton is not None:
                      total, mask=pmask)
         acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
         for c in tl.static_range(N_CALLS):
-            if _runs(hh, CALLS[c][3], CALLS[c][5]):
+            if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
                 member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2], CALLS[c][3],
-                                                    CALLS[c][4], CALLS[c][5], CALLS[c][6])
+                                                CALLS[c][4], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD)
                 o = tl.load(parts[c] + (bi * strides[3 * c] + ni * strides[3 * c + 1] + hi * strides[3 * c + 2])[:, None]
                             + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 if HAS_LSE:
