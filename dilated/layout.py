@@ -159,6 +159,31 @@ def _period(plan, n: int, h: int) -> int:
     return period if period <= min(_MAX_PERIOD, n) and period * h < 65536 else 1
 
 
+def _call_groups(plan, parts, lses, period: int) -> tuple:
+    """The combine's calls: ``_call_constants`` + (first part, parts). The r calls of one branch
+    block, one per head offset (in-place calls), become one call reading the part of its head's
+    offset (a pointer chosen per program), when aligned and alike in strides: a program then
+    runs one call body per branch instead of r predicated ones."""
+    groups, i = [], 0
+    while i < len(plan):
+        c, size = plan[i], 1
+        if c.mode == "offset" and c.offset == 0 and c.first_row == 0 and period % c.r == 0 \
+                and _call_constants(c)[7] and i + c.r <= len(plan):
+            run = plan[i:i + c.r]
+            alike = all(m.mode == "offset" and m.offset == j and m.first_row == j
+                        and (m.start, m.count, m.length, m.r) == (c.start, c.count, c.length, c.r)
+                        and parts[i + j].stride() == parts[i].stride() and parts[i + j].shape == parts[i].shape
+                        and (lses is None or lses[i + j].stride() == lses[i].stride())
+                        for j, m in enumerate(run))
+            size = c.r if alike else 1
+        if size > 1:  # position and head agree mod r, like a diagonal call without the batch fold
+            groups.append((c.start, c.count, c.length, c.r, 0, -1, 0, 1, i, size))
+        else:
+            groups.append(_call_constants(c) + (i, 1))
+        i += size
+    return tuple(groups)
+
+
 def _blocks(d: int) -> tuple[int, int]:
     """(rows, head_dim padded to a power of two) per program."""
     block_d = triton.next_power_of_2(d)
@@ -184,14 +209,14 @@ def _combine_triton(plan, parts, lses, out, out_lse):
             out_lse.fill_(float("-inf"))
         return
     # The plan is compile-time (divisions by constants); tensors and their strides are arguments.
-    calls = tuple(_call_constants(c) for c in plan)
+    period = _period(plan, n, h)
+    calls = _call_groups(plan, parts, lses, period)
     strides = tuple(s for p in parts for s in p.stride()[:3])
     if has_lse:
         lse_parts, lse_strides = tuple(lses), tuple(s for l in lses for s in l.stride())
     else:
         lse_parts, lse_strides, out_lse = tuple(parts), strides, out  # not read, not written
     block_p, block_d = _blocks(d)
-    period = _period(plan, n, h)
     _combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p), period * h, b)](
         out, out_lse, tuple(parts), strides, lse_parts, lse_strides, n, d,
         out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1), out_lse.stride(2),
@@ -260,8 +285,13 @@ if triton is not None:
                     member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2],
                                                     CALLS[c][3], CALLS[c][4], CALLS[c][5], CALLS[c][6],
                                                     CALLS[c][7], PERIOD)
-                    lse = tl.load(lses[c] + bi * lse_strides[3 * c] + hi * lse_strides[3 * c + 1]
-                                  + ni * lse_strides[3 * c + 2], mask=member, other=float("-inf"))
+                    k: tl.constexpr = CALLS[c][8]
+                    size: tl.constexpr = CALLS[c][9]
+                    lse_ptr = lses[k]
+                    for j in tl.static_range(1, size):  # a group: the part of this head's offset
+                        lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
+                    lse = tl.load(lse_ptr + bi * lse_strides[3 * k] + hi * lse_strides[3 * k + 1]
+                                  + ni * lse_strides[3 * k + 2], mask=member, other=float("-inf"))
                     m_new = tl.maximum(m_i, lse)
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                     s_i = s_i * tl.exp(m_i - m_safe) + tl.exp(lse - m_safe)
@@ -275,11 +305,18 @@ if triton is not None:
             if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
                 member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2], CALLS[c][3],
                                                 CALLS[c][4], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD)
-                o = tl.load(parts[c] + (bi * strides[3 * c] + ni * strides[3 * c + 1] + hi * strides[3 * c + 2])[:, None]
+                k: tl.constexpr = CALLS[c][8]
+                size: tl.constexpr = CALLS[c][9]
+                part = parts[k]
+                lse_ptr = lses[k]
+                for j in tl.static_range(1, size):
+                    part = tl.where(hh % CALLS[c][3] == j, parts[k + j], part)
+                    lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
+                o = tl.load(part + (bi * strides[3 * k] + ni * strides[3 * k + 1] + hi * strides[3 * k + 2])[:, None]
                             + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 if HAS_LSE:
-                    lse = tl.load(lses[c] + bi * lse_strides[3 * c] + hi * lse_strides[3 * c + 1]
-                                  + ni * lse_strides[3 * c + 2], mask=member, other=float("-inf"))
+                    lse = tl.load(lse_ptr + bi * lse_strides[3 * k] + hi * lse_strides[3 * k + 1]
+                                  + ni * lse_strides[3 * k + 2], mask=member, other=float("-inf"))
                     weight = tl.where(member, tl.exp(lse - tl.where(total == float("-inf"), 0.0, total)), 0.0)
                     acc += o * weight[:, None]
                 else:
