@@ -38,11 +38,13 @@ QUERY_TILE = 128  # rows per query tile of the flash-type kernels (for the devic
 
 
 def in_place_min_tiles(device) -> int:
-    """Query tiles an in-place call needs to fill ``device``: two waves of its multiprocessors."""
+    """Query tiles an in-place call needs to fill ``device``: one wave of its multiprocessors.
+    (H200, 32K-128K tokens, LongNet schedule: one wave beat two by 3% at 32K; half a wave was no
+    better; ``results/h200/session4/call2/thresh-*.jsonl``.)"""
     device = torch.device(device)
     if device.type != "cuda":
         return 0
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device, *, batch: int = 1,
