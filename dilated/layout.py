@@ -140,10 +140,14 @@ def _combine_torch(plan, parts, lses, out, out_lse, kv):
 _LAUNCH = {"elements": 4096, "num_warps": 4}  # per program: rows x head_dim elements
 
 
+def _aligned(c: BranchCall) -> int:
+    """Segments start at multiples of r: a position's rank mod r says if it is a member."""
+    return int(c.start % c.r == 0 and c.length % c.r == 0)
+
+
 def _call_constants(c: BranchCall) -> tuple:
-    """(start, count, length, r, diag, head offset or -1, first row, aligned): ``aligned`` calls
-    start their segments at multiples of r, so a position's rank mod r says if it is a member."""
-    aligned = int(c.start % c.r == 0 and c.length % c.r == 0)
+    """(start, count, length, r, diag, head offset or -1, first row, aligned)."""
+    aligned = _aligned(c)
     if c.mode == "offset":
         return (c.start, c.count, c.length, c.r, 0, c.offset, c.first_row, aligned)
     return (c.start, c.count, c.length, c.r, int(c.mode == "diag"), -1, 0, aligned)
@@ -168,7 +172,7 @@ def _call_groups(plan, parts, lses, period: int) -> tuple:
     while i < len(plan):
         c, size = plan[i], 1
         if c.mode == "offset" and c.offset == 0 and c.first_row == 0 and period % c.r == 0 \
-                and _call_constants(c)[7] and i + c.r <= len(plan):
+                and _aligned(c) and i + c.r <= len(plan):
             run = plan[i:i + c.r]
             alike = all(m.mode == "offset" and m.offset == j and m.first_row == j
                         and (m.start, m.count, m.length, m.r) == (c.start, c.count, c.length, c.r)
@@ -249,6 +253,12 @@ if triton is not None:
         return member, bi.to(tl.int64), (i // r).to(tl.int64), (hh // r).to(tl.int64)
 
     @triton.jit
+    def _lse_rows(lse_ptr, lse_strides, k: tl.constexpr, member, bi, ni, hi):
+        """A call's lse at its rows (``-inf`` off them); its strides are entries ``3k..3k+2``."""
+        return tl.load(lse_ptr + bi * lse_strides[3 * k] + hi * lse_strides[3 * k + 1] + ni * lse_strides[3 * k + 2],
+                       mask=member, other=float("-inf"))
+
+    @triton.jit
     def _runs(hh, t, r: tl.constexpr, off: tl.constexpr, first: tl.constexpr, aligned: tl.constexpr,
               PERIOD: tl.constexpr):
         """Whether a call can hold rows of head ``hh`` at positions ``t`` mod ``PERIOD``."""
@@ -290,8 +300,7 @@ if triton is not None:
                     lse_ptr = lses[k]
                     for j in tl.static_range(1, size):  # a group: the part of this head's offset
                         lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
-                    lse = tl.load(lse_ptr + bi * lse_strides[3 * k] + hi * lse_strides[3 * k + 1]
-                                  + ni * lse_strides[3 * k + 2], mask=member, other=float("-inf"))
+                    lse = _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi)
                     m_new = tl.maximum(m_i, lse)
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                     s_i = s_i * tl.exp(m_i - m_safe) + tl.exp(lse - m_safe)
@@ -315,8 +324,7 @@ if triton is not None:
                 o = tl.load(part + (bi * strides[3 * k] + ni * strides[3 * k + 1] + hi * strides[3 * k + 2])[:, None]
                             + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 if HAS_LSE:
-                    lse = tl.load(lse_ptr + bi * lse_strides[3 * k] + hi * lse_strides[3 * k + 1]
-                                  + ni * lse_strides[3 * k + 2], mask=member, other=float("-inf"))
+                    lse = _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi)
                     weight = tl.where(member, tl.exp(lse - tl.where(total == float("-inf"), 0.0, total)), 0.0)
                     acc += o * weight[:, None]
                 else:

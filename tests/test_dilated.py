@@ -180,19 +180,27 @@ def test_multihead_layer(gen):
 GPU_BACKENDS = [n for n, r in dilated.available_backends("cuda").items() if r is None] if torch.cuda.is_available() else []
 
 
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_bf16_each_backend(backend, impl, causal, gen):
-    n, segs, dils = 1000, [128, 256, 512], [1, 2, 4]
+GPU_CASE = 1000, [128, 256, 512], [1, 2, 4]  # N, segments, dilations of the GPU checks
+
+
+def check_gpu_bf16(fn, causal, gen):
+    """``fn(q, k, v, segments, dilations)`` in bf16 on the GPU against float64: output and gradients."""
+    n, segs, dils = GPU_CASE
     q, k, v = (rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
-    out = IMPLS[impl](q, k, v, segs, dils, causal=causal, backend=backend)
+    out = fn(q, k, v, segs, dils)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = dilated_reference(qd, kd, vd, segs, dils, causal)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
     for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
         assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bf16_each_backend(backend, impl, causal, gen):
+    check_gpu_bf16(lambda *a: IMPLS[impl](*a, causal=causal, backend=backend), causal, gen)
 
 
 @pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA device")
@@ -203,17 +211,10 @@ def test_gpu_in_place_calls(backend, causal, gen, monkeypatch):
     if backend not in GPU_BACKENDS:
         pytest.skip(f"{backend} is not available here")
     monkeypatch.setattr("dilated.pattern_cache.in_place_min_tiles", lambda device: 0)
-    n, segs, dils = 1000, [128, 256, 512], [1, 2, 4]
+    n, segs, dils = GPU_CASE
     plan = dilated.pattern_cache.build_plan(n, 8, 8, segs, dils, "cuda", in_place_tiles=0)
     assert all(c.in_place for c in plan if c.r > 1)
-    q, k, v = (rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
-    out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=causal, backend=backend)
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = dilated_reference(qd, kd, vd, segs, dils, causal)
-    assert rel_err(out, ref) < TOL[torch.bfloat16]
-    dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
-    for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
-        assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]
+    check_gpu_bf16(lambda *a: dilated.improved_dilated_attention(*a, causal=causal, backend=backend), causal, gen)
 
 
 def test_layer_norm_in_row_chunks_equals_one_call():
