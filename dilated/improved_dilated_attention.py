@@ -1,8 +1,9 @@
 """LongNet dilated attention, the fast implementation (same contract as :mod:`dilated_attention`).
 
 * r = 1 branches read a free segment view (no copy). r > 1 branches: on kernels that read
-  strided rows (cuDNN, flash), one call per head offset on a strided view, no copy at all, where
-  each call still fills the device; otherwise one gather per branch (the rows of a diagonal over
+  strided rows (cuDNN, flash), strided views, no copy at all (one call per head offset, or per
+  segment with the r offsets as a batch of stride ``(H + 1) * D``), where each call still fills
+  the device; otherwise one gather per branch (the rows of a diagonal over
   (position mod r, head mod r); q, k and v in one launch, :func:`dilated.layout.gather`) or,
   where w, the last segment or the heads are not multiples of r, one strided slice per head
   offset. No index tensor is data-sized (GQA with r > 1 uses an ``H/r``-entry kv-head index).

@@ -4,8 +4,9 @@ A plan is the list of kernel calls one forward makes: for each branch and segmen
 branch's rows are reached (a free segment view for r = 1, one diagonal gather for r > 1, or one
 slice per head offset in the general case) and, for GQA with r > 1, the small index of kv heads
 (``H/r`` entries, never data-sized). Kernels that read strided rows (``reads_strided_rows``) get
-one call per head offset on a strided view instead of a gather (``in_place``), where each such
-call still fills the device. Keyed by shape, schedule, causality, device, dtype and that choice.
+strided views instead of gathers (``in_place``): one call per head offset, or per segment for all
+offsets at once (a diagonal is a fixed stride), where each such call still fills the device.
+Keyed by shape, schedule, causality, device, dtype and that choice.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class BranchCall:
     offset: int = 0
     kv_heads: torch.Tensor | None = field(default=None, compare=False)
     row_offset: int | None = None  # "offset" calls: first row of each segment, when not ``offset``
-    in_place: bool = False  # "offset" calls: the kernel reads the strided rows (no gather)
+    in_place: bool = False  # the kernel reads the strided rows (no gather): "offset" or one-segment "diag"
 
     @property
     def first_row(self) -> int:
@@ -50,8 +51,10 @@ def in_place_min_tiles(device) -> int:
 def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device, *, batch: int = 1,
                in_place_tiles: int | None = None) -> list[BranchCall]:
     """The calls of one forward. ``in_place_tiles``: the kernel reads strided rows; r > 1 branches
-    become one in-place call per head offset (no gather) where each call has at least this many
-    query tiles (or where a diagonal gather is impossible anyway); None: gather them."""
+    are then read in place (no gather) where each call has at least this many query tiles (or
+    where a diagonal gather is impossible anyway), as one call per head offset or, with one batch,
+    one call per segment holding all r offsets (the diagonal over position and head mod r is a
+    fixed stride, ``(H + 1) * D``), whichever makes fewer calls; None: gather them."""
     from .dilated_attention import segment_blocks
 
     groups = h // hkv
@@ -59,23 +62,43 @@ def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device
     for w, r in zip(segment_lengths, dilation_rates):
         w = min(w, n)
         for start, count, length in segment_blocks(n, w):
-            diag = length % r == 0 and h % r == 0 and groups == 1
-            # kernel layout [B * count, ...] must stay a view: one batch, one segment or all rows
-            viewable = batch == 1 or count == 1 or count * length == n
-            tiles = batch * count * (h // r) * -(-length // (r * QUERY_TILE))
-            in_place = (in_place_tiles is not None and r > 1 and groups == 1 and viewable
-                        and (not diag or tiles >= in_place_tiles))
             if r == 1:
                 calls.append(BranchCall(start, count, length, 1, "view"))
-            elif diag and not in_place:
+                continue
+            diag = length % r == 0 and h % r == 0 and groups == 1
+            form = None
+            if in_place_tiles is not None and groups == 1:
+                form = _in_place_form(n, count, length, h, r, diag, batch, in_place_tiles)
+            if form == "per_segment":
+                calls += [BranchCall(start + s * length, 1, length, r, "diag", in_place=True) for s in range(count)]
+            elif form is None and diag:
                 calls.append(BranchCall(start, count, length, r, "diag"))
-            else:
+            else:  # one call per head offset, in place or each gathered
                 for off in range(min(r, length, h)):
                     kvh = None
                     if groups > 1:
                         kvh = torch.arange(off, h, r, device=device) // groups
-                    calls.append(BranchCall(start, count, length, r, "offset", off, kvh, in_place=in_place))
+                    calls.append(BranchCall(start, count, length, r, "offset", off, kvh, in_place=form == "per_offset"))
     return calls
+
+
+def _in_place_form(n, count, length, h, r, diag, batch, min_tiles) -> str | None:
+    """How a dilated block is read in place: "per_offset" (one call per head offset),
+    "per_segment" (one call per segment, all offsets) or None (gathered). Each call needs
+    ``min_tiles`` query tiles, unless it is the one call a diagonal gather would make anyway
+    (one segment) or no diagonal gather exists; of two such forms, the one with fewer calls."""
+    row_tiles = -(-length // (r * QUERY_TILE))
+    options = []  # (calls, form, query tiles per call)
+    # kernel layout [B * count, ...] must stay a view: one batch, one segment or all rows
+    viewable = batch == 1 or count == 1 or count * length == n
+    if viewable:
+        options.append((r, "per_offset", batch * count * (h // r) * row_tiles))
+    if diag and batch == 1:  # [count, r] does not fold into one batch stride: one call per segment
+        options.append((count, "per_segment", h * row_tiles if count > 1 else min_tiles))
+    filled = [o for o in options if o[2] >= min_tiles]
+    if filled:
+        return min(filled, key=lambda o: o[0])[1]  # ties: per offset
+    return "per_offset" if viewable and not diag else None
 
 
 def plan_for(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, in_place: bool = False):

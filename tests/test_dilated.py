@@ -42,20 +42,22 @@ def test_matches_reference_forward_and_gradients(impl, case, causal, dtype, gen)
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}H{c[1]}kv{c[2]}w{c[3]}r{c[4]}")
 @pytest.mark.parametrize("causal", [False, True])
-def test_improved_in_place_matches_reference(case, causal, gen, monkeypatch):
-    """r > 1 branches as one call per head offset on strided views (what cuDNN and flash get on
-    CUDA), here forced for every branch on the CPU backends: forward and gradients."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_improved_in_place_matches_reference(case, causal, batch, gen, monkeypatch):
+    """r > 1 branches read in place, strided views into the kernel (what cuDNN and flash get on
+    CUDA; batch 1 also one call per segment with all head offsets), here forced for every branch
+    on the CPU backends: forward and gradients."""
     from dilated.backends.sdpa import SDPABackend
 
     monkeypatch.setattr(SDPABackend, "reads_strided_rows", lambda self, q, k, causal: True)
     monkeypatch.setattr("dilated.pattern_cache.in_place_min_tiles", lambda device: 0)
     n, h, hkv, segs, dils = case
-    q, k, v = (rand(2, n, x, 16, gen=gen, requires_grad=True) for x in (h, hkv, hkv))
+    q, k, v = (rand(batch, n, x, 16, gen=gen, requires_grad=True) for x in (h, hkv, hkv))
     out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=causal, backend="sdpa")
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = dilated_reference(qd, kd, vd, segs, dils, causal)
     assert rel_err(out, ref) < TOL[torch.float32]
-    dout = rand(2, n, h, 16, gen=gen)
+    dout = rand(batch, n, h, 16, gen=gen)
     for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
         assert rel_err(g, rg) < 2 * TOL[torch.float32]
 
@@ -213,7 +215,7 @@ def test_gpu_in_place_calls(backend, causal, gen, monkeypatch):
     monkeypatch.setattr("dilated.pattern_cache.in_place_min_tiles", lambda device: 0)
     n, segs, dils = GPU_CASE
     plan = dilated.pattern_cache.build_plan(n, 8, 8, segs, dils, "cuda", in_place_tiles=0)
-    assert all(c.in_place for c in plan if c.r > 1)
+    assert all(c.in_place for c in plan if c.r > 1) and {c.mode for c in plan if c.r > 1} == {"offset", "diag"}
     check_gpu_bf16(lambda *a: dilated.improved_dilated_attention(*a, causal=causal, backend=backend), causal, gen)
 
 

@@ -32,27 +32,30 @@ def _interpreted(args):
 def check_plans():
     """Run in the interpreter: gather and combine (Triton) equal the torch path."""
     gen = torch.Generator().manual_seed(0)
-    for case, in_place in [(c, t) for c in PLANS for t in (None, 0)] + [(None, None)]:
+    runs = [(c, t, 2) for c in PLANS for t in (None, 0)] + [(c, 0, 1) for c in PLANS] + [(None, None, 2)]
+    for case, in_place, b in runs:  # batch 1: in-place calls of one segment with all offsets
         if case is None:  # what a rank adds for a segment spanning ranks: rows 2::3 of heads 1::3
             n, h = 30, 6
             plan = build_plan(n, h, h, [10], [1], "cpu") + [BranchCall(0, 1, n, 3, "offset", 1, row_offset=2)]
         else:
             n, h, hkv, segs, dils = case
-            plan = build_plan(n, h, hkv, segs, dils, "cpu", batch=2, in_place_tiles=in_place)
+            plan = build_plan(n, h, hkv, segs, dils, "cpu", batch=b, in_place_tiles=in_place)
             assert any(c.in_place for c in plan) == (in_place is not None)
-        x = torch.randn(2, n, h, 8, generator=gen)
-        y = torch.randn(2, n, 2 * h, 8, generator=gen)[:, :, ::2]  # strided heads
+        x = torch.randn(b, n, h, 8, generator=gen)
+        y = torch.randn(b, n, 2 * h, 8, generator=gen)[:, :, ::2]  # strided heads
         for c in plan:
             got = gather(c, [x, y.to(torch.bfloat16)])[0]
             for g, t in zip(got, (x, y.to(torch.bfloat16))):
                 assert torch.equal(g, kernel_layout(branch_view(t, c)))
         parts = [gather(c, [x])[0][0].clone() * (i + 1) for i, c in enumerate(plan)]
         lses = [torch.randn(p.shape[0], p.shape[2], p.shape[1], generator=gen) for p in parts]
+        for c in plan:  # in-place calls are views of x, not copies
+            assert not c.in_place or gather(c, [x])[0][0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         for dtype in (torch.float32, torch.bfloat16):
             for with_lse in (True, False):
                 ps, ls = [p.to(dtype) for p in parts], (lses if with_lse else None)
                 got, want = torch.empty_like(x, dtype=dtype), torch.empty_like(x, dtype=dtype)
-                got_lse, want_lse = torch.empty(2, n, h), torch.empty(2, n, h)
+                got_lse, want_lse = torch.empty(b, n, h), torch.empty(b, n, h)
                 combine(plan, ps, ls, got, got_lse if with_lse else None)
                 _combine_torch(plan, ps, ls, want, want_lse if with_lse else None, False)
                 ulp = 1e-6 if dtype == torch.float32 else 2 ** -7
