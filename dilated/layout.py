@@ -68,6 +68,28 @@ def kernel_layout(view: torch.Tensor, rest: int = 1) -> torch.Tensor:
     return view.reshape(-1, *view.shape[lead:])
 
 
+_VIEWS: dict = {}  # (call, shape, strides) -> (size, stride, storage offset) of its kernel view
+_MAX_VIEWS = 4096
+
+
+def kernel_view(x: torch.Tensor, c: BranchCall) -> torch.Tensor | None:
+    """``kernel_layout(branch_view(x, c))`` as one ``as_strided`` of ``x`` when it is a view (the
+    geometry is worked out once per call, shape and strides, on a meta tensor: a step's views
+    then cost the host one op each instead of a chain of slices); None when it needs a copy."""
+    key = (c, tuple(x.shape), x.stride())
+    geometry = _VIEWS.get(key, False)
+    if geometry is False:
+        meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        v = kernel_layout(branch_view(meta, c))
+        geometry = (v.shape, v.stride(), v.storage_offset()) if v._base is meta or v is meta else None
+        if len(_VIEWS) >= _MAX_VIEWS:
+            _VIEWS.clear()
+        _VIEWS[key] = geometry
+    if geometry is None:
+        return None
+    return x.as_strided(geometry[0], geometry[1], x.storage_offset() + geometry[2])
+
+
 def merged_lse_for(lse_rows: torch.Tensor, c: BranchCall) -> torch.Tensor:
     """A row-layout lse ``[B, N, H]`` at the rows of ``c``, as a kernel's ``[B', h, n]``."""
     return kernel_layout(branch_view(lse_rows, c), 0).transpose(1, 2).contiguous()
@@ -77,7 +99,8 @@ def gather(c: BranchCall, tensors, kv=None, pool: MemoryPool | None = None):
     """The rows of ``c`` of each tensor, in kernel layout. ``kv[i]`` marks kv tensors (GQA calls
     select their kv heads). Returns ``(gathered, buffers)``; the buffers came from ``pool``."""
     if c.mode == "view" or c.in_place:
-        return [kernel_layout(branch_view(x, c)) for x in tensors], []
+        views = [kernel_view(x, c) for x in tensors]
+        return [kernel_layout(branch_view(x, c)) if v is None else v for x, v in zip(tensors, views)], []
     select = [bool(is_kv) and c.kv_heads is not None for is_kv in (kv or [False] * len(tensors))]
     views = [branch_view(x, c, heads=False).index_select(3, c.kv_heads) if sel else branch_view(x, c)
              for x, sel in zip(tensors, select)]
