@@ -56,10 +56,20 @@ class _Span:
             sizes = [_count(_selected(m * n, n, r, off), n) for m in range(self.span)]
             kvidx = torch.arange(off, h, r, device=device) // groups
             self.offsets.append((off, rows, sizes, kvidx))
+        # every offset alike (rows per member, heads): the offsets are one kernel call, a batch
+        self.batched = len({(tuple(sizes), len(kvidx)) for _, _, sizes, kvidx in self.offsets}) == 1 \
+            and self.offsets[0][2][self.me] > 0
 
     def member_len(self, m, d, b=1):
         """Elements member ``m`` contributes: K and V rows of every offset."""
         return sum(2 * sizes[m] * len(kvidx) * d for _, _, sizes, kvidx in self.offsets) * b
+
+    def stacked(self, x, rows=True):
+        """``x``'s rows of every offset, ``[B * offsets, rows, h', ...]`` (one copy); ``rows=False``:
+        ``x`` is ``[B, offsets, ...]`` already."""
+        if rows:
+            x = torch.stack([x[:, r, off::self.r] for off, r, _, _ in self.offsets], 1)
+        return x.flatten(0, 1)
 
 
 def _all_gather_flat(x, group, lens, stats):
@@ -93,43 +103,90 @@ def _reduce_scatter_flat(parts, group, lens, me, stats):
 
 
 def _gather_span(sp: _Span, k, v, stats):
-    """For each offset: the K and V rows of every member of the segment, in order ``[B, rows, h', D]``."""
+    """The K and V rows of every member of the segment, per offset ``[B, rows, h', D]`` (views of
+    ``[B, offsets, rows, h', D]`` tensors when ``sp.batched``). A member sends its K rows of every
+    offset, then its V rows."""
     b, d = k.shape[0], k.shape[3]
-    mine = [t[:, rows].index_select(2, kvidx).reshape(b, -1) for _, rows, _, kvidx in sp.offsets for t in (k, v)]
+    mine = [t[:, rows].index_select(2, kvidx).reshape(b, -1) for t in (k, v) for _, rows, _, kvidx in sp.offsets]
     lens = [sp.member_len(m, d) for m in range(sp.span)]
     parts = _all_gather_flat(torch.cat(mine, 1), sp.group, lens, stats)
-    ks, vs = [], []
-    for j, (_, _, sizes, kvidx) in enumerate(sp.offsets):
-        h_off = len(kvidx)
-        per = [[], []]
-        for m, part in enumerate(parts):
-            i = sum(2 * sz[m] * len(kx) * d for _, _, sz, kx in sp.offsets[:j])
-            for t in range(2):
-                cnt = sizes[m] * h_off * d
-                per[t].append(part[:, i + t * cnt:i + (t + 1) * cnt].view(b, sizes[m], h_off, d))
-        ks.append(torch.cat(per[0], 1))
-        vs.append(torch.cat(per[1], 1))
-    return ks, vs
+    if sp.batched:
+        sizes, h_off = sp.offsets[0][2], len(sp.offsets[0][3])
+        kv = [part.view(b, 2, len(sp.offsets), sizes[m], h_off, d) for m, part in enumerate(parts)]
+        ks, vs = (torch.cat([x[:, t] for x in kv], 2) for t in range(2))
+        return list(ks.unbind(1)), list(vs.unbind(1)), (ks, vs)
+    per = [[[] for _ in sp.offsets] for _ in range(2)]
+    for m, part in enumerate(parts):
+        i = 0
+        for t in range(2):
+            for j, (_, _, sizes, kvidx) in enumerate(sp.offsets):
+                cnt = sizes[m] * len(kvidx) * d
+                per[t][j].append(part[:, i:i + cnt].view(b, sizes[m], len(kvidx), d))
+                i += cnt
+    return [torch.cat(x, 1) for x in per[0]], [torch.cat(x, 1) for x in per[1]], None
+
+
+def _span_forward(sp: _Span, q, ks, vs, stacked, backend, causal, scale):
+    """The span's kernel calls: ``(calls, outputs, lses)``, one per offset with rows here (the
+    outputs of a batched span are views of its one call's output)."""
+    n = q.shape[1]
+    calls = [BranchCall(0, 1, n, sp.r, "offset", off, row_offset=rows.start)
+             for off, rows, sizes, _ in sp.offsets if sizes[sp.me]]
+    upto = lambda sizes: sum(sizes[:sp.me + 1]) if causal else None  # noqa: E731 (earlier ranks' keys, then own)
+    if sp.batched:
+        kb, vb = (sp.stacked(x, rows=False)[:, :upto(sp.offsets[0][2])] for x in stacked)
+        o, lse = attention_forward(backend, sp.stacked(q), kb, vb, causal, scale)
+        return calls, list(o.unflatten(0, (q.shape[0], -1)).unbind(1)), list(lse.unflatten(0, (q.shape[0], -1)).unbind(1))
+    outs, lses = [], []
+    for (off, rows, sizes, _), kj, vj in zip(sp.offsets, ks, vs):
+        if sizes[sp.me]:
+            o, lse = attention_forward(backend, q[:, rows, off::sp.r], kj[:, :upto(sizes)], vj[:, :upto(sizes)],
+                                       causal, scale)
+            outs.append(o)
+            lses.append(lse)
+    return calls, outs, lses
+
+
+def _span_backward(sp: _Span, q, out, lse_rows, dout, ks, vs, stacked, dq, backend, causal, scale):
+    """Add the span's dq into ``dq``; return its dK, dV per offset (float32, all gathered rows)."""
+    b = q.shape[0]
+    dks = [torch.zeros(kj.shape, device=q.device, dtype=torch.float32) for kj in ks]
+    dvs = [torch.zeros_like(x) for x in dks]
+    sels = [(slice(None), rows, slice(off, None, sp.r)) for off, rows, _, _ in sp.offsets]
+    lse_t = lse_rows.transpose(1, 2)  # [B, H, n]: an offset's lse rows as [B, h', rows]
+    if sp.batched:
+        upto = sum(sp.offsets[0][2][:sp.me + 1]) if causal else ks[0].shape[1]
+        kb, vb = (sp.stacked(x, rows=False)[:, :upto] for x in stacked)
+        lse_b = torch.stack([lse_t[:, sl[2], sl[1]] for sl in sels], 1).flatten(0, 1).contiguous()
+        g = attention_backward(backend, sp.stacked(dout), sp.stacked(q), kb, vb, sp.stacked(out), lse_b, causal, scale)
+        g = [x.unflatten(0, (b, -1)) for x in g]
+        for j, sl in enumerate(sels):
+            dq[sl] += g[0][:, j]
+            dks[j][:, :upto] += g[1][:, j]
+            dvs[j][:, :upto] += g[2][:, j]
+        return dks, dvs
+    for j, ((off, rows, sizes, _), sl) in enumerate(zip(sp.offsets, sels)):
+        if sizes[sp.me]:
+            upto = sum(sizes[:sp.me + 1]) if causal else ks[j].shape[1]
+            g = attention_backward(backend, dout[sl], q[sl], ks[j][:, :upto], vs[j][:, :upto], out[sl],
+                                   lse_t[:, sl[2], sl[1]].contiguous(), causal, scale)
+            dq[sl] += g[0]
+            dks[j][:, :upto] += g[1]
+            dvs[j][:, :upto] += g[2]
+    return dks, dvs
 
 
 class _DistributedDilatedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, spans, backend, causal, scale, stats):
-        n = q.shape[1]
         calls, parts, lses, gathered = [], [], [], []
         for sp in spans:
-            ks, vs = _gather_span(sp, k, v, stats)
-            gathered.append((ks, vs))
-            for (off, rows, sizes, _), kj, vj in zip(sp.offsets, ks, vs):
-                if sizes[sp.me] == 0:
-                    continue
-                if causal:  # keys of earlier ranks, then own keys: bottom-right causal
-                    upto = sum(sizes[:sp.me + 1])
-                    kj, vj = kj[:, :upto], vj[:, :upto]
-                o, lse = attention_forward(backend, q[:, rows, off::sp.r], kj, vj, causal, scale)
-                calls.append(BranchCall(0, 1, n, sp.r, "offset", off, row_offset=rows.start))
-                parts.append(o)
-                lses.append(lse)
+            ks, vs, stacked = _gather_span(sp, k, v, stats)
+            gathered.append((ks, vs, stacked))
+            c, o, lse = _span_forward(sp, q, ks, vs, stacked, backend, causal, scale)
+            calls += c
+            parts += o
+            lses += lse
         # spanning and local branches mixed by one combine, straight into the output dtype
         out, lse_rows = forward_calls(q, k, v, plan, backend, causal, scale, None, extra=(calls, parts, lses))
         del calls, parts, lses
@@ -144,30 +201,21 @@ class _DistributedDilatedFunction(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk, dv = backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, torch.float32)
         b, d = q.shape[0], q.shape[3]
-        for sp, (ks, vs) in zip(spans, ctx.gathered):
+        for sp, (ks, vs, stacked) in zip(spans, ctx.gathered):
+            dks, dvs = _span_backward(sp, q, out, lse_rows, dout, ks, vs, stacked, dq, backend, causal, scale)
             to_member = [[] for _ in range(sp.span)]
-            for (off, rows, sizes, kvidx), kj, vj in zip(sp.offsets, ks, vs):
-                dkj = torch.zeros(kj.shape, device=k.device, dtype=torch.float32)
-                dvj = torch.zeros_like(dkj)
-                if sizes[sp.me]:
-                    upto = sum(sizes[:sp.me + 1]) if causal else kj.shape[1]
-                    sel = (slice(None), rows, slice(off, None, sp.r))
-                    lse_s = lse_rows[sel].transpose(1, 2).contiguous()
-                    g = attention_backward(backend, dout[sel], q[sel], kj[:, :upto], vj[:, :upto], out[sel], lse_s,
-                                           causal, scale)
-                    dq[sel] += g[0]
-                    dkj[:, :upto] += g[1]
-                    dvj[:, :upto] += g[2]
-                i = 0
-                for m in range(sp.span):
-                    to_member[m] += [dkj[:, i:i + sizes[m]].reshape(b, -1), dvj[:, i:i + sizes[m]].reshape(b, -1)]
-                    i += sizes[m]
+            for grads in (dks, dvs):  # the layout each member sent: K rows of every offset, then V rows
+                for (_, _, sizes, _), g in zip(sp.offsets, grads):
+                    i = 0
+                    for m in range(sp.span):
+                        to_member[m].append(g[:, i:i + sizes[m]].reshape(b, -1))
+                        i += sizes[m]
             lens = [sp.member_len(m, d) for m in range(sp.span)]
             mine = _reduce_scatter_flat([torch.cat(t, 1) for t in to_member], sp.group, lens, sp.me, stats)
             i = 0
-            for off, rows, sizes, kvidx in sp.offsets:
-                cnt = sizes[sp.me] * len(kvidx) * d
-                for acc_t in (dk, dv):
+            for acc_t in (dk, dv):
+                for off, rows, sizes, kvidx in sp.offsets:
+                    cnt = sizes[sp.me] * len(kvidx) * d
                     acc_t[:, rows].index_add_(2, kvidx, mine[:, i:i + cnt].view(b, sizes[sp.me], len(kvidx), d))
                     i += cnt
         ctx.gathered = None
