@@ -56,20 +56,27 @@ class _Span:
             sizes = [_count(_selected(m * n, n, r, off), n) for m in range(self.span)]
             kvidx = torch.arange(off, h, r, device=device) // groups
             self.offsets.append((off, rows, sizes, kvidx))
-        # every offset alike (rows per member, heads): the offsets are one kernel call, a batch
-        self.batched = len({(tuple(sizes), len(kvidx)) for _, _, sizes, kvidx in self.offsets}) == 1 \
-            and self.offsets[0][2][self.me] > 0
+        # the kernel calls, each a batch of offsets with rows here: all in one call where they are
+        # alike (rows per member, heads), else one call per offset
+        here = [j for j, (_, _, sizes, _) in enumerate(self.offsets) if sizes[self.me]]
+        alike = len({(tuple(sizes), len(kvidx)) for _, _, sizes, kvidx in self.offsets}) == 1
+        self.batched = alike and len(here) == len(self.offsets)
+        self.groups = [here] if self.batched else [[j] for j in here]
 
     def member_len(self, m, d, b=1):
         """Elements member ``m`` contributes: K and V rows of every offset."""
         return sum(2 * sizes[m] * len(kvidx) * d for _, _, sizes, kvidx in self.offsets) * b
 
-    def stacked(self, x, rows=True):
-        """``x``'s rows of every offset, ``[B * offsets, rows, h', ...]`` (one copy); ``rows=False``:
-        ``x`` is ``[B, offsets, ...]`` already."""
-        if rows:
-            x = torch.stack([x[:, r, off::self.r] for off, r, _, _ in self.offsets], 1)
-        return x.flatten(0, 1)
+    def stacked(self, x, group):
+        """``x``'s (``[B, n, H, ...]``) rows of the offsets in ``group`` as one kernel batch,
+        ``[B * len(group), rows, h', ...]`` (a view for one offset, else one copy)."""
+        rows = [x[:, self.offsets[j][1], self.offsets[j][0]::self.r] for j in group]
+        return (rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, 1)).flatten(0, 1)
+
+    def upto(self, group, causal):
+        """Gathered keys a call of ``group`` sees: causal, those of earlier members and its own."""
+        sizes = self.offsets[group[0]][2]
+        return sum(sizes[:self.me + 1]) if causal else sum(sizes)
 
 
 def _all_gather_flat(x, group, lens, stats):
@@ -103,9 +110,8 @@ def _reduce_scatter_flat(parts, group, lens, me, stats):
 
 
 def _gather_span(sp: _Span, k, v, stats):
-    """The K and V rows of every member of the segment, per offset ``[B, rows, h', D]`` (views of
-    ``[B, offsets, rows, h', D]`` tensors when ``sp.batched``). A member sends its K rows of every
-    offset, then its V rows."""
+    """The gathered K and V of each of ``sp.groups``, ``[B, len(group), rows, h', D]``: the rows of
+    every member of the segment. A member sends its K rows of every offset, then its V rows."""
     b, d = k.shape[0], k.shape[3]
     mine = [t[:, rows].index_select(2, kvidx).reshape(b, -1) for t in (k, v) for _, rows, _, kvidx in sp.offsets]
     lens = [sp.member_len(m, d) for m in range(sp.span)]
@@ -113,8 +119,7 @@ def _gather_span(sp: _Span, k, v, stats):
     if sp.batched:
         sizes, h_off = sp.offsets[0][2], len(sp.offsets[0][3])
         kv = [part.view(b, 2, len(sp.offsets), sizes[m], h_off, d) for m, part in enumerate(parts)]
-        ks, vs = (torch.cat([x[:, t] for x in kv], 2) for t in range(2))
-        return list(ks.unbind(1)), list(vs.unbind(1)), (ks, vs)
+        return [tuple(torch.cat([x[:, t] for x in kv], 2) for t in range(2))]
     per = [[[] for _ in sp.offsets] for _ in range(2)]
     for m, part in enumerate(parts):
         i = 0
@@ -123,56 +128,41 @@ def _gather_span(sp: _Span, k, v, stats):
                 cnt = sizes[m] * len(kvidx) * d
                 per[t][j].append(part[:, i:i + cnt].view(b, sizes[m], len(kvidx), d))
                 i += cnt
-    return [torch.cat(x, 1) for x in per[0]], [torch.cat(x, 1) for x in per[1]], None
+    return [tuple(torch.cat(per[t][j], 1).unsqueeze(1) for t in range(2)) for (j,) in sp.groups]
 
 
-def _span_forward(sp: _Span, q, ks, vs, stacked, backend, causal, scale):
-    """The span's kernel calls: ``(calls, outputs, lses)``, one per offset with rows here (the
-    outputs of a batched span are views of its one call's output)."""
-    n = q.shape[1]
-    calls = [BranchCall(0, 1, n, sp.r, "offset", off, row_offset=rows.start)
-             for off, rows, sizes, _ in sp.offsets if sizes[sp.me]]
-    upto = lambda sizes: sum(sizes[:sp.me + 1]) if causal else None  # noqa: E731 (earlier ranks' keys, then own)
-    if sp.batched:
-        kb, vb = (sp.stacked(x, rows=False)[:, :upto(sp.offsets[0][2])] for x in stacked)
-        o, lse = attention_forward(backend, sp.stacked(q), kb, vb, causal, scale)
-        return calls, list(o.unflatten(0, (q.shape[0], -1)).unbind(1)), list(lse.unflatten(0, (q.shape[0], -1)).unbind(1))
-    outs, lses = [], []
-    for (off, rows, sizes, _), kj, vj in zip(sp.offsets, ks, vs):
-        if sizes[sp.me]:
-            o, lse = attention_forward(backend, q[:, rows, off::sp.r], kj[:, :upto(sizes)], vj[:, :upto(sizes)],
-                                       causal, scale)
-            outs.append(o)
-            lses.append(lse)
+def _span_forward(sp: _Span, q, kv, backend, causal, scale):
+    """The span's kernel calls: ``(calls, outputs, lses)``, one per offset with rows here (views of
+    the outputs of its group's call)."""
+    b, n = q.shape[:2]
+    calls, outs, lses = [], [], []
+    for group, (ks, vs) in zip(sp.groups, kv):
+        upto = sp.upto(group, causal)
+        o, lse = attention_forward(backend, sp.stacked(q, group), ks.flatten(0, 1)[:, :upto],
+                                   vs.flatten(0, 1)[:, :upto], causal, scale)
+        calls += [BranchCall(0, 1, n, sp.r, "offset", sp.offsets[j][0], row_offset=sp.offsets[j][1].start)
+                  for j in group]
+        outs += o.unflatten(0, (b, -1)).unbind(1)
+        lses += lse.unflatten(0, (b, -1)).unbind(1)
     return calls, outs, lses
 
 
-def _span_backward(sp: _Span, q, out, lse_rows, dout, ks, vs, stacked, dq, backend, causal, scale):
+def _span_backward(sp: _Span, q, out, lse_rows, dout, kv, dq, backend, causal, scale):
     """Add the span's dq into ``dq``; return its dK, dV per offset (float32, all gathered rows)."""
-    b = q.shape[0]
-    dks = [torch.zeros(kj.shape, device=q.device, dtype=torch.float32) for kj in ks]
+    b, d = q.shape[0], q.shape[3]
+    dks = [q.new_zeros(b, sum(sizes), len(kvidx), d, dtype=torch.float32) for _, _, sizes, kvidx in sp.offsets]
     dvs = [torch.zeros_like(x) for x in dks]
-    sels = [(slice(None), rows, slice(off, None, sp.r)) for off, rows, _, _ in sp.offsets]
-    lse_t = lse_rows.transpose(1, 2)  # [B, H, n]: an offset's lse rows as [B, h', rows]
-    if sp.batched:
-        upto = sum(sp.offsets[0][2][:sp.me + 1]) if causal else ks[0].shape[1]
-        kb, vb = (sp.stacked(x, rows=False)[:, :upto] for x in stacked)
-        lse_b = torch.stack([lse_t[:, sl[2], sl[1]] for sl in sels], 1).flatten(0, 1).contiguous()
-        g = attention_backward(backend, sp.stacked(dout), sp.stacked(q), kb, vb, sp.stacked(out), lse_b, causal, scale)
-        g = [x.unflatten(0, (b, -1)) for x in g]
-        for j, sl in enumerate(sels):
-            dq[sl] += g[0][:, j]
-            dks[j][:, :upto] += g[1][:, j]
-            dvs[j][:, :upto] += g[2][:, j]
-        return dks, dvs
-    for j, ((off, rows, sizes, _), sl) in enumerate(zip(sp.offsets, sels)):
-        if sizes[sp.me]:
-            upto = sum(sizes[:sp.me + 1]) if causal else ks[j].shape[1]
-            g = attention_backward(backend, dout[sl], q[sl], ks[j][:, :upto], vs[j][:, :upto], out[sl],
-                                   lse_t[:, sl[2], sl[1]].contiguous(), causal, scale)
-            dq[sl] += g[0]
-            dks[j][:, :upto] += g[1]
-            dvs[j][:, :upto] += g[2]
+    for group, (ks, vs) in zip(sp.groups, kv):
+        upto = sp.upto(group, causal)
+        lse = sp.stacked(lse_rows, group).transpose(1, 2).contiguous()  # [B', h', rows]
+        g = attention_backward(backend, sp.stacked(dout, group), sp.stacked(q, group), ks.flatten(0, 1)[:, :upto],
+                               vs.flatten(0, 1)[:, :upto], sp.stacked(out, group), lse, causal, scale)
+        dqs, dkg, dvg = (x.unflatten(0, (b, -1)) for x in g)
+        for i, j in enumerate(group):
+            off, rows = sp.offsets[j][:2]
+            dq[:, rows, off::sp.r] += dqs[:, i]
+            dks[j][:, :upto] += dkg[:, i]
+            dvs[j][:, :upto] += dvg[:, i]
     return dks, dvs
 
 
@@ -181,9 +171,9 @@ class _DistributedDilatedFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, plan, spans, backend, causal, scale, stats):
         calls, parts, lses, gathered = [], [], [], []
         for sp in spans:
-            ks, vs, stacked = _gather_span(sp, k, v, stats)
-            gathered.append((ks, vs, stacked))
-            c, o, lse = _span_forward(sp, q, ks, vs, stacked, backend, causal, scale)
+            kv = _gather_span(sp, k, v, stats)
+            gathered.append(kv)
+            c, o, lse = _span_forward(sp, q, kv, backend, causal, scale)
             calls += c
             parts += o
             lses += lse
@@ -201,8 +191,8 @@ class _DistributedDilatedFunction(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk, dv = backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, torch.float32)
         b, d = q.shape[0], q.shape[3]
-        for sp, (ks, vs, stacked) in zip(spans, ctx.gathered):
-            dks, dvs = _span_backward(sp, q, out, lse_rows, dout, ks, vs, stacked, dq, backend, causal, scale)
+        for sp, kv in zip(spans, ctx.gathered):
+            dks, dvs = _span_backward(sp, q, out, lse_rows, dout, kv, dq, backend, causal, scale)
             to_member = [[] for _ in range(sp.span)]
             for grads in (dks, dvs):  # the layout each member sent: K rows of every offset, then V rows
                 for (_, _, sizes, _), g in zip(sp.offsets, grads):
