@@ -26,6 +26,8 @@ LAYOUTS = ("contiguous", "zigzag")
 class CommStats:
     """What a rank's attention module communicated: point-to-point messages, collectives, bytes
     sent, and (``measure=True``) the time its compute stream stalled waiting on communication.
+    A copy-engine pull (:mod:`dilated.peer_copy`) counts as one message of the bytes pulled: the
+    bytes its owner would have sent.
 
     The stall is measured with CUDA events around each wait, read lazily (no synchronisation per
     wait), so measuring does not change what it measures; on CPU it is wall time in the waits.

@@ -1,8 +1,16 @@
 """Ring attention: exact dense attention over a sequence sharded across ranks.
 
-Each rank keeps its query shard; K/V blocks travel around the ring by batched point-to-point
-send/recv (``dist.batch_isend_irecv``), double-buffered: the next block is in flight while the
-current one is computed. Partial outputs merge by log-sum-exp into a float32 accumulator.
+Each rank keeps its query shard and computes against one K/V block per step, double-buffered: the
+next block is in flight while the current one is computed. Partial outputs merge by log-sum-exp
+into a float32 accumulator. How blocks move (``transport``):
+
+* ``"copy_engine"``: each rank publishes its K/V in symmetric memory and, at step s, pulls the
+  block of rank ``rank - s`` straight from its owner (:mod:`dilated.peer_copy`): the GPU's copy
+  engines move it, no SM is taken from the attention kernel, and only the rows a zigzag step
+  needs (the first half of an earlier rank's block) are pulled. CUDA, NCCL, one host.
+* ``"p2p"``: blocks are passed around the ring by batched send/recv (``dist.batch_isend_irecv``);
+  any backend, any number of hosts.
+* ``"auto"``: copy_engine where it is available, else p2p.
 
 Causal: with ``layout="contiguous"`` rank r computes only blocks from ranks <= r (its own block
 square-causal); with ``layout="zigzag"`` (rank r holds chunks r and 2P-1-r of 2P) every step does
@@ -10,9 +18,10 @@ the same amount of work: its own block square-causal, an earlier rank's block as
 against that block's first half, a later rank's block as the second half of the local queries
 against the whole block.
 
-Backward is a custom autograd Function: K/V travel the ring again, each rank computes its
+Backward is a custom autograd Function: K/V travel again (same transport), each rank computes its
 contribution with the kernel backward given the *merged* output and lse, and the float32 dK/dV
-accumulators travel with their block back to its owner (one extra hop at the end).
+accumulators travel around the ring by send/recv with their block back to its owner (one extra
+hop at the end).
 """
 from __future__ import annotations
 
@@ -20,11 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import peer_copy
 from ._checks import check_qkv
 from .backends import get_backend
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import merge_
+
+
+TRANSPORTS = ("auto", "copy_engine", "p2p")
 
 
 class _Ring:
@@ -101,14 +114,54 @@ def _ring_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: 
         ring.stats.steps += 1
 
 
+def _pulled_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: bool):
+    """``_ring_blocks`` by copy-engine pulls from each block's owner: the pull of step s + 1 runs on
+    a high-priority side stream while step s computes (``overlap=False``: right before it)."""
+    rank, p = ring.rank, ring.size
+    published = peer_copy.Published(ring.group, [k, v])
+    cur, side = torch.cuda.current_stream(k.device), peer_copy.side_stream(k.device)
+    plans = [_plan((rank - step) % p, rank, n, causal, layout) for step in range(p)]
+    slots = [tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v)) for _ in range(min(2, p - 1))]
+
+    def pull(step):  # into the slot of step - 2, once the compute stream is done with it
+        if step >= p or plans[step] is None:
+            return None
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            dst = slots[(step - 1) % len(slots)]
+            ring.stats.sent(published.pull((rank - step) % p, plans[step][1], dst))
+            done = torch.cuda.Event()
+            done.record(side)
+        return dst, done
+
+    pending = pull(1) if overlap else None
+    yield k, v, plans[0]
+    ring.stats.steps += 1
+    for step in range(1, p):
+        got = pending if overlap else pull(step)
+        if got is not None:
+            with ring.stats.waiting(k.device):
+                cur.wait_event(got[1])
+        if overlap:
+            pending = pull(step + 1)  # its slot was last read by step - 1, already enqueued
+        yield (*got[0], plans[step]) if got is not None else (None, None, None)
+        ring.stats.steps += 1
+    cur.wait_stream(side)
+
+
+def _blocks(transport: str, ring: _Ring, k, v, n, causal, layout, overlap):
+    fn = _pulled_blocks if transport == "copy_engine" and ring.size > 1 else _ring_blocks
+    return fn(ring, k, v, n, causal, layout, overlap)
+
+
 class _RingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, backend, causal, scale, layout, group, stats, overlap):
+    def forward(ctx, q, k, v, backend, causal, scale, layout, group, stats, overlap, transport):
         ring = _Ring(group, stats)
         n = q.shape[1]
         acc = torch.zeros(q.shape[:3] + (v.shape[3],), device=q.device, dtype=torch.float32)
         acc_lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
-        for kb, vb, plan in _ring_blocks(ring, k, v, n, causal, layout, overlap):
+        for kb, vb, plan in _blocks(transport, ring, k, v, n, causal, layout, overlap):
             if plan is not None:
                 qs, ks, c = plan
                 o, lse = attention_forward(backend, q[:, qs], kb[:, ks], vb[:, ks], c, scale)
@@ -116,20 +169,20 @@ class _RingFunction(torch.autograd.Function):
         out = acc.to(q.dtype)
         lse = acc_lse.transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (backend, causal, scale, layout, group, stats, overlap)
+        ctx.cfg = (backend, causal, scale, layout, group, stats, overlap, transport)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        backend, causal, scale, layout, group, stats, overlap = ctx.cfg
+        backend, causal, scale, layout, group, stats, overlap, transport = ctx.cfg
         ring = _Ring(group, stats)
         p, n = ring.size, q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         dkv = torch.zeros(k.numel() + v.numel(), device=k.device, dtype=torch.float32)
         pending_d = None
-        for kb, vb, plan in _ring_blocks(ring, k, v, n, causal, layout, overlap):
+        for kb, vb, plan in _blocks(transport, ring, k, v, n, causal, layout, overlap):
             local = torch.zeros_like(dkv)
             if plan is not None:
                 qs, ks, c = plan
@@ -145,28 +198,42 @@ class _RingFunction(torch.autograd.Function):
                 pending_d = ring.start(local, tag=1)
         dkv = ring.wait(pending_d) if p > 1 else local
         dk, dv = _unpack(dkv, (k, v))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 class RingAttention(nn.Module):
     """Exact dense attention over the global sequence; ``forward(q, k, v)`` on this rank's shards
     ``[B, N/P, H, D]`` in ``layout`` (see :func:`dilated.shard`). GQA allowed.
 
+    ``transport`` is how K/V blocks move (see the module docstring: ``"auto"``, ``"copy_engine"``,
+    ``"p2p"``); ``self.transport_used`` says which the last call took.
     ``overlap=False`` waits for each K/V block before computing (for measuring what overlap buys);
     ``measure_comm=True`` records the time the compute stream stalls on communication in
     ``self.stats`` (a :class:`dilated.distributed.CommStats`; CUDA events, read lazily).
     """
 
     def __init__(self, *, causal=False, scale=None, backend="auto", layout="contiguous", group=None,
-                 overlap: bool = True, measure_comm: bool = False):
+                 overlap: bool = True, measure_comm: bool = False, transport: str = "auto"):
         super().__init__()
         from .distributed import LAYOUTS
 
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.causal, self.scale, self.backend, self.layout, self.group = causal, scale, backend, layout, group
-        self.overlap = overlap
+        self.overlap, self.transport, self.transport_used = overlap, transport, None
         self.stats = CommStats(measure_comm)
+
+    def _resolve_transport(self, k, v) -> str:
+        if self.transport == "p2p":
+            return "p2p"
+        why = peer_copy.unavailable(self.group, k.device, (k.numel() + v.numel()) * k.element_size())
+        if why is None:
+            return "copy_engine"
+        if self.transport == "copy_engine":
+            raise ValueError(f"transport='copy_engine' is unavailable here: {why}; use transport='p2p' or 'auto'")
+        return "p2p"
 
     def forward(self, q, k, v):
         check_qkv(q, k, v)
@@ -179,5 +246,6 @@ class RingAttention(nn.Module):
                              "(global N divisible by 2 x world size)")
         scale = default_scale(q.shape[-1], self.scale)
         impl = get_backend(self.backend, q, k, self.causal)
+        self.transport_used = self._resolve_transport(k, v)
         return _RingFunction.apply(q, k, v, impl, self.causal, scale, self.layout, self.group, self.stats,
-                                   self.overlap)
+                                   self.overlap, self.transport_used)

@@ -53,6 +53,12 @@ def correctness(rank, world, port):
                 ring.stats.reset()
                 ring(*(dilated.shard(t, layout=layout) for t in (q, k, v)))
                 assert ring.stats.messages == world - 1, ring.stats.as_dict()
+                assert ring.transport_used == "p2p"  # copy-engine pulls need CUDA and NCCL
+    try:
+        dilated.RingAttention(transport="copy_engine")(*_full(1, 8, 2, 2))
+        raise AssertionError("transport='copy_engine' ran on gloo")
+    except ValueError as e:
+        assert "copy_engine" in str(e) and "CUDA" in str(e) and "p2p" in str(e), e
     segs = [8, 16, n] if world == 2 else [8, 32, n]  # segments inside a shard, over 2 ranks, over all
     for causal in (False, True):
         for h, hkv, dils in ((4, 4, [1, 2, 4]), (6, 2, [1, 2, 3])):

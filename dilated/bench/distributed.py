@@ -178,14 +178,16 @@ class DistributedImplementation(Implementation):
         finally:
             stats.measure = False
         mine = {"bytes_sent_per_rank": stats.bytes_sent / calls, "p2p_messages": stats.messages / calls,
-                "collectives": stats.collectives / calls, "exposed_comm_ms": exposed}
+                "collectives": stats.collectives / calls, "exposed_comm_ms": exposed,
+                "transport": getattr(model, "transport_used", None)}
         worst = self.reduce_max([mine["bytes_sent_per_rank"], exposed])
         mine["bytes_sent_per_rank_max"], mine["exposed_comm_ms_max"] = worst
         return mine
 
 
-def _ring(case, backend, layout, overlap, group):
-    return dilated.RingAttention(causal=case.causal, backend=backend, layout=layout, group=group, overlap=overlap)
+def _ring(case, backend, layout, overlap, group, transport="auto"):
+    return dilated.RingAttention(causal=case.causal, backend=backend, layout=layout, group=group, overlap=overlap,
+                                 transport=transport)
 
 
 def _distributed_dilated(case, backend, group):
@@ -202,6 +204,9 @@ RING_IMPLEMENTATIONS = {
                   "RingAttention, contiguous shards, communication overlapped"),
     "ring_zigzag": _make("ring_zigzag", "dense", "zigzag", lambda c, b, g: _ring(c, b, "zigzag", True, g),
                          "RingAttention, zigzag shards (balanced causal work), overlapped"),
+    "ring_zigzag_p2p": _make("ring_zigzag_p2p", "dense", "zigzag",
+                             lambda c, b, g: _ring(c, b, "zigzag", True, g, transport="p2p"),
+                             "RingAttention, zigzag, overlapped, blocks passed by send/recv (not copy-engine pulls)"),
     "ring_no_overlap": _make("ring_no_overlap", "dense", "contiguous",
                              lambda c, b, g: _ring(c, b, "contiguous", False, g),
                              "RingAttention, contiguous, each K/V block received before it is computed"),
@@ -231,7 +236,9 @@ def run_scaling_sweep(impls, baseline_impls, cases_for, baseline_case, world_siz
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     rows, baseline_ms = [], {}
-    for p in world_sizes:
+    # the largest group first: then every rank has joined the same groups (in the same order) when
+    # a subgroup sets up symmetric memory (see dilated.peer_copy.unavailable)
+    for p in sorted(world_sizes, reverse=True):
         group = dist.new_group(list(range(p))) if p < world else None  # collective: every rank calls it
         jobs = []
         for impl in impls:

@@ -452,13 +452,13 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
 
 
 # -- benchmark_ring_attention -------------------------------------------------------------
-RING_SET = ["ring", "ring_zigzag", "ring_no_overlap", "ring_zigzag_no_overlap", "torch_cp", "ring_flash_attn",
+RING_SET = ["ring", "ring_zigzag", "ring_zigzag_p2p", "ring_no_overlap", "ring_zigzag_no_overlap", "torch_cp", "ring_flash_attn",
             "ring_flash_attn_zigzag"]
 
 
 def ring_main(argv=None) -> int:
     return distributed_main(argv, "benchmark_ring_attention", RING_SET,
-                            "Ring attention variants (layout, overlap on/off) against PyTorch's context parallel "
+                            "Ring attention variants (layout, transport, overlap on/off) against PyTorch's context parallel "
                             "attention and ring-flash-attn where installed, with the single-device run as baseline.",
                             one_process_baseline_only=True)
 
