@@ -115,3 +115,35 @@ def dies(rank, world, port):
         raise RuntimeError("rank 1 failed on purpose")
     ring(q, q, q)  # rank 0 waits for rank 1 here until the timeout or until it is terminated
     dist.destroy_process_group()
+
+
+def copy_engine_matches_p2p(rank, world, port):
+    """On GPUs (NCCL): the ring's copy-engine pulls give what its send/recv ring gives, forward
+    and backward, on the world group and on a subgroup, batch 2 (per-row pulls of half blocks)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
+                            timeout=datetime.timedelta(seconds=120))
+    groups = [(world, None)] + ([(2, dist.new_group([0, 1]))] if world > 2 else [])
+    for p, group in groups:  # the world first: see dilated.peer_copy.unavailable
+        if rank >= p:
+            continue
+        g = torch.Generator(device=dev).manual_seed(3)
+        full = [torch.randn(2, 256 * p, hh, 64, device=dev, dtype=torch.bfloat16, generator=g) for hh in (4, 2, 2)]
+        dout = torch.randn(full[0].shape, device=dev, dtype=torch.bfloat16, generator=g)
+        for layout in ("contiguous", "zigzag"):
+            for causal in (False, True):
+                got = {}
+                for transport in ("copy_engine", "p2p"):
+                    ring = dilated.RingAttention(causal=causal, layout=layout, group=group, transport=transport)
+                    q, k, v = (dilated.shard(t, group=group, layout=layout).requires_grad_() for t in full)
+                    out = ring(q, k, v)
+                    out.backward(dilated.shard(dout, group=group, layout=layout))
+                    assert ring.transport_used == transport
+                    got[transport] = [out.detach(), q.grad, k.grad, v.grad]
+                for name, a, b in zip(("out", "dq", "dk", "dv"), got["copy_engine"], got["p2p"]):
+                    err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                    assert err < 1e-2, f"P={p} {layout} causal={causal} {name}: copy engine vs p2p rel err {err:.2e}"
+    dist.barrier()
+    dist.destroy_process_group()

@@ -93,3 +93,11 @@ def test_extreme_script_under_torchrun_adds_the_distributed_classes(tmp_path):
     for r in rows:
         assert r["status"] == "ok" and r["check"]["passed"], r
         assert r["world_size"] == (2 if r["implementation"] in ("ring_zigzag", "distributed_dilated") else 1)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 GPUs (NCCL, copy engines)")
+def test_ring_copy_engine_pulls_match_send_recv_on_gpus():
+    import torch
+
+    world = min(torch.cuda.device_count(), 4)
+    mp.spawn(dist_worker.copy_engine_matches_p2p, args=(world, _port()), nprocs=world, join=True)
