@@ -104,16 +104,27 @@ class _ImprovedDilatedFunction(torch.autograd.Function):
 def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
                                backend="auto", pattern_cache: PatternCache | None = None,
                                memory_pool: MemoryPool | None = None):
-    """Fast exact dilated attention; the same function as :func:`dilated.dilated_attention`."""
-    segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates)
-    scale = default_scale(q.shape[-1], scale)
-    impl = get_backend(backend, q, k, causal)
-    in_place = impl.reads_strided_rows(q, k, causal)
-    if pattern_cache is not None:
-        plan = pattern_cache.plan(q, k, segs, dils, causal, in_place)
-    else:
-        plan = plan_for(q, k, segs, dils, in_place)
-    return _ImprovedDilatedFunction.apply(q, k, v, plan, impl, causal, scale, memory_pool)
+    """Fast exact dilated attention; the same function as :func:`dilated.dilated_attention`.
+
+    With a ``pattern_cache``, what the inputs' signature determines (validation, backend, plan)
+    is worked out once per signature: at short sequences the host time before the first kernel
+    launch is part of the step."""
+
+    def resolve():
+        segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates)
+        impl = get_backend(backend, q, k, causal)
+        plan = plan_for(q, k, segs, dils, impl.reads_strided_rows(q, k, causal))
+        return default_scale(q.shape[-1], scale), impl, plan
+
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               tuple(segment_lengths), tuple(dilation_rates), causal, scale, backend)
+    except (AttributeError, TypeError):  # not tensors / not sequences: resolve() says what is wrong
+        key = None
+    scale, impl, plan = resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _ImprovedDilatedFunction.apply(q, k, v, plan, impl, causal, scale, memory_pool)
+    return forward_calls(q, k, v, plan, impl, causal, scale, memory_pool)[0]
 
 
 class ImprovedDilatedAttention(nn.Module):

@@ -249,8 +249,20 @@ def _combine_triton(plan, parts, lses, out, out_lse):
     _combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
         out, out_lse, tuple(parts), strides, lse_parts, lse_strides, n, d,
         out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1), out_lse.stride(2),
-        CALLS=calls, N_CALLS=len(calls), H=h, PERIOD=period, HAS_LSE=has_lse, BLOCK_P=block_p, BLOCK_D=block_d,
-        num_warps=_LAUNCH["num_warps"])
+        CALLS=calls, N_CALLS=len(calls), H=h, PERIOD=period, HAS_LSE=has_lse, ALIAS=_alias(calls, parts, out),
+        BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+
+
+def _alias(calls, parts, out) -> int:
+    """The combine call whose part *is* ``out`` (an r = 1 call covering every row, overwritten in
+    place), or -1. Rows no other call covers then already hold their result: the kernel writes
+    only their lse (with the nested head offsets of LongNet's schedule, half the rows)."""
+    for i, g in enumerate(calls):
+        part = parts[g[8]]
+        if g[9] == 1 and g[3] == 1 and part.data_ptr() == out.data_ptr() and part.numel() == out.numel() \
+                and part.is_contiguous() and out.is_contiguous():
+            return i
+    return -1
 
 
 if triton is not None:
@@ -299,7 +311,7 @@ if triton is not None:
     def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, N, D,
                         s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
                         CALLS: tl.constexpr, N_CALLS: tl.constexpr, H: tl.constexpr, PERIOD: tl.constexpr,
-                        HAS_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_LSE: tl.constexpr, ALIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         # program (block of positions t, t + PERIOD, ...; head hh; batch b). Over such positions
         # a head is in an aligned call for all of them or none: calls are skipped whole, and the
         # calls a program runs are the ones with work for it. With lse, a first pass over the
@@ -337,6 +349,21 @@ if triton is not None:
             total = tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
             tl.store(out_lse_ptr + b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh,
                      total, mask=pmask)
+        others = 1
+        if ALIAS >= 0:  # out is call ALIAS's part: nothing to do where no other call runs
+            others = 0
+            for c in tl.static_range(N_CALLS):
+                if c != ALIAS:
+                    others += _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD).to(tl.int32)
+        if others > 0:
+            _mix(out_ptr, parts, strides, lses, lse_strides, total, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
+                 CALLS, N_CALLS, PERIOD, HAS_LSE, BLOCK_P, BLOCK_D)
+
+    @triton.jit
+    def _mix(out_ptr, parts, strides, lses, lse_strides, total, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
+             CALLS: tl.constexpr, N_CALLS: tl.constexpr, PERIOD: tl.constexpr, HAS_LSE: tl.constexpr,
+             BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The second pass: out = sum over the calls of exp(lse_c - total) o_c (or of o_c)."""
         acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
         for c in tl.static_range(N_CALLS):
             if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):

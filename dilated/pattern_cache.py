@@ -108,7 +108,8 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, 
 
 
 class PatternCache:
-    """LRU of plans, at most ``max_entries``; ``stats()`` gives hits, misses and size."""
+    """LRU of what a call's input signature determines (its plan, or all an entry point resolves
+    from it), at most ``max_entries``; ``stats()`` gives hits, misses and size."""
 
     def __init__(self, max_entries: int = 32):
         self.max_entries = max_entries
@@ -116,21 +117,24 @@ class PatternCache:
         self.hits = 0
         self.misses = 0
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, causal: bool,
-             in_place: bool = False):
-        """The plan for these inputs; ``in_place``: the kernel reads strided rows."""
-        key = (tuple(q.shape), k.shape[2], tuple(segment_lengths), tuple(dilation_rates), causal,
-               str(q.device), q.dtype, in_place)
+    def get(self, key, build):
+        """The entry for ``key`` (hashable), made by ``build()`` on a miss."""
         if key in self._plans:
             self.hits += 1
             self._plans.move_to_end(key)
             return self._plans[key]
         self.misses += 1
-        plan = plan_for(q, k, segment_lengths, dilation_rates, in_place)
-        self._plans[key] = plan
+        value = self._plans[key] = build()
         while len(self._plans) > self.max_entries:
             self._plans.popitem(last=False)
-        return plan
+        return value
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, causal: bool,
+             in_place: bool = False):
+        """The plan for these inputs; ``in_place``: the kernel reads strided rows."""
+        key = (tuple(q.shape), k.shape[2], tuple(segment_lengths), tuple(dilation_rates), causal,
+               str(q.device), q.dtype, in_place)
+        return self.get(key, lambda: plan_for(q, k, segment_lengths, dilation_rates, in_place))
 
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "size": len(self._plans), "max_entries": self.max_entries}

@@ -77,7 +77,7 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
     t.add_argument("--reps", type=int, default=10)
     t.add_argument("--time-budget", type=float, default=None, help="at most this many seconds of timed calls per row (at least 3 calls)")
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
-    t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows; marked in results)")
+    t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows and their --floor; marked in results)")
     t.add_argument("--no-l2-flush", action="store_true")
     t.add_argument("--floor", action="store_true",
                    help="dilated rows: also time the kernel floor (the kernels alone on pre-gathered segments)")

@@ -167,7 +167,8 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             floor_step = kernel_floor_step(*inputs, case.segment_lengths, case.dilation_rates, case.causal,
                                            backend, case.mode)
             floor = summarize(impl.reduce_max(measure(floor_step, device, warmup=opts.warmup, reps=opts.reps,
-                                                      budget_s=opts.budget_s, flush_l2=opts.flush_l2)))
+                                                      budget_s=opts.budget_s, flush_l2=opts.flush_l2,
+                                                      cuda_graph=opts.cuda_graph and case.mode == "fwd")))
             row["kernel_floor_ms"] = floor
             row["floor_ratio"] = t["median"] / floor["median"]
             del floor_step
