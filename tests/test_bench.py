@@ -230,3 +230,14 @@ def test_kernel_floor_is_timed_beside_dilated_rows():
     row = run_sweep([(impl, case, "auto")], RunOptions(warmup=1, reps=3, floor=True), None, "t", progress=False)[0]
     assert row["status"] == "ok" and row["check"]["passed"]
     assert row["kernel_floor_ms"]["n"] == 3 and row["floor_ratio"] > 0
+
+
+def test_side_by_side_timing_takes_turns():
+    """Steps timed side by side alternate call by call (so that drift falls on each alike)."""
+    from dilated.bench.timing import measure_side_by_side
+
+    order = []
+    runs = measure_side_by_side([(lambda: order.append("a"), None), (lambda: order.append("b"), lambda: order.append("s"))],
+                                "cpu", warmup=1, reps=4)
+    assert [len(r) for r in runs] == [4, 4]
+    assert order == ["a", "s", "b"] * 5  # one warm-up round, then four timed rounds

@@ -16,7 +16,7 @@ from .flops import peak_tflops
 from .memory import PeakMemory, free_memory, is_oom
 from .registry import Case, Implementation, device_generator
 from .results import ResultWriter
-from .timing import measure, summarize
+from .timing import measure_side_by_side, summarize
 
 #: relative tolerance (max |err| / max |ref|) on outputs; gradients get twice this.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -142,11 +142,19 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         spread = type(impl).before_call is not Implementation.before_call  # runs across ranks
         if spread:  # ranks start each call together
             timed_setup = (lambda: (setup(), impl.before_call())) if setup else impl.before_call
-        # the memory call above was the first warm-up call
-        samples = measure(step, device, warmup=max(0, opts.warmup - 1), reps=opts.reps, budget_s=opts.budget_s,
-                          setup=timed_setup, flush_l2=opts.flush_l2,
-                          cuda_graph=opts.cuda_graph and case.mode == "fwd" and timed_setup is None)
-        samples = impl.reduce_max(samples)  # a distributed call lasts as long as its slowest rank
+        # the memory call above was the first warm-up call; with --floor the kernel floor is timed
+        # in turns with the step (dilated.bench.floor), so that the ratio is not the machine's drift
+        timed = [(step, timed_setup)]
+        if opts.floor and impl.kind == "dilated" and not spread:
+            from .floor import kernel_floor_step
+
+            timed.append((kernel_floor_step(*inputs, case.segment_lengths, case.dilation_rates, case.causal,
+                                            backend, case.mode), None))
+        runs = measure_side_by_side(timed, device, warmup=max(0, opts.warmup - 1), reps=opts.reps,
+                                    budget_s=opts.budget_s, flush_l2=opts.flush_l2,
+                                    cuda_graph=opts.cuda_graph and case.mode == "fwd" and timed_setup is None)
+        del timed
+        samples = impl.reduce_max(runs[0])  # a distributed call lasts as long as its slowest rank
         t = summarize(samples)
         row["time_ms"] = t
         row["samples_ms"] = samples
@@ -161,17 +169,10 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         row["bytes_min"] = by
         row["bandwidth_gbs"] = by / sec / 1e9
         row["arith_intensity"] = fl / by
-        if opts.floor and impl.kind == "dilated" and not spread:
-            from .floor import kernel_floor_step
-
-            floor_step = kernel_floor_step(*inputs, case.segment_lengths, case.dilation_rates, case.causal,
-                                           backend, case.mode)
-            floor = summarize(impl.reduce_max(measure(floor_step, device, warmup=opts.warmup, reps=opts.reps,
-                                                      budget_s=opts.budget_s, flush_l2=opts.flush_l2,
-                                                      cuda_graph=opts.cuda_graph and case.mode == "fwd")))
+        if len(runs) > 1:
+            floor = summarize(runs[1])
             row["kernel_floor_ms"] = floor
             row["floor_ratio"] = t["median"] / floor["median"]
-            del floor_step
         comm = impl.comm_metrics(model, (lambda: (setup(), step())) if setup else step, sec)
         if comm is not None:
             row["comm"] = comm

@@ -37,51 +37,70 @@ def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | 
     """Per-call times (ms) of ``step()``; ``setup()`` runs untimed before each call.
 
     With ``budget_s``, warm-up and repetitions also stop once that much wall time is spent (at
-    least one warm-up and three timed calls): long calls get fewer samples, short ones ``reps``. ``cuda_graph`` captures ``step`` once and times replays
-    (only for steps without ``setup``).
+    least one warm-up and three timed calls): long calls get fewer samples, short ones ``reps``.
+    ``cuda_graph`` captures ``step`` once and times replays (only for steps without ``setup``).
     """
+    return measure_side_by_side([(step, setup)], device, warmup=warmup, reps=reps, budget_s=budget_s,
+                                flush_l2=flush_l2, cuda_graph=cuda_graph)[0]
+
+
+def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budget_s: float | None = None,
+                         flush_l2: bool = True, cuda_graph: bool = False) -> list[list[float]]:
+    """:func:`measure` for several ``(step, setup)`` pairs timed in turns (a, b, a, b, ...), so
+    that a drift of the machine (clocks, temperature) during the run falls on each alike: what
+    a ratio of their times needs. Returns one list of samples per pair."""
     device = torch.device(device)
     flush = _l2_flusher(device) if flush_l2 else (lambda: None)
     cuda = device.type == "cuda"
     if cuda_graph:
-        if not cuda or setup is not None:
-            raise ValueError("cuda_graph timing needs a CUDA device and a step without setup")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(max(1, warmup)):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        step = graph.replay
+        if not cuda or any(setup is not None for _, setup in steps):
+            raise ValueError("cuda_graph timing needs a CUDA device and steps without setup")
+        steps = [(_graphed(step, warmup), None) for step, _ in steps]
     t0 = time.perf_counter()
     for i in range(warmup):
-        if setup:
-            setup()
-        step()
+        for step, setup in steps:
+            if setup:
+                setup()
+            step()
         if budget_s is not None and time.perf_counter() - t0 > budget_s / 4:
             break
     if cuda:
         torch.cuda.synchronize(device)
-    samples = []
+    samples = [[] for _ in steps]
     t0 = time.perf_counter()
-    while len(samples) < reps:
-        if setup:
-            setup()
-        flush()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            s = time.perf_counter()
-            step()
-            samples.append((time.perf_counter() - s) * 1e3)
-        if budget_s is not None and len(samples) >= 3 and time.perf_counter() - t0 > budget_s:
+    while len(samples[0]) < reps:
+        for (step, setup), out in zip(steps, samples):
+            if setup:
+                setup()
+            flush()
+            out.append(_time_once(step, cuda))
+        if budget_s is not None and len(samples[0]) >= 3 and time.perf_counter() - t0 > budget_s:
             break
     return samples
+
+
+def _graphed(step, warmup: int):
+    """``step`` captured once in a CUDA graph (after warm-up on a side stream): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(max(1, warmup)):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _time_once(step, cuda: bool) -> float:
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    s = time.perf_counter()
+    step()
+    return (time.perf_counter() - s) * 1e3
