@@ -9,8 +9,8 @@ H200s, `results/h200x2/session6/`: a 537 MB block, 1.5 ms alone, moved by NCCL d
 ms cuDNN call made it 1.2-1.5 ms longer, about as much as not overlapping at all; pulled by the
 copy engine from a high-priority stream, 0.5-0.8 ms longer).
 
-Only for CUDA tensors of NCCL groups whose ranks share one host (:func:`unavailable` says why
-not, and sets the group's buffer up where it can; callers fall back to point-to-point messages). The group's barrier (a tiny kernel in
+Only for CUDA tensors of NCCL groups whose ranks share one host (:func:`prepare` sets the group's
+buffer up, or says why not; callers then fall back to point-to-point messages). The group's barrier (a tiny kernel in
 stream order) fences each publication: one before writing (peers have finished pulling the last
 publication) and one after (the new one is complete everywhere).
 """
@@ -33,10 +33,10 @@ def _group_name(group) -> str:
     return (group or dist.group.WORLD).group_name
 
 
-def unavailable(group, device: torch.device, nbytes: int) -> str | None:
-    """Why copy-engine pulls of ``nbytes`` per rank cannot serve ``group`` on ``device`` (None:
-    they can, and the group's symmetric buffer now holds at least ``nbytes``). Collective: every
-    rank of the group calls it with the same ``nbytes``."""
+def prepare(group, device: torch.device, nbytes: int) -> str | None:
+    """Set up ``group``'s symmetric buffer for publications of ``nbytes`` per rank and return
+    None, or return why copy-engine pulls cannot serve it here. Collective: every rank of the
+    group calls it with the same ``nbytes``; a refusal is remembered per group and device."""
     if device.type != "cuda":
         return "copy-engine pulls need CUDA tensors"
     if "nccl" not in dist.get_backend(group):
@@ -45,25 +45,25 @@ def unavailable(group, device: torch.device, nbytes: int) -> str | None:
         return "this torch has no symmetric memory (torch.distributed._symmetric_memory)"
     key = (_group_name(group), device.index)
     ws = _WORKSPACES.get(key)
-    if ws is not None and not isinstance(ws, str) and ws[0].numel() >= nbytes:
-        return None
     if isinstance(ws, str):
         return ws
+    if ws is not None and ws[0].numel() >= nbytes:
+        return None
     # Before a (new) buffer: the ranks must share one host, and must have set up symmetric memory
     # equally often so far: torch's rendezvous numbers its exchanges per process, not per group,
     # so a subgroup whose ranks disagree would wait forever (it happens when a subset of the world
     # rendezvoused on a smaller group first).
-    mine = (socket.gethostname(), _RENDEZVOUS["count"])
     seen = [None] * dist.get_world_size(group)
-    dist.all_gather_object(seen, mine, group=group)
+    dist.all_gather_object(seen, (socket.gethostname(), _RENDEZVOUS["count"]), group=group)
     if len({h for h, _ in seen}) > 1:
         _WORKSPACES[key] = "the group spans hosts (symmetric memory maps the peers of one host)"
-        return _WORKSPACES[key]
-    if len({c for _, c in seen}) > 1:
-        return (f"its ranks set up symmetric memory on other groups unequally before ({[c for _, c in seen]} "
-                "times): torch's rendezvous would wait forever")
-    _new_workspace(key, group, nbytes, device)
-    return None
+    elif len({c for _, c in seen}) > 1:
+        _WORKSPACES[key] = (f"its ranks set up symmetric memory on other groups unequally before "
+                            f"({[c for _, c in seen]} times): torch's rendezvous would wait forever")
+    else:
+        _new_workspace(key, group, nbytes, device)
+        return None
+    return _WORKSPACES[key]
 
 
 def _new_workspace(key, group, nbytes: int, device: torch.device):
@@ -103,7 +103,7 @@ class Published:
             total += t.numel()
         buf, self.handle = _WORKSPACES[(_group_name(group), tensors[0].device.index)]
         if buf.numel() < total * dtype.itemsize:
-            raise RuntimeError("call peer_copy.unavailable(group, device, nbytes) before publishing")
+            raise RuntimeError("call peer_copy.prepare(group, device, nbytes) before publishing")
         self.handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)  # peers are done with the last one
         for t, mine in zip(tensors, self.views(self.handle.rank)):
             mine.copy_(t)

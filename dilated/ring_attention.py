@@ -228,7 +228,7 @@ class RingAttention(nn.Module):
     def _resolve_transport(self, k, v) -> str:
         if self.transport == "p2p":
             return "p2p"
-        why = peer_copy.unavailable(self.group, k.device, (k.numel() + v.numel()) * k.element_size())
+        why = peer_copy.prepare(self.group, k.device, (k.numel() + v.numel()) * k.element_size())
         if why is None:
             return "copy_engine"
         if self.transport == "copy_engine":

@@ -126,7 +126,7 @@ def copy_engine_matches_p2p(rank, world, port):
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
                             timeout=datetime.timedelta(seconds=120))
     groups = [(world, None)] + ([(2, dist.new_group([0, 1]))] if world > 2 else [])
-    for p, group in groups:  # the world first: see dilated.peer_copy.unavailable
+    for p, group in groups:  # the world first: see dilated.peer_copy.prepare
         if rank >= p:
             continue
         g = torch.Generator(device=dev).manual_seed(3)

@@ -237,7 +237,7 @@ def run_scaling_sweep(impls, baseline_impls, cases_for, baseline_case, world_siz
     rank, world = dist.get_rank(), dist.get_world_size()
     rows, baseline_ms = [], {}
     # the largest group first: then every rank has joined the same groups (in the same order) when
-    # a subgroup sets up symmetric memory (see dilated.peer_copy.unavailable)
+    # a subgroup sets up symmetric memory (see dilated.peer_copy.prepare)
     for p in sorted(world_sizes, reverse=True):
         group = dist.new_group(list(range(p))) if p < world else None  # collective: every rank calls it
         jobs = []
