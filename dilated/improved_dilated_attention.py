@@ -48,10 +48,11 @@ def _result(plan, parts, like: torch.Tensor, dtype) -> torch.Tensor:
     return out if out is not None else torch.empty(like.shape, dtype=dtype, device=like.device)
 
 
-def forward_calls(q, k, v, plan, backend, causal, scale, pool, dtype=None, extra=None):
+def forward_calls(q, k, v, plan, backend, causal, scale, pool, dtype=None, extra=None, with_lse=True):
     """Run the kernel calls of ``plan``; return their mixture ``out`` (``dtype``, default q's) and
-    its lse in row layout (float32 ``[B, N, H]``), both written by one :func:`combine`.
-    ``extra``: ``(calls, outputs, lses)`` computed elsewhere, mixed in by the same combine."""
+    its lse in row layout (float32 ``[B, N, H]``; None unless ``with_lse``), both written by one
+    :func:`combine`. ``extra``: ``(calls, outputs, lses)`` computed elsewhere, mixed in by the same
+    combine."""
     calls, parts, lses = (list(x) for x in extra) if extra else ([], [], [])
     for c in plan:
         (qb, kb, vb), bufs = gather(c, (q, k, v), (False, True, True), pool)
@@ -63,7 +64,7 @@ def forward_calls(q, k, v, plan, backend, causal, scale, pool, dtype=None, extra
         for buf in bufs:
             pool.release(buf)
     out = _result(calls, parts, q, dtype or q.dtype)
-    out_lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    out_lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if with_lse else None
     return combine(calls, parts, lses, out, out_lse), out_lse
 
 
@@ -124,7 +125,7 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
     scale, impl, plan = resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _ImprovedDilatedFunction.apply(q, k, v, plan, impl, causal, scale, memory_pool)
-    return forward_calls(q, k, v, plan, impl, causal, scale, memory_pool)[0]
+    return forward_calls(q, k, v, plan, impl, causal, scale, memory_pool, with_lse=False)[0]
 
 
 class ImprovedDilatedAttention(nn.Module):

@@ -124,7 +124,7 @@ def combine(plan, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None =
     """Write the combination of ``parts`` (one per call of ``plan``) into every row of ``out``.
 
     ``lses``: the calls' kernel lse ``[B', h, n]`` (then ``out_lse``, float32 ``[B, N, H]``, gets
-    ``L``) or None for a plain sum. ``kv``: the parts are k/v gradients (GQA calls scatter them to
+    ``L`` unless it is None: a forward nothing differentiates) or None for a plain sum. ``kv``: the parts are k/v gradients (GQA calls scatter them to
     their kv heads). Rows no call covers get 0 (and lse ``-inf``). Returns ``out``.
     """
     gqa = kv and any(c.kv_heads is not None for c in plan)
@@ -152,7 +152,8 @@ def _combine_torch(plan, parts, lses, out, out_lse, kv):
                 view = branch_view(acc, c)
                 view.add_(g.reshape(view.shape))
     else:
-        acc_lse = out_lse.fill_(float("-inf"))
+        acc_lse = (out_lse if out_lse is not None else out.new_empty(out.shape[:3], dtype=torch.float32)).fill_(
+            float("-inf"))
         for c, o, lse in zip(plan, parts, lses):
             rows, view = branch_view(acc_lse, c), branch_view(acc, c)
             merge_(view, rows, o.reshape(view.shape), lse.transpose(1, 2).reshape(rows.shape))
@@ -231,10 +232,10 @@ def _gather_triton(c, sources, dests):
 
 def _combine_triton(plan, parts, lses, out, out_lse):
     b, n, h, d = out.shape
-    has_lse = lses is not None
+    has_lse, store_lse = lses is not None, lses is not None and out_lse is not None
     if not parts:
         out.zero_()
-        if has_lse:
+        if store_lse:
             out_lse.fill_(float("-inf"))
         return
     # The plan is compile-time (divisions by constants); tensors and their strides are arguments.
@@ -244,13 +245,14 @@ def _combine_triton(plan, parts, lses, out, out_lse):
     if has_lse:
         lse_parts, lse_strides = tuple(lses), tuple(s for l in lses for s in l.stride())
     else:
-        lse_parts, lse_strides, out_lse = tuple(parts), strides, out  # not read, not written
+        lse_parts, lse_strides = tuple(parts), strides  # not read
+    lse_out, lse_out_strides = (out_lse, out_lse.stride()) if store_lse else (out, (0, 0, 0))  # not written
     block_p, block_d = _blocks(d)
     _combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
-        out, out_lse, tuple(parts), strides, lse_parts, lse_strides, n, d,
-        out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1), out_lse.stride(2),
-        CALLS=calls, N_CALLS=len(calls), H=h, PERIOD=period, HAS_LSE=has_lse, ALIAS=_alias(calls, parts, out),
-        BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        out, lse_out, tuple(parts), strides, lse_parts, lse_strides, n, d,
+        out.stride(0), out.stride(1), out.stride(2), *lse_out_strides,
+        CALLS=calls, N_CALLS=len(calls), H=h, PERIOD=period, HAS_LSE=has_lse, STORE_LSE=store_lse,
+        ALIAS=_alias(calls, parts, out), BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
 
 
 def _alias(calls, parts, out) -> int:
@@ -311,11 +313,13 @@ if triton is not None:
     def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, N, D,
                         s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
                         CALLS: tl.constexpr, N_CALLS: tl.constexpr, H: tl.constexpr, PERIOD: tl.constexpr,
-                        HAS_LSE: tl.constexpr, ALIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_LSE: tl.constexpr, STORE_LSE: tl.constexpr, ALIAS: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         # program (block of positions t, t + PERIOD, ...; head hh; batch b). Over such positions
         # a head is in an aligned call for all of them or none: calls are skipped whole, and the
         # calls a program runs are the ones with work for it. With lse, a first pass over the
         # calls' lse gives L = logsumexp; the second adds exp(lse_c - L) o_c (one FMA per element).
+        # Without STORE_LSE, L is not written (a forward nothing differentiates).
         # (t, hh) vary fastest: programs running together cover one range of positions, all heads
         th = tl.program_id(0) % (PERIOD * H)
         blk = tl.program_id(0) // (PERIOD * H)
@@ -326,38 +330,49 @@ if triton is not None:
         pmask = p < N
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
-        total = tl.full([BLOCK_P], float("-inf"), tl.float32)
-        if HAS_LSE:
-            m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
-            s_i = tl.zeros([BLOCK_P], tl.float32)
-            for c in tl.static_range(N_CALLS):
-                if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
-                    member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2],
-                                                    CALLS[c][3], CALLS[c][4], CALLS[c][5], CALLS[c][6],
-                                                    CALLS[c][7], PERIOD)
-                    k: tl.constexpr = CALLS[c][8]
-                    size: tl.constexpr = CALLS[c][9]
-                    lse_ptr = lses[k]
-                    for j in tl.static_range(1, size):  # a group: the part of this head's offset
-                        lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
-                    lse = _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi)
-                    m_new = tl.maximum(m_i, lse)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    s_i = s_i * tl.exp(m_i - m_safe) + tl.exp(lse - m_safe)
-                    m_i = m_new
-            seen = s_i > 0
-            total = tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
-            tl.store(out_lse_ptr + b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh,
-                     total, mask=pmask)
         others = 1
-        if ALIAS >= 0:  # out is call ALIAS's part: nothing to do where no other call runs
+        if ALIAS >= 0:  # out is call ALIAS's part: nothing to mix where no other call runs
             others = 0
             for c in tl.static_range(N_CALLS):
                 if c != ALIAS:
                     others += _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD).to(tl.int32)
+        lse_at = out_lse_ptr + b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh
         if others > 0:
+            total = tl.full([BLOCK_P], float("-inf"), tl.float32)
+            if HAS_LSE:
+                total = _logsumexp(lses, lse_strides, p, pmask, hh, t, b, CALLS, N_CALLS, PERIOD, BLOCK_P)
+                if STORE_LSE:
+                    tl.store(lse_at, total, mask=pmask)
             _mix(out_ptr, parts, strides, lses, lse_strides, total, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
                  CALLS, N_CALLS, PERIOD, HAS_LSE, BLOCK_P, BLOCK_D)
+        else:
+            if STORE_LSE:  # the rows hold their result already; L is the aliased call's lse
+                tl.store(lse_at, _logsumexp(lses, lse_strides, p, pmask, hh, t, b, CALLS, N_CALLS, PERIOD, BLOCK_P),
+                         mask=pmask)
+
+    @triton.jit
+    def _logsumexp(lses, lse_strides, p, pmask, hh, t, b, CALLS: tl.constexpr, N_CALLS: tl.constexpr,
+                   PERIOD: tl.constexpr, BLOCK_P: tl.constexpr):
+        """The first pass: L = logsumexp over the calls of lse_c (``-inf`` where no call covers)."""
+        m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        s_i = tl.zeros([BLOCK_P], tl.float32)
+        for c in tl.static_range(N_CALLS):
+            if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
+                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2],
+                                                CALLS[c][3], CALLS[c][4], CALLS[c][5], CALLS[c][6],
+                                                CALLS[c][7], PERIOD)
+                k: tl.constexpr = CALLS[c][8]
+                size: tl.constexpr = CALLS[c][9]
+                lse_ptr = lses[k]
+                for j in tl.static_range(1, size):  # a group: the part of this head's offset
+                    lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
+                lse = _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi)
+                m_new = tl.maximum(m_i, lse)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                s_i = s_i * tl.exp(m_i - m_safe) + tl.exp(lse - m_safe)
+                m_i = m_new
+        seen = s_i > 0
+        return tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
 
     @triton.jit
     def _mix(out_ptr, parts, strides, lses, lse_strides, total, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,

@@ -63,12 +63,19 @@ def check_plans():
                 torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=2 * ulp * want.abs().max().item())
                 if with_lse:
                     torch.testing.assert_close(got_lse, want_lse)  # -inf where no call covers a row
+                    alone = combine(plan, ps, ls, torch.empty_like(got))  # the mixture without storing L
+                    torch.testing.assert_close(alone, got, rtol=0, atol=0)
                 cover = [i for i, c in enumerate(plan) if c.mode == "view" and c.start == 0 and c.count * c.length == n]
                 if cover:  # the result overwrites the covering r = 1 part (rows only it covers are skipped)
                     ps[cover[0]] = ps[cover[0]].contiguous()
-                    got = combine(plan, ps, ls, ps[cover[0]].view(x.shape), got_lse if with_lse else None)
-                    torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp,
-                                               atol=2 * ulp * want.abs().max().item())
+                    for lse_out in ((got_lse, None) if with_lse else (None,)):
+                        aliased_out = ps[cover[0]].clone().view(x.shape)
+                        got = combine(plan, [aliased_out.view(ps[cover[0]].shape) if i == cover[0] else p
+                                             for i, p in enumerate(ps)], ls, aliased_out, lse_out)
+                        torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp,
+                                                   atol=2 * ulp * want.abs().max().item())
+                        if lse_out is not None:
+                            torch.testing.assert_close(lse_out, want_lse)
                     aliased += 1
     assert aliased > 0
     print("plans ok")
