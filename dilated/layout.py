@@ -317,9 +317,8 @@ if triton is not None:
                         BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         # program (block of positions t, t + PERIOD, ...; head hh; batch b). Over such positions
         # a head is in an aligned call for all of them or none: calls are skipped whole, and the
-        # calls a program runs are the ones with work for it. With lse, a first pass over the
-        # calls' lse gives L = logsumexp; the second adds exp(lse_c - L) o_c (one FMA per element).
-        # Without STORE_LSE, L is not written (a forward nothing differentiates).
+        # calls a program runs are the ones with work for it (``_mix``). Without STORE_LSE, L is
+        # not written (a forward nothing differentiates).
         # (t, hh) vary fastest: programs running together cover one range of positions, all heads
         th = tl.program_id(0) % (PERIOD * H)
         blk = tl.program_id(0) // (PERIOD * H)
@@ -338,13 +337,8 @@ if triton is not None:
                     others += _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD).to(tl.int32)
         lse_at = out_lse_ptr + b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh
         if others > 0:
-            total = tl.full([BLOCK_P], float("-inf"), tl.float32)
-            if HAS_LSE:
-                total = _logsumexp(lses, lse_strides, p, pmask, hh, t, b, CALLS, N_CALLS, PERIOD, BLOCK_P)
-                if STORE_LSE:
-                    tl.store(lse_at, total, mask=pmask)
-            _mix(out_ptr, parts, strides, lses, lse_strides, total, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
-                 CALLS, N_CALLS, PERIOD, HAS_LSE, BLOCK_P, BLOCK_D)
+            _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
+                 CALLS, N_CALLS, PERIOD, HAS_LSE, STORE_LSE, BLOCK_P, BLOCK_D)
         else:
             if STORE_LSE:  # the rows hold their result already; L is the aliased call's lse
                 tl.store(lse_at, _logsumexp(lses, lse_strides, p, pmask, hh, t, b, CALLS, N_CALLS, PERIOD, BLOCK_P),
@@ -353,7 +347,7 @@ if triton is not None:
     @triton.jit
     def _logsumexp(lses, lse_strides, p, pmask, hh, t, b, CALLS: tl.constexpr, N_CALLS: tl.constexpr,
                    PERIOD: tl.constexpr, BLOCK_P: tl.constexpr):
-        """The first pass: L = logsumexp over the calls of lse_c (``-inf`` where no call covers)."""
+        """L = logsumexp over the calls of lse_c (``-inf`` where no call covers)."""
         m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
         s_i = tl.zeros([BLOCK_P], tl.float32)
         for c in tl.static_range(N_CALLS):
@@ -375,11 +369,15 @@ if triton is not None:
         return tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
 
     @triton.jit
-    def _mix(out_ptr, parts, strides, lses, lse_strides, total, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
+    def _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
              CALLS: tl.constexpr, N_CALLS: tl.constexpr, PERIOD: tl.constexpr, HAS_LSE: tl.constexpr,
-             BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-        """The second pass: out = sum over the calls of exp(lse_c - total) o_c (or of o_c)."""
+             STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        """out = sum over the calls of exp(lse_c - L) o_c, L = logsumexp_c lse_c (or the sum of the
+        o_c), and L at ``lse_at`` (``STORE_LSE``), in one pass over the calls with a running max (as
+        flash attention's softmax): each call's rows and lse are loaded together, once."""
         acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+        m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        s_i = tl.zeros([BLOCK_P], tl.float32)
         for c in tl.static_range(N_CALLS):
             if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
                 member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2], CALLS[c][3],
@@ -388,17 +386,27 @@ if triton is not None:
                 size: tl.constexpr = CALLS[c][9]
                 part = parts[k]
                 lse_ptr = lses[k]
-                for j in tl.static_range(1, size):
+                for j in tl.static_range(1, size):  # a group: the part of this head's offset
                     part = tl.where(hh % CALLS[c][3] == j, parts[k + j], part)
                     lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
                 o = tl.load(part + (bi * strides[3 * k] + ni * strides[3 * k + 1] + hi * strides[3 * k + 2])[:, None]
                             + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 if HAS_LSE:
                     lse = _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi)
-                    weight = tl.where(member, tl.exp(lse - tl.where(total == float("-inf"), 0.0, total)), 0.0)
-                    acc += o * weight[:, None]
+                    m_new = tl.maximum(m_i, lse)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp(m_i - m_safe)
+                    w = tl.exp(lse - m_safe)
+                    s_i = s_i * alpha + w
+                    acc = acc * alpha[:, None] + o * w[:, None]
+                    m_i = m_new
                 else:
                     acc += o
+        if HAS_LSE:
+            seen = s_i > 0
+            acc = acc * tl.where(seen, 1.0 / tl.where(seen, s_i, 1.0), 0.0)[:, None]
+            if STORE_LSE:
+                tl.store(lse_at, tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf")), mask=pmask)
         tl.store(out_ptr + (b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh)[:, None]
                  + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & dmask[None, :])
 
