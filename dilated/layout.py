@@ -124,8 +124,9 @@ def combine(plan, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None =
     """Write the combination of ``parts`` (one per call of ``plan``) into every row of ``out``.
 
     ``lses``: the calls' kernel lse ``[B', h, n]`` (then ``out_lse``, float32 ``[B, N, H]``, gets
-    ``L`` unless it is None: a forward nothing differentiates) or None for a plain sum. ``kv``: the parts are k/v gradients (GQA calls scatter them to
-    their kv heads). Rows no call covers get 0 (and lse ``-inf``). Returns ``out``.
+    ``L``; None: a forward nothing differentiates, L is not written) or None for a plain sum.
+    ``kv``: the parts are k/v gradients (GQA calls scatter them to their kv heads). Rows no call
+    covers get 0 (and lse ``-inf``). Returns ``out``.
     """
     gqa = kv and any(c.kv_heads is not None for c in plan)
     if triton_enabled(out.device) and not gqa and all(p.stride(-1) == 1 for p in parts):
