@@ -241,3 +241,21 @@ def test_side_by_side_timing_takes_turns():
                                 "cpu", warmup=1, reps=4)
     assert [len(r) for r in runs] == [4, 4]
     assert order == ["a", "s", "b"] * 5  # one warm-up round, then four timed rounds
+
+
+def test_settle_pause_and_gpu_state(monkeypatch):
+    """--settle-s idles before each row's timed calls; the GPU's state is recorded only where it can be read."""
+    from dilated.bench import cli, runner
+    from dilated.bench.env import gpu_state
+
+    assert gpu_state("cpu") is None
+    p = __import__("argparse").ArgumentParser()
+    cli.add_common_args(p)
+    assert cli.run_options(cli.parse_with_config(p, ["--settle-s", "0.5"])).settle_s == 0.5
+    slept = []
+    monkeypatch.setattr(runner.time, "sleep", slept.append)
+    case = Case(batch=1, seq_len=128, num_heads=2, head_dim=8, dtype="float32", mode="fwd",
+                segment_lengths=(32, 128), dilation_rates=(1, 2))
+    row = run_sweep([(IMPLEMENTATIONS["improved"], case, "auto")], RunOptions(warmup=1, reps=3, settle_s=2.0), None, "t",
+                    progress=False)[0]
+    assert row["status"] == "ok" and slept == [2.0] and "gpu_state" not in row

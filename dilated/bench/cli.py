@@ -81,6 +81,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
     t.add_argument("--no-l2-flush", action="store_true")
     t.add_argument("--floor", action="store_true",
                    help="dilated rows: also time the kernel floor (the kernels alone on pre-gathered segments)")
+    t.add_argument("--settle-s", type=float, default=0.0,
+                   help="idle this many seconds before each row's timed calls, so that a GPU slowed by the row "
+                        "before (clocks, temperature) recovers; each row records the GPU's state around its timing")
     t.add_argument("--memory-budget-mib", type=float, default=None, help="record rows above this peak as oom")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default=None)
@@ -125,7 +128,7 @@ def run_options(args) -> RunOptions:
     return RunOptions(warmup=args.warmup, reps=args.reps, budget_s=args.time_budget, check=not args.no_check,
                       cuda_graph=args.cuda_graph, flush_l2=not args.no_l2_flush,
                       memory_budget_mib=args.memory_budget_mib, seed=args.seed, device=args.device,
-                      floor=args.floor)
+                      floor=args.floor, settle_s=args.settle_s)
 
 
 def default_dtype(args) -> str:

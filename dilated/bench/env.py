@@ -64,6 +64,36 @@ def environment() -> dict:
     return env
 
 
+_GPU_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "clocks_event_reasons.active")
+
+
+def gpu_state(device) -> dict | None:
+    """The GPU's SM and memory clocks (MHz), temperature (C), power draw (W) and active clock
+    event (throttle) reasons bitmask, read by ``nvidia-smi`` now; None off CUDA or where it cannot
+    be read. Recorded around each row's timed calls: a row timed on a slowed GPU says so."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        out = subprocess.run(["nvidia-smi", f"--id=GPU-{uuid}", f"--query-gpu={','.join(_GPU_FIELDS)}",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")] if out.returncode == 0 else []
+    except (OSError, subprocess.SubprocessError, IndexError, AttributeError, RuntimeError):
+        return None
+    if len(values) != len(_GPU_FIELDS):
+        return None
+
+    def number(v):
+        try:
+            return int(v, 16) if v.startswith("0x") else float(v)
+        except ValueError:
+            return None
+
+    return {"sm_clock_mhz": number(values[0]), "mem_clock_mhz": number(values[1]), "temperature_c": number(values[2]),
+            "power_w": number(values[3]), "clock_event_reasons": number(values[4])}
+
+
 def device_slug() -> str:
     """``h200``, ``h100``... for results/<device>/, ``cpu`` without a GPU."""
     if not torch.cuda.is_available():

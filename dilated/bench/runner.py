@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class RunOptions:
     floor: bool = False  # also time the kernel floor of dilated rows (dilated.bench.floor)
     seed: int = 0
     device: str | None = None
+    settle_s: float = 0.0  # idle this long before each row's timed calls (clocks recover after a heavy row)
 
 
 class OverBudget(RuntimeError):
@@ -150,10 +152,17 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
 
             timed.append((kernel_floor_step(*inputs, case.segment_lengths, case.dilation_rates, case.causal,
                                             backend, case.mode), None))
+        if opts.settle_s > 0:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            time.sleep(opts.settle_s)
+        state_before = envmod.gpu_state(device)
         runs = measure_side_by_side(timed, device, warmup=max(0, opts.warmup - 1), reps=opts.reps,
                                     budget_s=opts.budget_s, flush_l2=opts.flush_l2,
                                     cuda_graph=opts.cuda_graph and case.mode == "fwd" and timed_setup is None)
         del timed
+        if state_before is not None:  # the GPU's clocks and temperature before and after the timed calls
+            row["gpu_state"] = {"before": state_before, "after": envmod.gpu_state(device), "settle_s": opts.settle_s}
         samples = impl.reduce_max(runs[0])  # a distributed call lasts as long as its slowest rank
         t = summarize(samples)
         row["time_ms"] = t
