@@ -259,3 +259,14 @@ def test_settle_pause_and_gpu_state(monkeypatch):
     row = run_sweep([(IMPLEMENTATIONS["improved"], case, "auto")], RunOptions(warmup=1, reps=3, settle_s=2.0), None, "t",
                     progress=False)[0]
     assert row["status"] == "ok" and slept == [2.0] and "gpu_state" not in row
+
+
+def test_warmup_seconds_extend_the_warm_up():
+    """--warmup-s: warm-up goes on until that much time has run (steady clocks), then the timed calls."""
+    import time
+
+    from dilated.bench.timing import measure
+
+    calls = []
+    samples = measure(lambda: (calls.append(1), time.sleep(0.005)), "cpu", warmup=1, reps=3, warmup_s=0.05)
+    assert len(samples) == 3 and len(calls) >= 3 + 8

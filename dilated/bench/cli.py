@@ -74,6 +74,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
                         "(or x [B, N, E] for modules), loaded with weights_only; shapes come from the files")
     t = p.add_argument_group("measurement")
     t.add_argument("--warmup", type=int, default=3)
+    t.add_argument("--warmup-s", type=float, default=0.0,
+                   help="warm up for at least this many seconds too: a GPU held at its power cap lowers its clocks "
+                        "within a fraction of a second, and samples after that are of one steady state")
     t.add_argument("--reps", type=int, default=10)
     t.add_argument("--time-budget", type=float, default=None, help="at most this many seconds of timed calls per row (at least 3 calls)")
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
@@ -128,7 +131,7 @@ def run_options(args) -> RunOptions:
     return RunOptions(warmup=args.warmup, reps=args.reps, budget_s=args.time_budget, check=not args.no_check,
                       cuda_graph=args.cuda_graph, flush_l2=not args.no_l2_flush,
                       memory_budget_mib=args.memory_budget_mib, seed=args.seed, device=args.device,
-                      floor=args.floor, settle_s=args.settle_s)
+                      floor=args.floor, settle_s=args.settle_s, warmup_s=args.warmup_s)
 
 
 def default_dtype(args) -> str:

@@ -33,19 +33,22 @@ def summarize(samples_ms: list[float]) -> dict:
 
 
 def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | None = None,
-            setup=None, flush_l2: bool = True, cuda_graph: bool = False) -> list[float]:
+            setup=None, flush_l2: bool = True, cuda_graph: bool = False, warmup_s: float = 0.0) -> list[float]:
     """Per-call times (ms) of ``step()``; ``setup()`` runs untimed before each call.
 
+    Warm-up: ``warmup`` calls, and on until ``warmup_s`` seconds of them have run (a GPU at its
+    power cap lowers its clocks within a fraction of a second of sustained work: samples taken
+    after that are of one steady state, not a mix of boosted and capped calls).
     With ``budget_s``, warm-up and repetitions also stop once that much wall time is spent (at
     least one warm-up and three timed calls): long calls get fewer samples, short ones ``reps``.
     ``cuda_graph`` captures ``step`` once and times replays (only for steps without ``setup``).
     """
     return measure_side_by_side([(step, setup)], device, warmup=warmup, reps=reps, budget_s=budget_s,
-                                flush_l2=flush_l2, cuda_graph=cuda_graph)[0]
+                                flush_l2=flush_l2, cuda_graph=cuda_graph, warmup_s=warmup_s)[0]
 
 
 def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budget_s: float | None = None,
-                         flush_l2: bool = True, cuda_graph: bool = False) -> list[list[float]]:
+                         flush_l2: bool = True, cuda_graph: bool = False, warmup_s: float = 0.0) -> list[list[float]]:
     """:func:`measure` for several ``(step, setup)`` pairs timed in turns (a, b, a, b, ...), so
     that a drift of the machine (clocks, temperature) during the run falls on each alike: what
     a ratio of their times needs. Returns one list of samples per pair."""
@@ -57,11 +60,15 @@ def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budg
             raise ValueError("cuda_graph timing needs a CUDA device and steps without setup")
         steps = [(_graphed(step, warmup), None) for step, _ in steps]
     t0 = time.perf_counter()
-    for i in range(warmup):
+    done = 0
+    while done < warmup or time.perf_counter() - t0 < warmup_s:
         for step, setup in steps:
             if setup:
                 setup()
             step()
+        done += 1
+        if warmup_s and cuda:  # the seconds that count are the device's
+            torch.cuda.synchronize(device)
         if budget_s is not None and time.perf_counter() - t0 > budget_s / 4:
             break
     if cuda:
