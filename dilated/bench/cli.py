@@ -75,8 +75,8 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
     t = p.add_argument_group("measurement")
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--warmup-s", type=float, default=0.0,
-                   help="warm up for at least this many seconds too: a GPU held at its power cap lowers its clocks "
-                        "within a fraction of a second, and samples after that are of one steady state")
+                   help="warm up for at least this many seconds too (a GPU held at its power cap lowers its "
+                        "clocks within a row's calls; each GPU row records its clocks before and after)")
     t.add_argument("--reps", type=int, default=10)
     t.add_argument("--time-budget", type=float, default=None, help="at most this many seconds of timed calls per row (at least 3 calls)")
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")

@@ -39,7 +39,7 @@ class RunOptions:
     seed: int = 0
     device: str | None = None
     settle_s: float = 0.0  # idle this long before each row's timed calls (clocks recover after a heavy row)
-    warmup_s: float = 0.0  # warm up at least this long (a GPU at its power cap reaches its steady clocks)
+    warmup_s: float = 0.0  # warm up at least this long, besides ``warmup`` calls
 
 
 class OverBudget(RuntimeError):

@@ -36,9 +36,8 @@ def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | 
             setup=None, flush_l2: bool = True, cuda_graph: bool = False, warmup_s: float = 0.0) -> list[float]:
     """Per-call times (ms) of ``step()``; ``setup()`` runs untimed before each call.
 
-    Warm-up: ``warmup`` calls, and on until ``warmup_s`` seconds of them have run (a GPU at its
-    power cap lowers its clocks within a fraction of a second of sustained work: samples taken
-    after that are of one steady state, not a mix of boosted and capped calls).
+    Warm-up: ``warmup`` calls, and on until ``warmup_s`` seconds of them have run (time-based,
+    as triton's ``do_bench``: a GPU at its power cap lowers its clocks within a row's calls).
     With ``budget_s``, warm-up and repetitions also stop once that much wall time is spent (at
     least one warm-up and three timed calls): long calls get fewer samples, short ones ``reps``.
     ``cuda_graph`` captures ``step`` once and times replays (only for steps without ``setup``).
