@@ -1,5 +1,4 @@
 """The harness: FLOP counts, JSONL rows, compare, plot, OOM rows, bad input."""
-import copy
 import json
 import subprocess
 import sys

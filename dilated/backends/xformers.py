@@ -11,7 +11,6 @@ against torch 2.11; :func:`dilated.available_backends` reports that reason, from
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from .base import Backend, needs_half

@@ -101,7 +101,6 @@ def device_slug() -> str:
     name = torch.cuda.get_device_name().lower()
     for known in ("h200", "h100", "b200", "a100", "l40s", "a10g", "l4"):
         if known in name:
-            n = torch.cuda.device_count()
             ws = int(os.environ.get("WORLD_SIZE", "1"))
             return f"{known}x{ws}" if ws > 1 else known
     return name.replace("nvidia", "").strip().replace(" ", "-")
