@@ -341,33 +341,12 @@ if triton is not None:
             _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
                  CALLS, N_CALLS, PERIOD, HAS_LSE, STORE_LSE, BLOCK_P, BLOCK_D)
         else:
-            if STORE_LSE:  # the rows hold their result already; L is the aliased call's lse
-                tl.store(lse_at, _logsumexp(lses, lse_strides, p, pmask, hh, t, b, CALLS, N_CALLS, PERIOD, BLOCK_P),
-                         mask=pmask)
-
-    @triton.jit
-    def _logsumexp(lses, lse_strides, p, pmask, hh, t, b, CALLS: tl.constexpr, N_CALLS: tl.constexpr,
-                   PERIOD: tl.constexpr, BLOCK_P: tl.constexpr):
-        """L = logsumexp over the calls of lse_c (``-inf`` where no call covers)."""
-        m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
-        s_i = tl.zeros([BLOCK_P], tl.float32)
-        for c in tl.static_range(N_CALLS):
-            if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
-                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2],
-                                                CALLS[c][3], CALLS[c][4], CALLS[c][5], CALLS[c][6],
-                                                CALLS[c][7], PERIOD)
-                k: tl.constexpr = CALLS[c][8]
-                size: tl.constexpr = CALLS[c][9]
-                lse_ptr = lses[k]
-                for j in tl.static_range(1, size):  # a group: the part of this head's offset
-                    lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
-                lse = _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi)
-                m_new = tl.maximum(m_i, lse)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                s_i = s_i * tl.exp(m_i - m_safe) + tl.exp(lse - m_safe)
-                m_i = m_new
-        seen = s_i > 0
-        return tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
+            if STORE_LSE:  # only the aliased call covers these rows: they hold their result, L is its lse
+                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[ALIAS][0], CALLS[ALIAS][1], CALLS[ALIAS][2],
+                                                CALLS[ALIAS][3], CALLS[ALIAS][4], CALLS[ALIAS][5], CALLS[ALIAS][6],
+                                                CALLS[ALIAS][7], PERIOD)
+                k: tl.constexpr = CALLS[ALIAS][8]
+                tl.store(lse_at, _lse_rows(lses[k], lse_strides, k, member, bi, ni, hi), mask=pmask)
 
     @triton.jit
     def _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
