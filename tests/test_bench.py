@@ -269,3 +269,22 @@ def test_warmup_seconds_extend_the_warm_up():
     calls = []
     samples = measure(lambda: (calls.append(1), time.sleep(0.005)), "cpu", warmup=1, reps=3, warmup_s=0.05)
     assert len(samples) == 3 and len(calls) >= 3 + 8
+
+
+def test_rep_seconds_extend_the_timed_calls_and_repeats_are_reported():
+    """--rep-s: timed calls go on until that much time has run; a config timed twice in one run is
+    reported with how far apart its medians are, flagged beyond 2%."""
+    import time
+
+    from dilated.bench.report import format_repeats
+    from dilated.bench.timing import measure
+
+    samples = measure(lambda: time.sleep(0.005), "cpu", warmup=1, reps=3, rep_s=0.05)
+    assert len(samples) >= 3 + 6
+    row = {"status": "ok", "implementation": "improved", "backend": "auto",
+           "config": {"batch": 1, "seq_len": 64, "num_heads": 2, "head_dim": 8, "dtype": "float32",
+                      "causal": False, "mode": "fwd"}}
+    rows = [dict(row, time_ms={"median": m}) for m in (1.0, 1.01)]
+    assert "1.0% apart" in "\n".join(format_repeats(rows)) and "BEYOND" not in "\n".join(format_repeats(rows))
+    assert "BEYOND 2%" in "\n".join(format_repeats(rows + [dict(row, time_ms={"median": 1.05})]))
+    assert format_repeats(rows[:1]) == []

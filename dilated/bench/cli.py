@@ -78,6 +78,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
                    help="warm up for at least this many seconds too (a GPU held at its power cap lowers its "
                         "clocks within a row's calls; each GPU row records its clocks before and after)")
     t.add_argument("--reps", type=int, default=10)
+    t.add_argument("--rep-s", type=float, default=0.0,
+                   help="time calls for at least this many seconds too (the median then spans a power-capped "
+                        "GPU's clock swings; with --warmup-s, a steady state: what repeats agree on)")
     t.add_argument("--time-budget", type=float, default=None, help="at most this many seconds of timed calls per row (at least 3 calls)")
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
     t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows and their --floor; marked in results)")
@@ -131,7 +134,8 @@ def run_options(args) -> RunOptions:
     return RunOptions(warmup=args.warmup, reps=args.reps, budget_s=args.time_budget, check=not args.no_check,
                       cuda_graph=args.cuda_graph, flush_l2=not args.no_l2_flush,
                       memory_budget_mib=args.memory_budget_mib, seed=args.seed, device=args.device,
-                      floor=args.floor, settle_s=args.settle_s, warmup_s=args.warmup_s)
+                      floor=args.floor, settle_s=args.settle_s, warmup_s=args.warmup_s,
+                      rep_s=args.rep_s)
 
 
 def default_dtype(args) -> str:

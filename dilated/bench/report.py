@@ -76,7 +76,26 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             mib = f"{mem:.1f}" if mem is not None else "-"
             out.append(f"{mark}{r['implementation']:<21}{r['backend']:<15}{_fmt_time(t):<30}"
                        f"{tok:>12}{tfl:>9}{pct:>7}{mib:>10}{err:>9}  {speed:>8}  {status}")
-    return "\n".join(out)
+    return "\n".join(out + format_repeats(rows))
+
+
+def format_repeats(rows: list[dict], tolerance: float = 0.02) -> list[str]:
+    """Lines for the configs timed more than once in one run: their medians and how far apart
+    (largest over smallest, minus one), flagged beyond ``tolerance``: the run's own noise."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r["status"] == "ok":
+            groups[_match_key(r)].append(r)
+    out = []
+    for (impl, backend, _), grp in groups.items():
+        if len(grp) < 2:
+            continue
+        meds = [r["time_ms"]["median"] for r in grp]
+        apart = max(meds) / min(meds) - 1
+        flag = "" if apart <= tolerance else f"  BEYOND {100 * tolerance:.0f}%"
+        out.append(f"  {impl}/{backend} {_cfg_title(grp[0]['config'])}: "
+                   f"{' / '.join(f'{m:.3f}' for m in meds)} ms, {100 * apart:.1f}% apart{flag}")
+    return ["", "timed more than once in this run:"] + out if out else []
 
 
 # -- compare ------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class RunOptions:
     device: str | None = None
     settle_s: float = 0.0  # idle this long before each row's timed calls (clocks recover after a heavy row)
     warmup_s: float = 0.0  # warm up at least this long, besides ``warmup`` calls
+    rep_s: float = 0.0  # time calls for at least this long, besides ``reps`` calls
 
 
 class OverBudget(RuntimeError):
@@ -159,7 +160,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             time.sleep(opts.settle_s)
         state_before = envmod.gpu_state(device)
         runs = measure_side_by_side(timed, device, warmup=max(0, opts.warmup - 1), reps=opts.reps,
-                                    budget_s=opts.budget_s, flush_l2=opts.flush_l2, warmup_s=opts.warmup_s,
+                                    budget_s=opts.budget_s, flush_l2=opts.flush_l2, warmup_s=opts.warmup_s, rep_s=opts.rep_s,
                                     cuda_graph=opts.cuda_graph and case.mode == "fwd" and timed_setup is None)
         del timed
         if state_before is not None:  # the GPU's clocks and temperature before and after the timed calls

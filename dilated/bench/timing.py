@@ -33,21 +33,25 @@ def summarize(samples_ms: list[float]) -> dict:
 
 
 def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | None = None,
-            setup=None, flush_l2: bool = True, cuda_graph: bool = False, warmup_s: float = 0.0) -> list[float]:
+            setup=None, flush_l2: bool = True, cuda_graph: bool = False, warmup_s: float = 0.0,
+            rep_s: float = 0.0) -> list[float]:
     """Per-call times (ms) of ``step()``; ``setup()`` runs untimed before each call.
 
     Warm-up: ``warmup`` calls, and on until ``warmup_s`` seconds of them have run (time-based,
     as triton's ``do_bench``: a GPU at its power cap lowers its clocks within a row's calls).
+    Timed calls: ``reps``, and on until ``rep_s`` seconds of them have run, so that the median
+    spans the swings of a power-capped GPU's clocks rather than one phase of them.
     With ``budget_s``, warm-up and repetitions also stop once that much wall time is spent (at
     least one warm-up and three timed calls): long calls get fewer samples, short ones ``reps``.
     ``cuda_graph`` captures ``step`` once and times replays (only for steps without ``setup``).
     """
     return measure_side_by_side([(step, setup)], device, warmup=warmup, reps=reps, budget_s=budget_s,
-                                flush_l2=flush_l2, cuda_graph=cuda_graph, warmup_s=warmup_s)[0]
+                                flush_l2=flush_l2, cuda_graph=cuda_graph, warmup_s=warmup_s, rep_s=rep_s)[0]
 
 
 def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budget_s: float | None = None,
-                         flush_l2: bool = True, cuda_graph: bool = False, warmup_s: float = 0.0) -> list[list[float]]:
+                         flush_l2: bool = True, cuda_graph: bool = False, warmup_s: float = 0.0,
+                         rep_s: float = 0.0) -> list[list[float]]:
     """:func:`measure` for several ``(step, setup)`` pairs timed in turns (a, b, a, b, ...), so
     that a drift of the machine (clocks, temperature) during the run falls on each alike: what
     a ratio of their times needs. Returns one list of samples per pair."""
@@ -74,7 +78,7 @@ def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budg
         torch.cuda.synchronize(device)
     samples = [[] for _ in steps]
     t0 = time.perf_counter()
-    while len(samples[0]) < reps:
+    while len(samples[0]) < reps or time.perf_counter() - t0 < rep_s:
         for (step, setup), out in zip(steps, samples):
             if setup:
                 setup()
