@@ -147,3 +147,24 @@ def copy_engine_matches_p2p(rank, world, port):
                     assert err < 1e-2, f"P={p} {layout} causal={causal} {name}: copy engine vs p2p rel err {err:.2e}"
     dist.barrier()
     dist.destroy_process_group()
+
+
+def timing_agrees(rank, world, port):
+    """Time-based timing on ranks of different speeds: every rank takes the same number of calls."""
+    import time
+
+    from dilated.bench.timing import measure
+
+    init(rank, world, port)
+
+    def agree(more):
+        t = torch.tensor([float(more)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() > 0
+
+    samples = measure(lambda: time.sleep(0.002 * (1 + rank)), "cpu", warmup=1, reps=2, warmup_s=0.03,
+                      rep_s=0.05, budget_s=0.2, agree=agree)
+    counts = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([float(len(samples))]))
+    assert len({c.item() for c in counts}) == 1, f"ranks took {counts} calls"
+    dist.destroy_process_group()

@@ -26,6 +26,10 @@ def test_sampled_check_reads_shards_in_place(world):
     mp.spawn(dist_worker.sharded_check, args=(world, _port()), nprocs=world, join=True)
 
 
+def test_time_based_timing_stops_on_every_rank_together():
+    mp.spawn(dist_worker.timing_agrees, args=(2, _port()), nprocs=2, join=True)
+
+
 def test_sequence_not_divisible_by_world_size():
     mp.spawn(dist_worker.bad_length, args=(2, _port()), nprocs=2, join=True)
 

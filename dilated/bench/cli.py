@@ -74,13 +74,13 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
                         "(or x [B, N, E] for modules), loaded with weights_only; shapes come from the files")
     t = p.add_argument_group("measurement")
     t.add_argument("--warmup", type=int, default=3)
-    t.add_argument("--warmup-s", type=float, default=0.0,
-                   help="warm up for at least this many seconds too (a GPU held at its power cap lowers its "
-                        "clocks within a row's calls; each GPU row records its clocks before and after)")
+    t.add_argument("--warmup-s", type=float, default=None,
+                   help="warm up for at least this many seconds too (default 1 on a GPU, 0 on CPU: a GPU held at "
+                        "its power cap lowers its clocks within a row's first second; each GPU row records them)")
     t.add_argument("--reps", type=int, default=10)
-    t.add_argument("--rep-s", type=float, default=0.0,
-                   help="time calls for at least this many seconds too (the median then spans a power-capped "
-                        "GPU's clock swings; with --warmup-s, a steady state: what repeats agree on)")
+    t.add_argument("--rep-s", type=float, default=None,
+                   help="time calls for at least this many seconds too (default 1 on a GPU, 0 on CPU: the median "
+                        "then spans a power-capped GPU's clock swings, so that repeats of a config agree)")
     t.add_argument("--time-budget", type=float, default=None, help="at most this many seconds of timed calls per row (at least 3 calls)")
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
     t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows and their --floor; marked in results)")

@@ -39,8 +39,10 @@ class RunOptions:
     seed: int = 0
     device: str | None = None
     settle_s: float = 0.0  # idle this long before each row's timed calls (clocks recover after a heavy row)
-    warmup_s: float = 0.0  # warm up at least this long, besides ``warmup`` calls
-    rep_s: float = 0.0  # time calls for at least this long, besides ``reps`` calls
+    # warm up / time calls for at least this long besides ``warmup`` / ``reps`` calls; None: 1 s on a
+    # GPU (it reaches its power cap's steady clocks within that, so repeats agree), 0 on CPU
+    warmup_s: float | None = None
+    rep_s: float | None = None
 
 
 class OverBudget(RuntimeError):
@@ -159,8 +161,13 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                 torch.cuda.synchronize(device)
             time.sleep(opts.settle_s)
         state_before = envmod.gpu_state(device)
+        steady = 1.0 if device.type == "cuda" else 0.0
+        collective = type(impl).reduce_max is not Implementation.reduce_max  # ranks time together
         runs = measure_side_by_side(timed, device, warmup=max(0, opts.warmup - 1), reps=opts.reps,
-                                    budget_s=opts.budget_s, flush_l2=opts.flush_l2, warmup_s=opts.warmup_s, rep_s=opts.rep_s,
+                                    budget_s=opts.budget_s, flush_l2=opts.flush_l2,
+                                    warmup_s=steady if opts.warmup_s is None else opts.warmup_s,
+                                    rep_s=steady if opts.rep_s is None else opts.rep_s,
+                                    agree=(lambda more: impl.reduce_max([float(more)])[0] > 0) if collective else None,
                                     cuda_graph=opts.cuda_graph and case.mode == "fwd" and timed_setup is None)
         del timed
         if state_before is not None:  # the GPU's clocks and temperature before and after the timed calls

@@ -34,7 +34,7 @@ def summarize(samples_ms: list[float]) -> dict:
 
 def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | None = None,
             setup=None, flush_l2: bool = True, cuda_graph: bool = False, warmup_s: float = 0.0,
-            rep_s: float = 0.0) -> list[float]:
+            rep_s: float = 0.0, agree=None) -> list[float]:
     """Per-call times (ms) of ``step()``; ``setup()`` runs untimed before each call.
 
     Warm-up: ``warmup`` calls, and on until ``warmup_s`` seconds of them have run (time-based,
@@ -44,27 +44,37 @@ def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | 
     With ``budget_s``, warm-up and repetitions also stop once that much wall time is spent (at
     least one warm-up and three timed calls): long calls get fewer samples, short ones ``reps``.
     ``cuda_graph`` captures ``step`` once and times replays (only for steps without ``setup``).
+    ``agree(more) -> bool``: where several ranks time together, makes each go-on-or-stop decision
+    the same on all of them (a rank that stopped alone would leave the others waiting).
     """
     return measure_side_by_side([(step, setup)], device, warmup=warmup, reps=reps, budget_s=budget_s,
-                                flush_l2=flush_l2, cuda_graph=cuda_graph, warmup_s=warmup_s, rep_s=rep_s)[0]
+                                flush_l2=flush_l2, cuda_graph=cuda_graph, warmup_s=warmup_s, rep_s=rep_s,
+                                agree=agree)[0]
 
 
 def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budget_s: float | None = None,
                          flush_l2: bool = True, cuda_graph: bool = False, warmup_s: float = 0.0,
-                         rep_s: float = 0.0) -> list[list[float]]:
+                         rep_s: float = 0.0, agree=None) -> list[list[float]]:
     """:func:`measure` for several ``(step, setup)`` pairs timed in turns (a, b, a, b, ...), so
     that a drift of the machine (clocks, temperature) during the run falls on each alike: what
     a ratio of their times needs. Returns one list of samples per pair."""
     device = torch.device(device)
     flush = _l2_flusher(device) if flush_l2 else (lambda: None)
     cuda = device.type == "cuda"
+    agree = agree or bool
     if cuda_graph:
         if not cuda or any(setup is not None for _, setup in steps):
             raise ValueError("cuda_graph timing needs a CUDA device and steps without setup")
         steps = [(_graphed(step, warmup), None) for step, _ in steps]
+
+    def more(done, least, least_s, t0, budget, min_done):
+        spent = time.perf_counter() - t0
+        over = budget is not None and done >= min_done and spent > budget
+        return agree((done < least or spent < least_s) and not over)
+
     t0 = time.perf_counter()
     done = 0
-    while done < warmup or time.perf_counter() - t0 < warmup_s:
+    while more(done, warmup, warmup_s, t0, None if budget_s is None else budget_s / 4, 1):
         for step, setup in steps:
             if setup:
                 setup()
@@ -72,20 +82,16 @@ def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budg
         done += 1
         if warmup_s and cuda:  # the seconds that count are the device's
             torch.cuda.synchronize(device)
-        if budget_s is not None and time.perf_counter() - t0 > budget_s / 4:
-            break
     if cuda:
         torch.cuda.synchronize(device)
     samples = [[] for _ in steps]
     t0 = time.perf_counter()
-    while len(samples[0]) < reps or time.perf_counter() - t0 < rep_s:
+    while more(len(samples[0]), reps, rep_s, t0, budget_s, 3):
         for (step, setup), out in zip(steps, samples):
             if setup:
                 setup()
             flush()
             out.append(_time_once(step, cuda))
-        if budget_s is not None and len(samples[0]) >= 3 and time.perf_counter() - t0 > budget_s:
-            break
     return samples
 
 
