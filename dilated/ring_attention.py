@@ -180,20 +180,23 @@ class _RingFunction(torch.autograd.Function):
         p, n = ring.size, q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
-        dkv = torch.zeros(k.numel() + v.numel(), device=k.device, dtype=torch.float32)
         pending_d = None
         for kb, vb, plan in _blocks(transport, ring, k, v, n, causal, layout, overlap):
-            local = torch.zeros_like(dkv)
+            g = None
             if plan is not None:
                 qs, ks, c = plan
                 g = attention_backward(backend, dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
                                        lse[:, :, qs].contiguous(), c, scale)
                 dq[:, qs] += g[0]
+            # this block's accumulator from the previous ranks (received while the kernel ran), to
+            # which this rank's part is added in place: one pass over it per step
+            local = ring.wait(pending_d) if pending_d is not None else \
+                torch.zeros(k.numel() + v.numel(), device=k.device, dtype=torch.float32)
+            if g is not None:
                 dk_l, dv_l = _unpack(local, (k, v))
                 dk_l[:, ks] += g[1]
                 dv_l[:, ks] += g[2]
-            if pending_d is not None:
-                local += ring.wait(pending_d)  # the accumulator of this block from the previous ranks
+                del g
             if p > 1:  # pass this block's dK/dV on (after the last step: to its owner)
                 pending_d = ring.start(local, tag=1)
         dkv = ring.wait(pending_d) if p > 1 else local
