@@ -190,8 +190,10 @@ class _RingFunction(torch.autograd.Function):
                 dq[:, qs] += g[0]
             # this block's accumulator from the previous ranks (received while the kernel ran), to
             # which this rank's part is added in place: one pass over it per step
-            local = ring.wait(pending_d) if pending_d is not None else \
-                torch.zeros(k.numel() + v.numel(), device=k.device, dtype=torch.float32)
+            if pending_d is not None:
+                local = ring.wait(pending_d)
+            else:
+                local = torch.zeros(k.numel() + v.numel(), device=k.device, dtype=torch.float32)
             if g is not None:
                 dk_l, dv_l = _unpack(local, (k, v))
                 dk_l[:, ks] += g[1]
