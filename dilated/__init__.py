@@ -24,3 +24,7 @@ from .distributed_dilated_attention import DistributedDilatedAttention  # noqa: 
 from .ring_attention import RingAttention  # noqa: E402
 
 __all__ += ["RingAttention", "DistributedDilatedAttention", "shard", "unshard", "init_distributed"]
+from ._checks import UncoveredRowsWarning  # noqa: E402
+from .distributed import RankMismatchError  # noqa: E402
+
+__all__ += ["UncoveredRowsWarning", "RankMismatchError"]

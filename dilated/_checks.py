@@ -1,6 +1,10 @@
 """Input validation shared by every public entry point: one clear error per mistake."""
 from __future__ import annotations
 
+import math
+import numbers
+import warnings
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -22,6 +26,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             )
         if t.shape[1] == 0:
             raise ValueError(f"{name} has an empty sequence (shape {tuple(t.shape)}); seq must be >= 1")
+        if t.shape[3] == 0:
+            raise ValueError(f"{name} has head_dim 0 (shape {tuple(t.shape)}); head_dim must be >= 1")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -41,8 +47,33 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_scale(scale) -> None:
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale must be a positive float or None (1/sqrt(head_dim)), got {scale!r}")
+    """``scale`` is None (1/sqrt(head_dim)) or a finite positive real number."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None (1/sqrt(head_dim)), got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and positive, or None for 1/sqrt(head_dim); got {scale!r}")
+
+
+def check_causal(causal) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {type(causal).__name__} {causal!r}")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of accumulators and log-sum-exps for inputs of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dense_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a contiguous last dimension (a copy only where it is strided): every kernel reads
+    rows of ``head_dim`` adjacent elements, and some misread other strides instead of refusing them."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+class UncoveredRowsWarning(UserWarning):
+    """A dilated schedule leaves some (position, head) rows to no branch: they output 0."""
 
 
 def check_schedule(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -70,4 +101,9 @@ def check_schedule(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tu
                 f"dilation rate {r} is larger than its segment length {w} in dilation_rates; "
                 "a dilation must not exceed its segment"
             )
+    if 1 not in dil:
+        warnings.warn(
+            f"dilation_rates {list(dil)} has no rate 1: in every segment, positions whose offset mod r differs "
+            "from the head index mod r are selected by no branch and output 0 (e.g. position 1 of head 0). "
+            "Add a branch with dilation rate 1 to cover every row.", UncoveredRowsWarning, stacklevel=3)
     return seg, dil

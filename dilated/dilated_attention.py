@@ -11,7 +11,9 @@ Inputs q ``[B, N, H, D]``, k/v ``[B, N, Hkv, D]`` (head h reads kv head h // (H/
   positions <= p when causal): branch output ``O_i`` and log-sum-exp ``lse_i`` (``-inf`` where p
   is not selected).
 * Branches mix by their softmax denominators (LongNet eq. 9-10):
-  ``O = sum_i exp(lse_i - logsumexp_j lse_j) * O_i``; a position no branch selects outputs 0.
+  ``O = sum_i exp(lse_i - logsumexp_j lse_j) * O_i``, computed as ``sum_i e_i O_i / sum_i e_i`` with
+  ``e_i = exp(lse_i - max_j lse_j)`` so that the weights sum to one at any logit scale; a position
+  no branch selects outputs 0.
 
 Gradients are autograd's through :func:`dilated.attention`, whose lse is differentiable, so the
 mixing weights get their gradient. The fast implementation is
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._checks import check_qkv, check_schedule
+from ._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
 from .functional import attention, default_scale
 
 
@@ -35,8 +37,9 @@ def segment_blocks(n: int, w: int):
     return blocks
 
 
-def check_dilated_inputs(q, k, v, segment_lengths, dilation_rates):
+def check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal=False):
     check_qkv(q, k, v)
+    check_causal(causal)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"dilated attention needs q and k/v of one length, got q {q.shape[1]} and k {k.shape[1]}")
     return check_schedule(segment_lengths, dilation_rates)
@@ -50,7 +53,7 @@ def branch_attention(q, k, v, w: int, r: int, *, causal: bool, scale: float, bac
     b, n, h, d = q.shape
     w = min(w, n)
     o_i = q.new_zeros(b, n, h, d)
-    lse_i = q.new_full((b, n, h), float("-inf"), dtype=torch.float32)
+    lse_i = q.new_full((b, n, h), float("-inf"), dtype=acc_dtype(q.dtype))
     for start, count, length in segment_blocks(n, w):
         seg = lambda x: x[:, start:start + count * length].unflatten(1, (count, length))  # noqa: E731
         for off in range(r):  # heads off::r read positions off::r of every segment
@@ -64,17 +67,21 @@ def branch_attention(q, k, v, w: int, r: int, *, causal: bool, scale: float, bac
 
 
 def mix_branches(outs, lses, dtype):
-    """LongNet eq. 9-10: ``O = sum_i exp(lse_i - logsumexp_j lse_j) * O_i`` (0 where no branch selects p)."""
+    """LongNet eq. 9-10: ``O = sum_i exp(lse_i - logsumexp_j lse_j) * O_i`` (0 where no branch selects p),
+    with the weights normalised by their sum relative to the maximum lse (exact at any logit scale)."""
     lse_all = torch.stack(lses)                                   # [k, B, N, H]
-    total = torch.logsumexp(lse_all, dim=0)
-    total = torch.where(torch.isinf(total), torch.zeros_like(total), total)  # uncovered rows
-    weights = torch.exp(lse_all - total).unsqueeze(-1)            # 0 where a branch skips p
-    return (torch.stack(outs).float() * weights).sum(0).to(dtype)
+    m = lse_all.amax(0)                                           # NaN propagates
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)   # uncovered rows
+    e = torch.exp(lse_all - m)                                    # 0 where a branch skips p
+    total = e.sum(0)
+    weights = (e * torch.where(total == 0, 0.0, 1.0 / total)).unsqueeze(-1)
+    return (torch.stack(outs).to(lse_all.dtype) * weights).sum(0).to(dtype)
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto"):
     """Exact LongNet dilated attention (see the module docstring); returns ``[B, N, H, D]``."""
-    segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates)
+    segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal)
+    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     scale = default_scale(q.shape[-1], scale)
     groups = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)  # head h reads kv h // groups
@@ -89,6 +96,8 @@ class DilatedAttention(nn.Module):
     def __init__(self, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto"):
         super().__init__()
         self.segment_lengths, self.dilation_rates = check_schedule(segment_lengths, dilation_rates)
+        check_causal(causal)
+        check_scale(scale)
         self.causal, self.scale, self.backend = causal, scale, backend
 
     def forward(self, q, k, v):

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checks import check_qkv, check_schedule
+from ._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
 from .backends import get_backend
-from .distributed import CommStats
+from .distributed import CommStats, signature, validate_on_all_ranks
 from .functional import attention_backward, attention_forward, default_scale
 from .improved_dilated_attention import backward_calls, forward_calls
 from .pattern_cache import BranchCall, plan_for
@@ -148,9 +148,9 @@ def _span_forward(sp: _Span, q, kv, backend, causal, scale):
 
 
 def _span_backward(sp: _Span, q, out, lse_rows, dout, kv, dq, backend, causal, scale):
-    """Add the span's dq into ``dq``; return its dK, dV per offset (float32, all gathered rows)."""
+    """Add the span's dq into ``dq``; return its dK, dV per offset (dq's dtype, all gathered rows)."""
     b, d = q.shape[0], q.shape[3]
-    dks = [q.new_zeros(b, sum(sizes), len(kvidx), d, dtype=torch.float32) for _, _, sizes, kvidx in sp.offsets]
+    dks = [q.new_zeros(b, sum(sizes), len(kvidx), d, dtype=dq.dtype) for _, _, sizes, kvidx in sp.offsets]
     dvs = [torch.zeros_like(x) for x in dks]
     for group, (ks, vs) in zip(sp.groups, kv):
         upto = sp.upto(group, causal)
@@ -189,7 +189,7 @@ class _DistributedDilatedFunction(torch.autograd.Function):
         q, k, v, out, lse_rows = ctx.saved_tensors
         plan, spans, backend, causal, scale, stats = ctx.cfg
         dout = dout.contiguous()
-        dq, dk, dv = backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, torch.float32)
+        dq, dk, dv = backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, acc_dtype(q.dtype))
         b, d = q.shape[0], q.shape[3]
         for sp, kv in zip(spans, ctx.gathered):
             dks, dvs = _span_backward(sp, q, out, lse_rows, dout, kv, dq, backend, causal, scale)
@@ -223,7 +223,10 @@ class DistributedDilatedAttention(nn.Module):
                  measure_comm: bool = False):
         super().__init__()
         self.segment_lengths, self.dilation_rates = check_schedule(segment_lengths, dilation_rates)
+        check_causal(causal)
+        check_scale(scale)
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
+        self._agreed: set = set()  # input signatures all ranks agreed on
         self._groups: dict[int, list] = {}
         self._layouts: dict = {}
         self.stats = CommStats(measure_comm)
@@ -259,12 +262,22 @@ class DistributedDilatedAttention(nn.Module):
             self._layouts[key] = (plan, spans)
         return self._layouts[key]
 
-    def forward(self, q, k, v):
+    def _validate(self, q, k, v):
         check_qkv(q, k, v)
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
+        scale = default_scale(q.shape[-1], self.scale)
+        impl = get_backend(self.backend, q, k, self.causal)
+        fields = signature(q, k, v, causal=self.causal, scale=scale, segment_lengths=list(self.segment_lengths),
+                           dilation_rates=list(self.dilation_rates))
+        return (impl, scale), fields
+
+    def forward(self, q, k, v):
         if not dist.is_initialized():
             raise RuntimeError("DistributedDilatedAttention needs torch.distributed initialised")
+        impl, scale = validate_on_all_ranks(self.group, self._agreed, "DistributedDilatedAttention",
+                                            lambda: self._validate(q, k, v))
+        q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
         rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
-        impl = get_backend(self.backend, q, k, self.causal)
         plan, spans = self._layout(q, k, rank, p, impl.reads_strided_rows(q, k, self.causal))
-        scale = default_scale(q.shape[-1], self.scale)
         return _DistributedDilatedFunction.apply(q, k, v, plan, spans, impl, self.causal, scale, self.stats)

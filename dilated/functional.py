@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ._checks import check_qkv, check_scale
+from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .backends import Backend, get_backend
 from .merge import empty_accumulators, merge_
 
@@ -52,12 +52,13 @@ def _kv_for(backend: Backend, q, k, v):
 
 
 def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float):
-    """``(out, lse)`` without autograd; bottom-right causal and GQA handled here."""
+    """``(out, lse)`` without autograd; bottom-right causal, GQA and strided head_dim handled here."""
+    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     k, v, _ = _kv_for(backend, q, k, v)
     pieces = causal_pieces(q.shape[1], k.shape[1], causal)
     if len(pieces) == 1 and pieces[0][0] == 0:
         return backend.forward(q, k, v, pieces[0][4], scale)
-    acc, acc_lse = empty_accumulators(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q.device)
+    acc, acc_lse = empty_accumulators(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q.device, acc_dtype(q.dtype))
     for q0, q1, k0, k1, c in pieces:
         o, l = backend.forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], c, scale)
         merge_(acc[:, q0:q1], acc_lse[:, q0:q1], o, l.transpose(1, 2))
@@ -66,15 +67,17 @@ def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float):
 
 def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, scale: float, dlse=None):
     """``dq, dk, dv`` of the attention whose (merged) output and lse are ``out`` and ``lse``."""
+    dout, q, k, v, out = (dense_rows(t) for t in (dout, q, k, v, out))
     k_e, v_e, groups = _kv_for(backend, q, k, v)
     pieces = causal_pieces(q.shape[1], k.shape[1], causal)
 
     def run(dout_, v_, out_):
         if len(pieces) == 1 and pieces[0][0] == 0:
             return backend.backward(dout_, q, k_e, v_, out_, lse, pieces[0][4], scale)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk = torch.zeros_like(k_e, dtype=torch.float32)
-        dv = torch.zeros_like(v_, dtype=torch.float32)
+        acc = acc_dtype(q.dtype)
+        dq = torch.zeros_like(q, dtype=acc)
+        dk = torch.zeros_like(k_e, dtype=acc)
+        dv = torch.zeros_like(v_, dtype=acc)
         for q0, q1, k0, k1, c in pieces:
             g = backend.backward(dout_[:, q0:q1], q[:, q0:q1], k_e[:, k0:k1], v_[:, k0:k1],
                                  out_[:, q0:q1], lse[:, :, q0:q1].contiguous(), c, scale)
@@ -124,10 +127,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
     """Exact softmax attention on ``[batch, seq, heads, head_dim]`` tensors.
 
     k/v may have fewer heads than q (GQA: heads divisible by kv heads) and another length than q
-    (causal is then bottom-right aligned). Returns ``out`` (q's dtype), or ``(out, lse)`` with lse
-    float32 ``[batch, heads, seq_q]``. Gradients flow through ``out`` and ``lse``.
+    (causal is then bottom-right aligned). Any strides are accepted. Returns ``out`` (q's dtype), or
+    ``(out, lse)`` with lse ``[batch, heads, seq_q]`` in float32 (float64 for float64 inputs).
+    Gradients flow through ``out`` and ``lse``.
     """
     check_qkv(q, k, v)
+    check_causal(causal)
     scale = default_scale(q.shape[-1], scale)
     impl = get_backend(backend, q, k, causal)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

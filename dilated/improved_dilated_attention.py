@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from ._checks import check_schedule
+from ._checks import acc_dtype, check_causal, check_scale, check_schedule, dense_rows
 from .backends import get_backend
 from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
@@ -64,7 +64,7 @@ def forward_calls(q, k, v, plan, backend, causal, scale, pool, dtype=None, extra
         for buf in bufs:
             pool.release(buf)
     out = _result(calls, parts, q, dtype or q.dtype)
-    out_lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if with_lse else None
+    out_lse = torch.empty(q.shape[:3], device=q.device, dtype=acc_dtype(q.dtype)) if with_lse else None
     return combine(calls, parts, lses, out, out_lse), out_lse
 
 
@@ -112,7 +112,7 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
     launch is part of the step."""
 
     def resolve():
-        segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates)
+        segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal)
         impl = get_backend(backend, q, k, causal)
         plan = plan_for(q, k, segs, dils, impl.reads_strided_rows(q, k, causal))
         return default_scale(q.shape[-1], scale), impl, plan
@@ -123,6 +123,7 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
     except (AttributeError, TypeError):  # not tensors / not sequences: resolve() says what is wrong
         key = None
     scale, impl, plan = resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
+    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _ImprovedDilatedFunction.apply(q, k, v, plan, impl, causal, scale, memory_pool)
     return forward_calls(q, k, v, plan, impl, causal, scale, memory_pool, with_lse=False)[0]
@@ -139,6 +140,8 @@ class ImprovedDilatedAttention(nn.Module):
                  pattern_cache: bool | PatternCache = True, memory_pool: bool | MemoryPool = False):
         super().__init__()
         self.segment_lengths, self.dilation_rates = check_schedule(segment_lengths, dilation_rates)
+        check_causal(causal)
+        check_scale(scale)
         self.causal, self.scale, self.backend = causal, scale, backend
         self.pattern_cache = PatternCache() if pattern_cache is True else (pattern_cache or None)
         self.memory_pool = MemoryPool() if memory_pool is True else (memory_pool or None)

@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from ._checks import acc_dtype
 from .memory_pool import MemoryPool
 from .merge import merge_
 from .pattern_cache import BranchCall
@@ -129,7 +130,7 @@ def combine(plan, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None =
     covers get 0 (and lse ``-inf``). Returns ``out``.
     """
     gqa = kv and any(c.kv_heads is not None for c in plan)
-    if triton_enabled(out.device) and not gqa and all(p.stride(-1) == 1 for p in parts):
+    if triton_enabled(out.device) and not gqa and out.dtype != torch.float64 and all(p.stride(-1) == 1 for p in parts):
         _combine_triton(plan, parts, lses, out, out_lse)
     else:
         _combine_torch(plan, parts, lses, out, out_lse, kv)
@@ -142,8 +143,9 @@ def _shares_memory(a: torch.Tensor, parts) -> bool:
 
 def _combine_torch(plan, parts, lses, out, out_lse, kv):
     b, n, h, d = out.shape
-    own = out.dtype == torch.float32 and not _shares_memory(out, parts)
-    acc = out.zero_() if own else out.new_zeros(out.shape, dtype=torch.float32)
+    acc_type = acc_dtype(out.dtype)
+    own = out.dtype == acc_type and not _shares_memory(out, parts)
+    acc = out.zero_() if own else out.new_zeros(out.shape, dtype=acc_type)
     if lses is None:
         for c, g in zip(plan, parts):
             if kv and c.kv_heads is not None:
@@ -153,7 +155,7 @@ def _combine_torch(plan, parts, lses, out, out_lse, kv):
                 view = branch_view(acc, c)
                 view.add_(g.reshape(view.shape))
     else:
-        acc_lse = (out_lse if out_lse is not None else out.new_empty(out.shape[:3], dtype=torch.float32)).fill_(
+        acc_lse = (out_lse if out_lse is not None else out.new_empty(out.shape[:3], dtype=acc_type)).fill_(
             float("-inf"))
         for c, o, lse in zip(plan, parts, lses):
             rows, view = branch_view(acc_lse, c), branch_view(acc, c)
@@ -373,7 +375,7 @@ if triton is not None:
                             + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 if HAS_LSE:
                     lse = _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi)
-                    m_new = tl.maximum(m_i, lse)
+                    m_new = tl.maximum(m_i, lse, propagate_nan=tl.PropagateNan.ALL)
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                     alpha = tl.exp(m_i - m_safe)
                     w = tl.exp(lse - m_safe)
@@ -383,7 +385,7 @@ if triton is not None:
                 else:
                     acc += o
         if HAS_LSE:
-            seen = s_i > 0
+            seen = s_i != 0  # rows no call covers stay 0; NaN (a non-finite input) stays NaN
             acc = acc * tl.where(seen, 1.0 / tl.where(seen, s_i, 1.0), 0.0)[:, None]
             if STORE_LSE:
                 tl.store(lse_at, tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf")), mask=pmask)

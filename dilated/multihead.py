@@ -14,7 +14,6 @@ import math
 import torch
 from torch import nn
 
-from ._checks import check_schedule
 from .dilated_attention import DilatedAttention
 from .improved_dilated_attention import ImprovedDilatedAttention
 
@@ -24,7 +23,6 @@ class MultiheadDilatedAttention(nn.Module):
                  causal=False, bias=True, layer_norm=True, backend="auto", improved=True, device=None,
                  dtype=None, layer_norm_eps=1e-5, gamma_init=1.0):
         super().__init__()
-        check_schedule(segment_lengths, dilation_rates)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")

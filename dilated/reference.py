@@ -31,7 +31,7 @@ def dense_reference(q, k, v, causal=False, scale=None, bias=None, dtype=torch.fl
         rows = torch.arange(nq, device=q.device).unsqueeze(1) + (nk - nq)
         cols = torch.arange(nk, device=q.device).unsqueeze(0)
         s = s.masked_fill(cols > rows, float("-inf"))
-    dead = torch.isinf(s).all(-1, keepdim=True)  # rows that see no key: output 0, lse -inf
+    dead = (s == float("-inf")).all(-1, keepdim=True)  # rows that see no key: output 0, lse -inf
     s = torch.where(dead, torch.zeros_like(s), s)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.where(dead, torch.zeros_like(s), torch.exp(s - lse))

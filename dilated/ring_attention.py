@@ -30,11 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import peer_copy
-from ._checks import check_qkv
+from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .backends import get_backend
-from .distributed import CommStats
+from .distributed import CommStats, signature, validate_on_all_ranks
 from .functional import attention_backward, attention_forward, default_scale
-from .merge import merge_
+from .merge import empty_accumulators, merge_
 
 
 TRANSPORTS = ("auto", "copy_engine", "p2p")
@@ -159,8 +159,7 @@ class _RingFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, backend, causal, scale, layout, group, stats, overlap, transport):
         ring = _Ring(group, stats)
         n = q.shape[1]
-        acc = torch.zeros(q.shape[:3] + (v.shape[3],), device=q.device, dtype=torch.float32)
-        acc_lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+        acc, acc_lse = empty_accumulators(*q.shape[:3], v.shape[3], q.device, acc_dtype(q.dtype))
         for kb, vb, plan in _blocks(transport, ring, k, v, n, causal, layout, overlap):
             if plan is not None:
                 qs, ks, c = plan
@@ -179,7 +178,7 @@ class _RingFunction(torch.autograd.Function):
         ring = _Ring(group, stats)
         p, n = ring.size, q.shape[1]
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
         pending_d = None
         for kb, vb, plan in _blocks(transport, ring, k, v, n, causal, layout, overlap):
             g = None
@@ -193,7 +192,7 @@ class _RingFunction(torch.autograd.Function):
             if pending_d is not None:
                 local = ring.wait(pending_d)
             else:
-                local = torch.zeros(k.numel() + v.numel(), device=k.device, dtype=torch.float32)
+                local = torch.zeros(k.numel() + v.numel(), device=k.device, dtype=dq.dtype)
             if g is not None:
                 dk_l, dv_l = _unpack(local, (k, v))
                 dk_l[:, ks] += g[1]
@@ -226,7 +225,10 @@ class RingAttention(nn.Module):
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        check_causal(causal)
+        check_scale(scale)
         self.causal, self.scale, self.backend, self.layout, self.group = causal, scale, backend, layout, group
+        self._agreed: set = set()  # input signatures all ranks agreed on
         self.overlap, self.transport, self.transport_used = overlap, transport, None
         self.stats = CommStats(measure_comm)
 
@@ -240,17 +242,25 @@ class RingAttention(nn.Module):
             raise ValueError(f"transport='copy_engine' is unavailable here: {why}; use transport='p2p' or 'auto'")
         return "p2p"
 
-    def forward(self, q, k, v):
+    def _validate(self, q, k, v):
         check_qkv(q, k, v)
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
-        if not dist.is_initialized():
-            raise RuntimeError("RingAttention needs torch.distributed initialised (see dilated.init_distributed)")
         if self.layout == "zigzag" and q.shape[1] % 2:
             raise ValueError(f"zigzag shards hold two chunks: the local length {q.shape[1]} must be even "
                              "(global N divisible by 2 x world size)")
         scale = default_scale(q.shape[-1], self.scale)
         impl = get_backend(self.backend, q, k, self.causal)
+        fields = signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, transport=self.transport,
+                           overlap=self.overlap)
+        return (impl, scale), fields
+
+    def forward(self, q, k, v):
+        if not dist.is_initialized():
+            raise RuntimeError("RingAttention needs torch.distributed initialised (see dilated.init_distributed)")
+        impl, scale = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
+                                            lambda: self._validate(q, k, v))
+        q, k, v = dense_rows(q), k.contiguous(), v.contiguous()
         self.transport_used = self._resolve_transport(k, v)
         return _RingFunction.apply(q, k, v, impl, self.causal, scale, self.layout, self.group, self.stats,
                                    self.overlap, self.transport_used)

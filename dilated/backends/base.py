@@ -2,7 +2,7 @@
 
 A backend computes exact softmax attention for *square-causal or non-causal* problems on
 ``[batch, seq, heads, head_dim]`` tensors and returns ``(out, lse)`` with ``lse`` the float32
-per-row log-sum-exp of the scaled scores, shape ``[batch, heads, seq_q]``. Bottom-right causal
+(float64 for float64 inputs) per-row log-sum-exp of the scaled scores, shape ``[batch, heads, seq_q]``. Bottom-right causal
 alignment for ``seq_q != seq_k`` and GQA expansion for kernels without native GQA are done once,
 above the backends, in :mod:`dilated.functional`.
 
@@ -15,6 +15,8 @@ output, which gives the exact gradient of the merged attention.
 from __future__ import annotations
 
 import torch
+
+from .._checks import acc_dtype
 
 
 class Backend:
@@ -50,7 +52,8 @@ class Backend:
 
     # -- compute ------------------------------------------------------------------------
     def forward(self, q, k, v, causal: bool, scale: float):
-        """Return ``(out, lse)``; ``out`` in q's dtype, ``lse`` float32 ``[B, H, Nq]``. No autograd."""
+        """Return ``(out, lse)``; ``out`` in q's dtype, ``lse`` ``[B, H, Nq]`` float32 (float64 for
+        float64 inputs). Inputs have a contiguous last dimension. No autograd."""
         raise NotImplementedError
 
     def forward_autograd(self, q, k, v, causal: bool, scale: float):
@@ -70,12 +73,14 @@ class Backend:
         with torch.enable_grad():
             qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
             o, l = self.forward_autograd(qg, kg, vg, causal, scale)
-            w = torch.exp(l.float() - lse.float())  # [B, H, N]
-            w = torch.nan_to_num(w, nan=0.0, posinf=0.0)
+            acc = acc_dtype(q.dtype)
+            lse = lse.to(acc)
+            w = torch.exp(l.to(acc) - lse)  # [B, H, N]
+            w = torch.where(lse == float("-inf"), 0.0, w)  # rows that see no key; NaN stays NaN
             w_bnh = w.transpose(1, 2)  # [B, N, H]
-            dout_f = dout.float()
-            d_local = (dout_f * o.float()).sum(-1)
-            d_merged = (dout_f * out.float()).sum(-1)
+            dout_f = dout.to(acc)
+            d_local = (dout_f * o.to(acc)).sum(-1)
+            d_merged = (dout_f * out.to(acc)).sum(-1)
             g_out = (dout_f * w_bnh.unsqueeze(-1)).to(o.dtype)
             g_lse = (w_bnh * (d_local - d_merged)).transpose(1, 2).to(l.dtype)
             dq, dk, dv = torch.autograd.grad((o, l), (qg, kg, vg), (g_out, g_lse), allow_unused=True)

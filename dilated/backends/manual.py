@@ -37,26 +37,27 @@ def _scores(qb, k, s0, causal, scale):
 
 
 def _probs(s, lse):
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.nan_to_num(p, nan=0.0)  # rows with no visible key: lse = -inf
+    lse = lse.unsqueeze(-1)
+    p = torch.exp(s - lse)
+    return torch.where(lse == float("-inf"), 0.0, p)  # rows with no visible key; NaN stays NaN
 
 
 class ManualBackend(Backend):
     name = "manual"
     native_gqa = False
-    lse_source = "exact logsumexp of the float32 scores; backward written out from (out, lse)"
+    lse_source = "exact logsumexp of the float32 (float64) scores; backward written out from (out, lse)"
 
     def forward(self, q, k, v, causal, scale):
         acc = _acc_dtype(q)
         kf, vf = k.to(acc), v.to(acc)
         out = torch.empty_like(q)
-        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=acc)
         for s0, s1 in _blocks(q, k):
             s = _scores(q[:, s0:s1].to(acc), kf, s0, causal, scale)
             l = torch.logsumexp(s, dim=-1)
             p = _probs(s, l)
             out[:, s0:s1] = torch.einsum("bhnm,bmhd->bnhd", p, vf).to(q.dtype)
-            lse[:, :, s0:s1] = l.float()
+            lse[:, :, s0:s1] = l
         return out, lse
 
     def forward_autograd(self, q, k, v, causal, scale):
@@ -64,7 +65,7 @@ class ManualBackend(Backend):
         s = _scores(q.to(acc), k.to(acc), 0, causal, scale)
         lse = torch.logsumexp(s, dim=-1)
         out = torch.einsum("bhnm,bmhd->bnhd", _probs(s, lse), v.to(acc))
-        return out.to(q.dtype), lse.float()
+        return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         acc = _acc_dtype(q)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .._checks import acc_dtype
 from .base import Backend, needs_half, to_bhnd
 from .manual import ManualBackend
 
@@ -109,9 +110,13 @@ class SDPABackend(Backend):
             return out, lse
         else:
             raise RuntimeError(f"{self.name}: PyTorch found no SDPA kernel for these inputs")
-        return _back(out), lse.float()
+        return _back(out), lse.to(acc_dtype(q.dtype))
 
     def forward_autograd(self, q, k, v, causal, scale):
+        if causal and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            # the math kernel adds the causal mask to the scores (NaN + -inf = NaN), so a non-finite
+            # key would reach the rows before it; the same math with the mask applied by masked_fill
+            return ManualBackend().forward_autograd(q, k, v, causal, scale)
         with sdpa_kernel(SDPBackend.MATH):
             out = F.scaled_dot_product_attention(to_bhnd(q), to_bhnd(k), to_bhnd(v), is_causal=causal, scale=scale)
         _, lse = ManualBackend().forward_autograd(q, k, k[..., :1], causal, scale)
@@ -132,7 +137,7 @@ class SDPABackend(Backend):
                 and out.stride() == dout.stride() == q.stride() and k.stride(-1) == v.stride(-1) == 1)
         qt, kt, vt, ot, dot = (to_bhnd(t if keep else t.contiguous()) for t in (q, k, v, out, dout))
         nq, nk = q.shape[1], k.shape[1]
-        lse = lse.contiguous()
+        lse = lse.to(acc_dtype(q.dtype) if q.device.type == "cpu" else torch.float32).contiguous()
         if kern == "flash" and q.device.type == "cpu":
             grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale)
