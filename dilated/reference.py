@@ -25,8 +25,9 @@ def dense_reference(q, k, v, causal=False, scale=None, bias=None, dtype=torch.fl
     if hkv != h:
         kf, vf = kf.repeat_interleave(h // hkv, 2), vf.repeat_interleave(h // hkv, 2)
     s = torch.einsum("bnhd,bmhd->bhnm", qf, kf) * scale
-    if bias is not None:
-        s = s + bias.to(dtype).unsqueeze(0)
+    if bias is not None:  # a -inf bias removes the key, whatever its score (NaN included)
+        bias = bias.to(dtype).unsqueeze(0)
+        s = torch.where(bias == float("-inf"), bias, s + bias)
     if causal:
         rows = torch.arange(nq, device=q.device).unsqueeze(1) + (nk - nq)
         cols = torch.arange(nk, device=q.device).unsqueeze(0)
@@ -85,7 +86,8 @@ def sampled_reference(q, k, v, rows: torch.Tensor, causal=False, scale=None, seg
         s = torch.einsum("brhd,bmhd->bhrm", qr, kb) * scale
         cols = torch.arange(k0, k1, device=q.device)
         if segment_lengths is not None:
-            s = s + _row_counts(rows, cols, h, segment_lengths, dilation_rates, dtype, nk).log().unsqueeze(0)
+            bias = _row_counts(rows, cols, h, segment_lengths, dilation_rates, dtype, nk).log().unsqueeze(0)
+            s = torch.where(bias == float("-inf"), bias, s + bias)
         if causal:
             s = s.masked_fill(cols.unsqueeze(0) > rows.unsqueeze(1) + (nk - nq), float("-inf"))
         bm = torch.maximum(m, s.amax(-1))

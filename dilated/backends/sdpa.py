@@ -19,6 +19,12 @@ attention uses), and backward calls their private backward ops with the (merged)
   the rescaled-cotangent rule of :meth:`Backend.backward` (one extra forward).
 
 None of the private ops support GQA, so k/v are expanded above the backend.
+
+Non-finite inputs: a NaN/Inf in q or k reaches exactly the rows that read it. The fused kernels
+multiply a causal tile's zero probabilities by its V rows, so a NaN/Inf in *v* under a causal mask
+also reaches the rows before it within that tile (more rows NaN, never a finite wrong row); the
+math kernel adds the causal mask to the scores (NaN + -inf = NaN), so its causal calls with a
+non-finite k or v are computed with the mask applied by ``masked_fill`` instead.
 """
 from __future__ import annotations
 

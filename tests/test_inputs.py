@@ -1,0 +1,244 @@
+"""Right answers on every valid input: strided tensors, large logits, float64, NaN/Inf, bad values.
+
+Every result is held to an independent float64 computation (``dilated.reference``), forward and
+gradients.
+"""
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import rand, rel_err
+
+import dilated
+from dilated.merge import empty_accumulators, merge_
+from dilated.reference import dense_reference, dilated_reference
+
+CPU_BACKENDS = ["sdpa", "sdpa_flash", "sdpa_math", "manual"]
+SCHEDULE = ([8, 16], [1, 2])
+
+
+def _strided(x: torch.Tensor, how: str) -> torch.Tensor:
+    """``x`` with the same values and a non-contiguous last dimension."""
+    if how == "every_other":  # x[..., ::2] of a tensor twice as wide
+        wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+        wide[..., ::2] = x.detach()
+        wide[..., 1::2] = float("nan")  # misreading the gaps shows up at once
+        return wide[..., ::2].requires_grad_(x.requires_grad)
+    if how == "head_dim_transposed":  # a [B, N, D, H] tensor transposed to [B, N, H, D]
+        return x.detach().transpose(2, 3).contiguous().transpose(2, 3).requires_grad_(x.requires_grad)
+    if how == "bhnd":  # [B, H, N, D] storage, the usual projection layout (last dim contiguous)
+        return x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(x.requires_grad)
+    raise ValueError(how)
+
+
+def _grads(fn, inputs, dout):
+    inputs = [t.detach().clone().requires_grad_() if t.is_contiguous() else t.detach().requires_grad_()
+              for t in inputs]
+    out = fn(*inputs)
+    out.backward(dout)
+    return out.detach(), [t.grad for t in inputs]
+
+
+STRIDED = [("every_other", "qkv"), ("head_dim_transposed", "qkv"), ("every_other", "q"),
+           ("head_dim_transposed", "v"), ("bhnd", "qkv")]
+
+
+@pytest.mark.parametrize("how,which", STRIDED)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_attention_reads_strided_inputs_right(backend, how, which, gen):
+    q, k, v = (rand(2, 24, 4, 16, gen=gen) for _ in range(3))
+    dout = rand(2, 24, 4, 16, gen=gen)
+    inputs = [_strided(t, how) if name in which else t for name, t in zip("qkv", (q, k, v))]
+    assert any(t.stride(-1) != 1 for t in inputs) or how == "bhnd"
+    ref, ref_g = _grads(lambda a, b, c: dense_reference(a, b, c, causal=True)[0], (q.double(), k.double(), v.double()),
+                        dout.double())
+    out, g = _grads(lambda a, b, c: dilated.attention(a, b, c, causal=True, backend=backend), inputs, dout)
+    assert rel_err(out, ref) < 2e-4
+    for gi, ri in zip(g, ref_g):
+        assert rel_err(gi, ri) < 2e-4
+
+
+def _dilated_modules(backend):
+    return {"dilated": dilated.DilatedAttention(*SCHEDULE, causal=True, backend=backend),
+            "improved": dilated.ImprovedDilatedAttention(*SCHEDULE, causal=True, backend=backend)}
+
+
+@pytest.mark.parametrize("how,which", STRIDED[:4])
+@pytest.mark.parametrize("backend", ["sdpa_flash", "manual"])
+@pytest.mark.parametrize("name", ["dilated", "improved"])
+def test_dilated_reads_strided_inputs_right(name, backend, how, which, gen):
+    q, k, v = (rand(1, 32, 4, 8, gen=gen) for _ in range(3))
+    dout = rand(1, 32, 4, 8, gen=gen)
+    inputs = [_strided(t, how) if n in which else t for n, t in zip("qkv", (q, k, v))]
+    ref, ref_g = _grads(lambda a, b, c: dilated_reference(a, b, c, *SCHEDULE, causal=True),
+                        (q.double(), k.double(), v.double()), dout.double())
+    out, g = _grads(_dilated_modules(backend)[name], inputs, dout)
+    assert rel_err(out, ref) < 2e-4
+    for gi, ri in zip(g, ref_g):
+        assert rel_err(gi, ri) < 2e-4
+
+
+def test_multihead_takes_a_strided_input(gen):
+    torch.manual_seed(0)
+    mha = dilated.MultiheadDilatedAttention(32, 4, *SCHEDULE, causal=True, backend="manual", dtype=torch.float64)
+    x = rand(1, 32, 32, gen=gen, dtype=torch.float64)
+    wide = torch.randn(1, 32, 64, dtype=torch.float64)
+    wide[..., ::2] = x
+    ref = mha(x.requires_grad_())
+    ref.sum().backward()
+    strided = wide[..., ::2].requires_grad_()
+    out = mha(strided)
+    out.sum().backward()
+    assert rel_err(out, ref) < 1e-12 and rel_err(strided.grad, x.grad) < 1e-12
+
+
+# -- large logits -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [1e2, 1e4])
+@pytest.mark.parametrize("name", ["dilated", "improved"])
+def test_branch_mixing_is_exact_at_large_logits(name, scale, gen):
+    """With q, k scaled by 1e4 every row's softmax is one key; where two branches pick the same key
+    the mix must still weigh them to one (exp(lse - L) with L rounded in float32 summed to 2)."""
+    q, k, v = (rand(1, 64, 2, 8, gen=gen, scale=s) for s in (scale, scale, 1.0))
+    ref = dilated_reference(q, k, v, [16, 32], [1, 2])
+    for backend in ("sdpa_flash", "manual"):
+        mod = {"dilated": dilated.DilatedAttention, "improved": dilated.ImprovedDilatedAttention}[name]
+        out = mod([16, 32], [1, 2], backend=backend)(q, k, v)
+        assert rel_err(out, ref) < 1e-5, backend
+
+
+def test_merge_weights_sum_to_one_at_any_scale():
+    """Two partials with equal lse of magnitude 1e8: the merge is their mean, the lse grows by log 2."""
+    acc, acc_lse = empty_accumulators(1, 1, 1, 3, "cpu")
+    o1, o2 = torch.tensor([[[[1.0, 2.0, 3.0]]]]), torch.tensor([[[[3.0, 2.0, 1.0]]]])
+    big = torch.full((1, 1, 1), 3.0e8)
+    merge_(acc, acc_lse, o1, big)
+    merge_(acc, acc_lse, o2, big)
+    assert torch.allclose(acc, torch.full((1, 1, 1, 3), 2.0))
+    # small scale: the lse is logaddexp exactly
+    acc, acc_lse = empty_accumulators(1, 1, 1, 3, "cpu", torch.float64)
+    merge_(acc, acc_lse, o1.double(), torch.full((1, 1, 1), 0.5, dtype=torch.float64))
+    merge_(acc, acc_lse, o2.double(), torch.full((1, 1, 1), -1.0, dtype=torch.float64))
+    w1 = math.exp(0.5) / (math.exp(0.5) + math.exp(-1.0))
+    assert torch.allclose(acc, w1 * o1.double() + (1 - w1) * o2.double(), atol=1e-15)
+    assert acc_lse.item() == pytest.approx(math.log(math.exp(0.5) + math.exp(-1.0)), abs=1e-15)
+
+
+def test_causal_pieces_merge_exactly_at_large_logits(gen):
+    """seq_q < seq_k causal is two kernel calls merged by lse."""
+    q = rand(1, 16, 2, 8, gen=gen, scale=1e3)
+    k = rand(1, 40, 2, 8, gen=gen, scale=1e3)
+    v = rand(1, 40, 2, 8, gen=gen)
+    ref = dense_reference(q, k, v, causal=True)[0]
+    for backend in ("sdpa_flash", "manual"):
+        assert rel_err(dilated.attention(q, k, v, causal=True, backend=backend), ref) < 1e-5
+
+
+# -- float64 ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS + ["auto"])
+def test_float64_end_to_end(backend, gen):
+    q, k, v = (rand(1, 24, 4, 8, gen=gen, dtype=torch.float64) for _ in range(3))
+    dout = rand(1, 24, 4, 8, gen=gen, dtype=torch.float64)
+    ref, ref_g = _grads(lambda a, b, c: dilated_reference(a, b, c, *SCHEDULE, causal=True), (q, k, v), dout)
+    for mod in _dilated_modules(backend).values():
+        out, g = _grads(mod, (q, k, v), dout)
+        assert out.dtype == torch.float64
+        assert rel_err(out, ref) < 1e-12
+        for gi, ri in zip(g, ref_g):
+            assert gi.dtype == torch.float64 and rel_err(gi, ri) < 1e-11
+    out, lse = dilated.attention(q, k, v, backend=backend, return_lse=True)
+    r_out, r_lse = dense_reference(q, k, v)
+    assert lse.dtype == torch.float64 and rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
+
+
+# -- NaN and Inf ------------------------------------------------------------------------------
+
+def _bad_rows(x):
+    return ~torch.isfinite(x).all(-1)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_non_finite_input_reaches_exactly_the_rows_that_read_it(backend, where, value, gen):
+    for causal in (False, True):
+        t = [rand(1, 40, 2, 8, gen=gen) for _ in range(3)]
+        t["qkv".index(where)][0, 20, 1, 3] = value
+        ref = dense_reference(*t, causal=causal)[0]
+        out = dilated.attention(*t, causal=causal, backend=backend)
+        assert torch.equal(_bad_rows(out), _bad_rows(ref)), (causal, _bad_rows(out).sum(), _bad_rows(ref).sum())
+        assert _bad_rows(ref).any()
+        fine = ~_bad_rows(ref)
+        assert rel_err(out[fine], ref[fine]) < 2e-4
+
+
+@pytest.mark.parametrize("backend", ["sdpa_flash", "manual"])
+@pytest.mark.parametrize("name", ["dilated", "improved"])
+def test_nan_in_dilated_inputs_reaches_exactly_its_segment_rows(name, backend, gen):
+    q, k, v = (rand(1, 32, 4, 8, gen=gen) for _ in range(3))
+    k[0, 5, 2, 0] = float("nan")  # segment 0 of w = 8 and 16; head 2 (offset 0 of r = 2), position 5
+    ref = dilated_reference(q, k, v, *SCHEDULE, causal=True)
+    out = _dilated_modules(backend)[name](q, k, v)
+    assert torch.equal(_bad_rows(out), _bad_rows(ref))
+    assert _bad_rows(ref).sum() > 0 and not _bad_rows(ref)[0, 16:].any()
+    fine = ~_bad_rows(ref)
+    assert rel_err(out[fine], ref[fine]) < 2e-4
+
+
+def test_manual_backward_keeps_nan(gen):
+    q, k, v = (rand(1, 16, 2, 8, gen=gen, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        v[0, 3, 0, 0] = float("nan")
+    dilated.attention(q, k, v, backend="manual").sum().backward()
+    assert torch.isnan(q.grad[0, :, 0]).all() and torch.isfinite(q.grad[0, :, 1]).all()
+
+
+# -- bad values -------------------------------------------------------------------------------
+
+def test_invalid_values_raise_naming_the_argument(gen):
+    q = rand(1, 16, 2, 8, gen=gen)
+    with pytest.raises(ValueError, match="head_dim"):
+        z = torch.randn(1, 16, 2, 0)
+        dilated.attention(z, z, z)
+    for bad in (float("inf"), float("nan"), -1.0, 0.0):
+        with pytest.raises(ValueError, match="scale"):
+            dilated.attention(q, q, q, scale=bad)
+        with pytest.raises(ValueError, match="scale"):
+            dilated.ImprovedDilatedAttention(*SCHEDULE, scale=bad)
+    with pytest.raises(TypeError, match="scale"):
+        dilated.attention(q, q, q, scale=True)
+    with pytest.raises(TypeError, match="causal"):
+        dilated.attention(q, q, q, causal="false")
+    with pytest.raises(TypeError, match="causal"):
+        dilated.DilatedAttention(*SCHEDULE, causal="false")
+    with pytest.raises(ValueError, match="dilation rate 16 is larger than its segment length 8"):
+        dilated.DilatedAttention([8, 16], [16, 1])
+
+
+def test_a_schedule_without_rate_one_warns_that_rows_are_uncovered(gen):
+    with pytest.warns(dilated.UncoveredRowsWarning, match="no rate 1"):
+        dilated.DilatedAttention([8, 16], [2, 4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dilated.DilatedAttention([8, 16], [1, 4])
+    q = rand(1, 16, 2, 8, gen=gen)
+    with pytest.warns(dilated.UncoveredRowsWarning):
+        out = dilated.dilated_attention(q, q, q, [8], [2])
+    assert (out[0, 1, 0] == 0).all()  # the row the warning names
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_non_finite_value_under_a_causal_mask_is_never_hidden(backend, gen):
+    """A NaN in v at position 5: rows 5.. read it and are NaN on every backend. Rows before it are
+    exact on the unfused backends; fused flash kernels multiply the causal tile's zero
+    probabilities by V, so there they may be NaN too (more NaN, never a finite wrong row)."""
+    q, k, v = (rand(1, 8, 1, 8, gen=gen) for _ in range(3))
+    v[0, 5, 0, 0] = float("nan")
+    out = dilated.attention(q, k, v, causal=True, backend=backend)
+    assert _bad_rows(out)[0, 5:].all()
+    if backend in ("sdpa_math", "manual"):
+        assert not _bad_rows(out)[0, :5].any()
+        ref = dense_reference(q, k, v, causal=True)[0]
+        assert rel_err(out[0, :5], ref[0, :5]) < 2e-4
