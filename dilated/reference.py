@@ -36,9 +36,19 @@ def dense_reference(q, k, v, causal=False, scale=None, bias=None, dtype=torch.fl
     s = torch.where(dead, torch.zeros_like(s), s)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.where(dead, torch.zeros_like(s), torch.exp(s - lse))
-    out = torch.einsum("bhnm,bmhd->bnhd", p, vf)
+    out = _weighted_values(p, vf, s != float("-inf"))
     lse = torch.where(dead, torch.full_like(lse, float("-inf")), lse).squeeze(-1)
     return out, lse
+
+
+def _weighted_values(p, v, visible):
+    """``sum_j p_ij v_j`` over the keys row i sees (``visible`` ``[B, H, Nq, Nk]``): a non-finite
+    value reaches only the rows that see it (``0 * NaN`` of a masked key would reach them all)."""
+    finite = torch.isfinite(v)
+    out = torch.einsum("bhnm,bmhd->bnhd", p, torch.where(finite, v, torch.zeros_like(v)))
+    for b, j, h, d in (~finite).nonzero().tolist():
+        out[b, :, h, d] += torch.where(visible[b, h, :, j], p[b, h, :, j] * v[b, j, h, d], 0.0)
+    return out
 
 
 def dilated_bias(n: int, num_heads: int, segment_lengths, dilation_rates, causal=False, device=None,

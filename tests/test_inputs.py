@@ -15,6 +15,7 @@ from dilated.merge import empty_accumulators, merge_
 from dilated.reference import dense_reference, dilated_reference
 
 CPU_BACKENDS = ["sdpa", "sdpa_flash", "sdpa_math", "manual"]
+FUSED = ("sdpa", "sdpa_flash")  # tile-wise P V: see test_non_finite_value_under_a_causal_mask_is_never_hidden
 SCHEDULE = ([8, 16], [1, 2])
 
 
@@ -168,9 +169,12 @@ def test_non_finite_input_reaches_exactly_the_rows_that_read_it(backend, where, 
         t["qkv".index(where)][0, 20, 1, 3] = value
         ref = dense_reference(*t, causal=causal)[0]
         out = dilated.attention(*t, causal=causal, backend=backend)
-        assert torch.equal(_bad_rows(out), _bad_rows(ref)), (causal, _bad_rows(out).sum(), _bad_rows(ref).sum())
         assert _bad_rows(ref).any()
-        fine = ~_bad_rows(ref)
+        if where == "v" and causal and backend in FUSED:  # see the next test: never hidden
+            assert (_bad_rows(out) >= _bad_rows(ref)).all()
+        else:
+            assert torch.equal(_bad_rows(out), _bad_rows(ref)), (causal, _bad_rows(out).sum(), _bad_rows(ref).sum())
+        fine = ~_bad_rows(out)
         assert rel_err(out[fine], ref[fine]) < 2e-4
 
 

@@ -42,6 +42,20 @@ def _probs(s, lse):
     return torch.where(lse == float("-inf"), 0.0, p)  # rows with no visible key; NaN stays NaN
 
 
+def _pv(p, v, s):
+    """``P V`` where masked keys (score ``-inf``) contribute nothing, even a non-finite value
+    (``0 * NaN`` would put NaN in every row of the product): the finite values by one matmul,
+    each non-finite value added to the rows that see its key."""
+    finite = torch.isfinite(v)
+    if bool(finite.all()):
+        return torch.einsum("bhnm,bmhd->bnhd", p, v)
+    out = torch.einsum("bhnm,bmhd->bnhd", p, torch.where(finite, v, torch.zeros_like(v)))
+    for b, j, h, d in (~finite).nonzero().tolist():
+        seen = s[b, h, :, j] != float("-inf")
+        out[b, :, h, d] += torch.where(seen, p[b, h, :, j] * v[b, j, h, d], 0.0)
+    return out
+
+
 class ManualBackend(Backend):
     name = "manual"
     native_gqa = False
@@ -56,7 +70,7 @@ class ManualBackend(Backend):
             s = _scores(q[:, s0:s1].to(acc), kf, s0, causal, scale)
             l = torch.logsumexp(s, dim=-1)
             p = _probs(s, l)
-            out[:, s0:s1] = torch.einsum("bhnm,bmhd->bnhd", p, vf).to(q.dtype)
+            out[:, s0:s1] = _pv(p, vf, s).to(q.dtype)
             lse[:, :, s0:s1] = l
         return out, lse
 
@@ -64,7 +78,7 @@ class ManualBackend(Backend):
         acc = _acc_dtype(q)
         s = _scores(q.to(acc), k.to(acc), 0, causal, scale)
         lse = torch.logsumexp(s, dim=-1)
-        out = torch.einsum("bhnm,bmhd->bnhd", _probs(s, lse), v.to(acc))
+        out = _pv(_probs(s, lse), v.to(acc), s)
         return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
