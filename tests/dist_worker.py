@@ -168,3 +168,76 @@ def timing_agrees(rank, world, port):
     dist.all_gather(counts, torch.tensor([float(len(samples))]))
     assert len({c.item() for c in counts}) == 1, f"ranks took {counts} calls"
     dist.destroy_process_group()
+
+
+def _every_other(x):
+    """The values of ``x`` in a tensor whose last dimension has stride 2 (NaN in the gaps)."""
+    wide = torch.full((*x.shape[:-1], 2 * x.shape[-1]), float("nan"))
+    wide[..., ::2] = x
+    return wide[..., ::2]
+
+
+def strided_inputs(rank, world, port):
+    """Ring and distributed dilated attention on shards whose head_dim is strided."""
+    init(rank, world, port)
+    n = 16 * world
+    q, k, v = _full(3, n, 4, 2)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    cases = [(dilated.RingAttention(causal=True, layout="zigzag", backend="sdpa"), "zigzag",
+              lambda a, b, c: dense_reference(a, b, c, causal=True)[0]),
+             (dilated.DistributedDilatedAttention([8, n], [1, 2], causal=True, backend="sdpa"), "contiguous",
+              lambda a, b, c: dilated.dilated_attention(a, b, c, [8, n], [1, 2], causal=True, backend="manual"))]
+    for module, layout, ref_fn in cases:
+        local = [_every_other(dilated.shard(t, layout=layout)).requires_grad_() for t in (q, k, v)]
+        assert local[0].stride(-1) == 2
+        out = module(*local)
+        out.backward(dilated.shard(dout, layout=layout))
+        full = [t.clone().double().requires_grad_() for t in (q, k, v)]
+        ref = ref_fn(*full)
+        ref.backward(dout.double())
+        _check(f"{type(module).__name__} strided out", dilated.unshard(out.detach(), layout=layout), ref.detach())
+        for t, mine, whole in zip("qkv", local, full):
+            _check(f"{type(module).__name__} strided d{t}", dilated.unshard(mine.grad, layout=layout), whole.grad)
+    dist.destroy_process_group()
+
+
+def ranks_disagree(rank, world, port):
+    """Ranks that call with disagreeing inputs or settings all get a clear error, at once."""
+    import time
+
+    init(rank, world, port, timeout_s=60)
+    t0 = time.time()
+    g = torch.Generator().manual_seed(rank)
+    x = lambda *shape, dtype=torch.float32: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    odd = rank == world - 1
+    cases = [  # (what differs, module, inputs on this rank)
+        ("q", dilated.RingAttention(backend="manual"),
+         [x(1, 8, 4, 8) if odd else x(1, 16, 2, 8)] * 3),  # same numel, another shape
+        ("dtype", dilated.RingAttention(backend="manual"), [x(1, 8, 2, 8, dtype=torch.float64 if odd else torch.float32)] * 3),
+        ("causal", dilated.RingAttention(causal=odd, backend="manual"), [x(1, 8, 2, 8)] * 3),
+        ("layout", dilated.RingAttention(layout="zigzag" if odd else "contiguous", backend="manual"), [x(1, 8, 2, 8)] * 3),
+        ("dilation_rates", dilated.DistributedDilatedAttention([4, 16], [1, 4 if odd else 2], backend="manual"),
+         [x(1, 8, 2, 8)] * 3),
+        ("error", dilated.RingAttention(backend="manual"), [x(1, 8, 2, 8)] * 2 + [x(1, 8, 2) if odd else x(1, 8, 2, 8)]),
+    ]
+    for what, module, inputs in cases:
+        try:
+            module(*inputs)
+        except dilated.RankMismatchError as e:
+            msg = str(e)
+            if what == "error":
+                assert not odd and f"rank {world - 1}" in msg and "4 dimensions" in msg, msg
+            else:
+                assert what in msg and f"rank {world - 1}" in msg, msg
+        except ValueError as e:  # the rank whose own input is invalid raises its own error
+            assert what == "error" and odd and "4 dimensions" in str(e), e
+        else:
+            raise AssertionError(f"rank {rank}: no error when ranks disagree on {what}")
+    # the group is still usable, and an agreed signature is checked once, not per call
+    ring = dilated.RingAttention(backend="manual")
+    same = torch.randn(1, 8, 2, 8, generator=torch.Generator().manual_seed(0))
+    ring(same, same, same)
+    ring(same, same, same)
+    assert len(ring._agreed) == 1
+    assert time.time() - t0 < 30
+    dist.destroy_process_group()

@@ -105,3 +105,12 @@ def test_ring_copy_engine_pulls_match_send_recv_on_gpus():
 
     world = min(torch.cuda.device_count(), 4)
     mp.spawn(dist_worker.copy_engine_matches_p2p, args=(world, _port()), nprocs=world, join=True)
+
+
+def test_ring_and_distributed_dilated_take_strided_shards():
+    mp.spawn(dist_worker.strided_inputs, args=(2, _port()), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_all_get_a_clear_error(world):
+    mp.spawn(dist_worker.ranks_disagree, args=(world, _port()), nprocs=world, join=True)
