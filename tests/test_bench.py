@@ -72,10 +72,10 @@ def test_compare_flags_a_2x_slowdown_not_1_percent(tmp_path):
     _fake_rows(base, 1.0)
     _fake_rows(slow, 2.0)
     _fake_rows(same, 1.01)
-    text, regressed = compare(str(base), str(slow))
-    assert regressed and "REGRESSION" in text
-    text, regressed = compare(str(base), str(same))
-    assert not regressed
+    text, problems, _ = compare(str(base), str(slow))
+    assert len(problems) == 2 and "REGRESSION" in text
+    text, problems, _ = compare(str(base), str(same))
+    assert not problems
     cli = [sys.executable, "-m", "dilated.bench", "compare", str(base), str(slow), "--fail-on-regression"]
     assert subprocess.run(cli, capture_output=True, cwd=ROOT).returncode == 1
 

@@ -1,6 +1,7 @@
 """Ring and distributed dilated attention on real gloo process groups of 2 and 4 ranks."""
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
@@ -46,7 +47,7 @@ def _torchrun(script, nproc, tmp_path, *args):
     import subprocess
     import sys
 
-    out = tmp_path / "dist.jsonl"
+    out = tmp_path / f"{Path(script).stem}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(_port()),
            str(ROOT / script), "--output", str(out), "--reps", "2", "--warmup", "1", *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -72,7 +73,7 @@ def test_distributed_benchmark_under_torchrun_strong_scaling(tmp_path):
     assert by[("distributed_dilated", 2)]["comm"]["collectives"] > 0  # its last segment spans both ranks
     from dilated.bench.report import plot
 
-    assert any(p.endswith("_scaling.png") for p in plot(str(tmp_path / "dist.jsonl")))
+    assert any(p.endswith("_scaling.png") for p in plot(str(tmp_path / "benchmark_distributed.jsonl")))
 
 
 def test_distributed_benchmark_weak_scaling_and_ring_script(tmp_path):

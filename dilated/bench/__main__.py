@@ -1,29 +1,43 @@
 """``python -m dilated.bench compare OLD.jsonl NEW.jsonl`` and ``python -m dilated.bench plot RUN.jsonl``."""
 from __future__ import annotations
 
-import argparse
 import sys
 
+from .cli import BenchParser
 from .report import compare, plot
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dilated.bench")
+    p = BenchParser(prog="python -m dilated.bench")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compare", help="time ratios of matching rows of two runs")
     c.add_argument("old")
     c.add_argument("new")
-    c.add_argument("--fail-on-regression", action="store_true", help="exit 1 when a row regressed")
+    c.add_argument("--fail-on-regression", action="store_true",
+                   help="exit 1 unless NEW vouches for OLD: no row regressed, none errored or failed its check where "
+                        "OLD's ran, some rows matched, neither file is empty, unreadable or holds a configuration twice")
     c.add_argument("--min-noise", type=float, default=0.03, help="smallest relative change that counts")
     pl = sub.add_parser("plot", help="PNG plots of a run")
     pl.add_argument("run")
     pl.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     if args.cmd == "compare":
-        text, regressed = compare(args.old, args.new, args.min_noise)
+        text, problems, warnings = compare(args.old, args.new, args.min_noise)
         print(text)
-        return 1 if (regressed and args.fail_on_regression) else 0
-    for path in plot(args.run, args.out_dir):
+        for w in warnings:
+            print(f"warning: {w}")
+        for problem in problems:
+            print(f"NOT VOUCHED: {problem}")
+        if problems and args.fail_on_regression:
+            print(f"exit 1: {len(problems)} reason(s) NEW does not vouch for OLD")
+            return 1
+        return 0
+    try:
+        paths = plot(args.run, args.out_dir)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot plot {args.run}: {e}", file=sys.stderr)
+        return 1
+    for path in paths:
         print(path)
     return 0
 

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
+import math
 import os
 import sys
 
@@ -9,16 +12,20 @@ import yaml
 
 from . import env as envmod
 from .report import format_tables, plot
-from .results import ResultWriter, write_csv
+from .results import ResultWriter, ResultsWriteError, write_csv
 from .runner import RunOptions
 
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+MODES = ("fwd", "bwd", "fwd_bwd")
 LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
 LONGNET_DILATIONS = (1, 2, 4, 8, 16)
 
 
 def parse_size(text) -> int:
     """``8192``, ``8k``, ``1M``, ``2m`` -> int (k = 1024)."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
         return text
     s = str(text).strip().lower()
     mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(s[-1:], 1)
@@ -27,21 +34,81 @@ def parse_size(text) -> int:
         value = float(num) * mult
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8192, 8k, 1M)") from None
-    if value <= 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a positive whole size: {text!r}")
+    if not math.isfinite(value) or value <= 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a positive whole size: {text!r} (use e.g. 8192, 8k, 1M)")
     return int(value)
 
 
 def size_list(text) -> list[int]:
     if isinstance(text, (list, tuple)):
-        return [parse_size(t) for t in text]
-    return [parse_size(t) for t in str(text).split(",") if t.strip()]
+        sizes = [parse_size(t) for t in text]
+    else:
+        sizes = [parse_size(t) for t in str(text).split(",") if t.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"an empty list: {text!r} (give at least one size, e.g. 8k)")
+    return sizes
+
+
+def int_list(text) -> list[int]:
+    if isinstance(text, (list, tuple)):
+        text = ",".join(map(str, text))
+    try:
+        values = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of whole numbers: {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"give positive whole numbers, e.g. 1,4: got {text!r}")
+    return values
 
 
 def str_list(text) -> list[str]:
     if isinstance(text, (list, tuple)):
-        return [str(t) for t in text]
-    return [t.strip() for t in str(text).split(",") if t.strip()]
+        items = [str(t).strip() for t in text]
+    else:
+        items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items or not all(items):
+        raise argparse.ArgumentTypeError(f"an empty list: {text!r}")
+    return items
+
+
+def positive_int(text) -> int:
+    return _number(text, int, lambda v: v >= 1, "a whole number >= 1")
+
+
+def nonnegative_int(text) -> int:
+    return _number(text, int, lambda v: v >= 0, "a whole number >= 0")
+
+
+def positive_float(text) -> float:
+    return _number(text, float, lambda v: v > 0, "a finite number > 0")
+
+
+def nonnegative_float(text) -> float:
+    return _number(text, float, lambda v: v >= 0, "a finite number >= 0")
+
+
+def _number(text, kind, ok, what):
+    try:
+        if isinstance(text, bool):
+            raise ValueError
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}")
+    return value
+
+
+class BenchParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr and exit status 2."""
+
+    def error(self, message):  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def usage_error(p: argparse.ArgumentParser, message: str):
+    """Exit 2 with one line naming the option (the same as argparse's own usage errors)."""
+    p.error(message)
 
 
 def default_schedule(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -58,76 +125,182 @@ def default_schedule(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, heads=8, head_dim=64,
                     mode="fwd", dtype=None) -> None:
     g = p.add_argument_group("problem")
-    g.add_argument("--batch-size", type=int, default=batch)
+    g.add_argument("--batch-size", type=positive_int, default=batch)
     g.add_argument("--seq-lengths", type=size_list, default=seq_lengths, help="comma list; accepts 8k, 1M")
-    g.add_argument("--num-heads", type=int, default=heads)
-    g.add_argument("--num-kv-heads", type=int, default=None, help="GQA: fewer k/v heads")
-    g.add_argument("--head-dim", type=int, default=head_dim)
+    g.add_argument("--num-heads", type=positive_int, default=heads)
+    g.add_argument("--num-kv-heads", type=positive_int, default=None, help="GQA: fewer k/v heads")
+    g.add_argument("--head-dim", type=positive_int, default=head_dim)
     g.add_argument("--segment-lengths", type=size_list, default=None, help="default: LongNet's, clipped to N")
     g.add_argument("--dilation-rates", type=size_list, default=None)
     g.add_argument("--causal", action="store_true")
-    g.add_argument("--dtype", default=dtype, help="bfloat16 (GPU default), float32 (CPU default), float16")
+    g.add_argument("--dtype", default=dtype, choices=DTYPES,
+                   help="bfloat16 (GPU default), float32 (CPU default), float16, float64")
     g.add_argument("--mode", type=str_list, default=mode, help="fwd, bwd, fwd_bwd (comma list)")
     g.add_argument("--backend", type=str_list, default="auto", help="attention backend(s), comma list")
     g.add_argument("--inputs", default=None, metavar="DIR",
                    help="captured tensors: a directory of .pt files, each a dict of q, k, v [B, N, H, D] "
                         "(or x [B, N, E] for modules), loaded with weights_only; shapes come from the files")
     t = p.add_argument_group("measurement")
-    t.add_argument("--warmup", type=int, default=3)
-    t.add_argument("--warmup-s", type=float, default=None,
+    t.add_argument("--warmup", type=nonnegative_int, default=3)
+    t.add_argument("--warmup-s", type=nonnegative_float, default=None,
                    help="warm up for at least this many seconds too (default 1 on a GPU, 0 on CPU: a GPU held at "
                         "its power cap lowers its clocks within a row's first second; each GPU row records them)")
-    t.add_argument("--reps", type=int, default=10)
-    t.add_argument("--rep-s", type=float, default=None,
+    t.add_argument("--reps", type=positive_int, default=10)
+    t.add_argument("--rep-s", type=nonnegative_float, default=None,
                    help="time calls for at least this many seconds too (default 1 on a GPU, 0 on CPU: the median "
                         "then spans a power-capped GPU's clock swings, so that repeats of a config agree)")
-    t.add_argument("--time-budget", type=float, default=None, help="at most this many seconds of timed calls per row (at least 3 calls)")
+    t.add_argument("--time-budget", type=positive_float, default=None,
+                   help="at most about this many seconds per row: warm-up and timed calls stop once it is spent "
+                        "(at least one timed call)")
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
     t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows and their --floor; marked in results)")
     t.add_argument("--no-l2-flush", action="store_true")
     t.add_argument("--floor", action="store_true",
                    help="dilated rows: also time the kernel floor (the kernels alone on pre-gathered segments)")
-    t.add_argument("--settle-s", type=float, default=0.0,
+    t.add_argument("--settle-s", type=nonnegative_float, default=0.0,
                    help="idle this many seconds before each row's timed calls, so that a GPU slowed by the row "
                         "before (clocks, temperature) recovers; each row records the GPU's state around its timing")
-    t.add_argument("--memory-budget-mib", type=float, default=None, help="record rows above this peak as oom")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default=None)
+    t.add_argument("--memory-budget-mib", type=positive_float, default=None, help="record rows above this peak as oom")
+    t.add_argument("--seed", type=nonnegative_int, default=0)
+    t.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     o = p.add_argument_group("output")
     o.add_argument("--config", default=None, help="YAML file of argument values (safe-loaded)")
     o.add_argument("--quick", action="store_true", help="a small preset that finishes fast")
-    o.add_argument("--output", default=None, help="JSONL path (default results/<device>/<script>-<time>.jsonl)")
+    o.add_argument("--output", default=None, help="JSONL path (default results/<device>/<script>-<time>.jsonl); "
+                   "an existing file is refused unless --append is given")
+    o.add_argument("--append", action="store_true", help="append rows to an existing --output file")
     o.add_argument("--csv", action="store_true", help="also write a CSV next to the JSONL")
     o.add_argument("--plot", action="store_true", help="also write PNG plots")
     o.add_argument("--baseline", default=None, help="implementation[/backend] for speed-ups")
     o.add_argument("--no-progress", action="store_true")
 
 
-def parse_with_config(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """Parse, then apply ``--config`` YAML values for options not given on the command line."""
+def given_options(p: argparse.ArgumentParser, argv) -> set[str]:
+    """The destinations the command line sets (abbreviated or ``--opt=value`` forms included)."""
+    quiet = copy.deepcopy(p)
+    for a in quiet._actions:
+        a.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_args(argv)))
+
+
+def _config_value(p, action, key, value, path):
+    """A YAML value checked like the command line would check it; usage error otherwise."""
+    where = f"--config {path}: {key}"
+    if value is None:
+        return None
+    if action.nargs == 0:  # store_true / store_false flags take a YAML boolean, nothing else
+        if not isinstance(value, bool):
+            usage_error(p, f"{where} must be true or false (a YAML boolean, unquoted), got {value!r}")
+        return value if isinstance(action, argparse._StoreTrueAction) else not value
+    if isinstance(value, dict) or isinstance(value, bool):
+        usage_error(p, f"{where}: expected a value like the command line's, got {value!r}")
+    numeric = action.type in (positive_int, nonnegative_int, positive_float, nonnegative_float, int, float)
+    if numeric and isinstance(value, str):
+        usage_error(p, f"{where} must be a number, got the string {value!r}")
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    try:
+        value = action.type(value) if action.type is not None else str(value)
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+        usage_error(p, f"{where}: {e}")
+    if action.choices is not None and value not in action.choices:
+        usage_error(p, f"{where}: invalid choice {value!r} (choose from {', '.join(map(str, action.choices))})")
+    return value
+
+
+def parse_with_config(p: argparse.ArgumentParser, argv=None, implementations: list[str] | None = None,
+                      rejected: dict[str, str] | None = None) -> argparse.Namespace:
+    """Parse, then apply ``--config`` YAML values for options not given on the command line, each
+    checked as the command line checks it; then :func:`check_args`. ``args.given`` is the set of
+    options the user set (command line or file). ``rejected``: options this script accepts from
+    the shared set but cannot honour, with the reason: setting one is a usage error."""
     args = p.parse_args(argv)
+    given = given_options(p, argv)
     if args.config:
         try:
             with open(args.config) as f:
                 data = yaml.safe_load(f)
         except (OSError, yaml.YAMLError) as e:
-            p.error(f"--config {args.config}: cannot read YAML: {e}")
+            usage_error(p, f"--config {args.config}: cannot read YAML: {str(e).splitlines()[0]}")
         if not isinstance(data, dict):
-            p.error(f"--config {args.config}: expected a mapping of option: value, got {type(data).__name__}")
-        known = {a.dest: a for a in p._actions}
-        given = {a.dest for a in p._actions for s in (argv if argv is not None else sys.argv[1:])
-                 if s.split("=")[0] in a.option_strings}
+            usage_error(p, f"--config {args.config}: expected a mapping of option: value, got {type(data).__name__}")
+        known = {a.dest: a for a in p._actions if a.option_strings}
         for key, value in data.items():
-            dest = key.replace("-", "_")
-            if dest not in known:
-                p.error(f"--config {args.config}: unknown option {key!r}")
-            if dest in given:
+            dest = str(key).replace("-", "_")
+            if dest not in known or dest in ("config", "help"):
+                usage_error(p, f"--config {args.config}: unknown option {key!r}")
+            if dest in given:  # the command line wins
                 continue
-            action = known[dest]
-            if action.type is not None and value is not None and not isinstance(value, bool):
-                value = action.type(value) if not isinstance(value, list) else action.type(",".join(map(str, value)))
-            setattr(args, dest, value)
+            setattr(args, dest, _config_value(p, known[dest], key, value, args.config))
+            given.add(dest)
+    args.given = given
+    for dest, why in (rejected or {}).items():
+        if dest in given:
+            usage_error(p, f"--{dest.replace('_', '-')}: {why}")
+    check_args(p, args, implementations)
     return args
+
+
+def check_args(p: argparse.ArgumentParser, args, implementations: list[str] | None = None) -> None:
+    """Usage errors the option types cannot see: names that must be known (``implementations``:
+    the ones this script runs), combinations."""
+    from dilated.backends import backend_names
+
+    from .registry import implementation_names
+
+    for dest in ("mode",):
+        for m in getattr(args, dest, None) or []:
+            if m not in MODES:
+                usage_error(p, f"--mode: unknown mode {m!r} (choose from {', '.join(MODES)})")
+    for dest in ("backend", "backends"):
+        known = backend_names()
+        for b in getattr(args, dest, None) or []:
+            if b not in known:
+                usage_error(p, f"--{dest}: unknown backend {b!r} (choose from {', '.join(known)})")
+    for dest in ("implementations", "implementation"):
+        known = implementations if implementations is not None else implementation_names()
+        for name in getattr(args, dest, None) or []:
+            if name not in known:
+                usage_error(p, f"--{dest}: unknown implementation {name!r} here (choose from {', '.join(known)})")
+    for d in getattr(args, "dtypes", None) or []:
+        if d not in DTYPES:
+            usage_error(p, f"--dtypes: unknown dtype {d!r} (choose from {', '.join(DTYPES)})")
+    if getattr(args, "device", None) is not None:
+        import torch
+
+        try:
+            dev = torch.device(args.device)
+        except (RuntimeError, TypeError):
+            usage_error(p, f"--device: not a device: {args.device!r} (use cpu, cuda or cuda:N)")
+        if dev.type not in ("cpu", "cuda"):
+            usage_error(p, f"--device: {args.device!r}: the harness runs on cpu or cuda")
+        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+            usage_error(p, f"--device {args.device}: no such CUDA device here "
+                           f"({torch.cuda.device_count()} visible); use --device cpu")
+    heads, kv = getattr(args, "num_heads", None), getattr(args, "num_kv_heads", None)
+    if heads and kv and heads % kv:
+        usage_error(p, f"--num-kv-heads {kv} must divide --num-heads {heads}")
+    segs, dils = getattr(args, "segment_lengths", None), getattr(args, "dilation_rates", None)
+    if dils and not segs:
+        usage_error(p, "--dilation-rates needs --segment-lengths (one rate per segment length)")
+    if segs and dils and len(segs) != len(dils):
+        usage_error(p, f"--dilation-rates has {len(dils)} entries, --segment-lengths {len(segs)}: give one rate "
+                       "per segment length")
+    if getattr(args, "append", False) and not getattr(args, "output", None):
+        usage_error(p, "--append needs --output FILE")
+    output = getattr(args, "output", None)
+    if output and os.path.exists(output) and not getattr(args, "append", False):
+        usage_error(p, f"--output {output} exists; give --append to add rows to it, or another path")
+    if output and not output.endswith(".jsonl"):
+        usage_error(p, f"--output {output}: results are JSON lines; name the file *.jsonl")
+
+
+def apply_quick(args, **preset) -> None:
+    """``--quick``: the preset values for the options the user did not set."""
+    if getattr(args, "quick", False):
+        for dest, value in preset.items():
+            if dest not in args.given:
+                setattr(args, dest, value)
 
 
 def run_options(args) -> RunOptions:
@@ -148,22 +321,61 @@ def default_dtype(args) -> str:
 
 
 def open_writer(script: str, args) -> ResultWriter:
-    path = args.output or os.path.join("results", envmod.device_slug(), f"{script}-{envmod.timestamp()}.jsonl")
-    return ResultWriter(path)
+    """The run's results file, created before the first row is computed (so an unwritable place
+    fails at once): ``--output`` (refused if it exists, unless ``--append``) or a fresh name under
+    ``results/<device>/`` that no other run has, even one started in the same second."""
+    try:
+        if args.output:
+            return ResultWriter(args.output, append=getattr(args, "append", False))
+        return ResultWriter.fresh(os.path.join("results", envmod.device_slug()), script)
+    except FileExistsError:
+        print(f"error: --output {args.output} exists; give --append to add rows to it, or another path",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as e:
+        print(f"error: cannot write results: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
-def finish(rows, writer: ResultWriter, args, title: str = "", table: str | None = None) -> None:
-    """Print ``table`` (default: the per-config tables), then write CSV and plots and say where."""
+def script_main(fn):
+    """A benchmark entry point: a results file that cannot take a whole row stops the run with
+    exit status 1 and one clear message (the file keeps its whole rows)."""
+    @functools.wraps(fn)
+    def run(argv=None, *a, **kw):
+        try:
+            return fn(argv, *a, **kw)
+        except ResultsWriteError as e:
+            print(f"error: {e}. The run stopped.", file=sys.stderr)
+            return 1
+    return run
+
+
+def exit_status(rows, what: str = "row") -> int:
+    """0 when every row is ok, oom or unsupported; else 1, after naming the rows that errored or
+    failed their correctness check."""
+    bad = [r for r in rows if r.get("status") == "error" or r.get("check_failed")]
+    for r in bad:
+        cfg = r.get("config") or {}
+        why = (f"error: {r.get('reason')}" if r.get("status") == "error"
+               else f"failed its check (rel err {r['check']['rel_err']:.3g} > tolerance {r['check']['tolerance']:g})")
+        print(f"{what} {r.get('implementation')}/{r.get('backend')} N={cfg.get('seq_len')} {r.get('mode')}: {why}")
+    return 1 if bad else 0
+
+
+def finish(rows, writer: ResultWriter, args, title: str = "", table: str | None = None) -> int:
+    """Print ``table`` (default: the per-config tables), then write CSV and plots and say where;
+    return the exit status (:func:`exit_status`)."""
     print(table if table is not None else format_tables(rows, args.baseline))
     if writer.rows == 0:
         print("\nno rows were written")
-        return
+        return exit_status(rows)
     if args.csv:
         write_csv(writer.path, writer.path[:-6] + ".csv")
     plots = plot(writer.path) if args.plot else []
-    bad = [r for r in rows if r.get("check_failed")]
-    if bad:
-        print(f"\n{len(bad)} row(s) FAILED their correctness check (marked ! above)")
     print(f"\n{title}results: {writer.path} ({writer.rows} rows)" + (" + .csv" if args.csv else ""))
     for p in plots:
         print(f"plot: {p}")
+    bad = [r for r in rows if r.get("check_failed") or r.get("status") == "error"]
+    if bad:
+        print(f"\n{len(bad)} row(s) errored or FAILED their correctness check (marked ! above); exit status 1:")
+    return exit_status(rows)

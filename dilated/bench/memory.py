@@ -94,6 +94,9 @@ def free_memory(device) -> None:
 def is_oom(e: BaseException) -> bool:
     if isinstance(e, torch.cuda.OutOfMemoryError) or isinstance(e, MemoryError):
         return True
-    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
+    text = str(e).lower()
+    # CPU allocations: "DefaultCPUAllocator: can't allocate memory" / "not enough memory"
+    return isinstance(e, RuntimeError) and any(s in text for s in ("out of memory", "can't allocate memory",
+                                                                    "not enough memory"))
 
 

@@ -177,6 +177,16 @@ def register_implementation(impl: Implementation) -> Implementation:
     return impl
 
 
+def implementation_names(distributed: bool | None = None) -> list[str]:
+    """Every registered implementation (``distributed``: only those that run across ranks, or only
+    those that do not)."""
+    from . import external_ring  # noqa: F401  (registers the ring implementations)
+    from .distributed import DistributedImplementation
+
+    return [n for n, impl in IMPLEMENTATIONS.items()
+            if distributed is None or isinstance(impl, DistributedImplementation) == distributed]
+
+
 def get_implementation(name: str) -> Implementation:
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {name!r}; choose from: {', '.join(IMPLEMENTATIONS)}")

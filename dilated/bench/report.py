@@ -103,29 +103,84 @@ def _match_key(r):
     return (r["implementation"], r["backend"], _key(r))
 
 
-def compare(old_path: str, new_path: str, min_noise: float = 0.03) -> tuple[str, bool]:
+_ENV_FIELDS = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "flash_attn", "flash_attn_3", "xformers")
+
+
+def _rows_for_compare(path: str, problems: list[str]) -> list[dict]:
+    try:
+        rows = read_jsonl(path)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        problems.append(f"cannot read {path}: {e}")
+        return []
+    if not rows:
+        problems.append(f"{path} holds no rows")
+    bad = [i for i, r in enumerate(rows, 1) if not isinstance(r, dict) or not {"implementation", "backend", "status",
+                                                                              "config", "mode"} <= r.keys()]
+    if bad:
+        problems.append(f"{path}: line(s) {bad[:5]} are not result rows")
+        return []
+    seen = {}
+    for r in rows:
+        if r.get("find_max"):  # --find-max probes are searches, not configurations of the sweep
+            continue
+        key = _match_key(r)
+        if key in seen:
+            problems.append(f"{path}: configuration {r['implementation']}/{r['backend']} {_cfg_title(r['config'])} "
+                            "appears more than once (which one would vouch?)")
+        seen[key] = r
+    return [r for r in rows if not r.get("find_max")]
+
+
+def compare(old_path: str, new_path: str, min_noise: float = 0.03) -> tuple[str, list[str], list[str]]:
     """Ratio new/old of median time per matching row, flagged beyond the measured spread.
 
     A row regresses when ``new/old > 1 + noise`` with ``noise`` the larger of the two runs'
-    relative half p10-p90 spreads and ``min_noise``. Returns (report, any_regression).
+    relative half p10-p90 spreads and ``min_noise``. Returns ``(report, problems, warnings)``:
+    a problem is a reason NEW cannot vouch for OLD (a regression; a file that is empty, unreadable
+    or holds one configuration twice; no matching rows; a NEW row that errored or failed its
+    check where OLD's ran); warnings name different GPUs or library versions and OLD rows NEW did
+    not measure.
     """
-    old = {_match_key(r): r for r in read_jsonl(old_path) if r["status"] == "ok"}
-    lines, regressed = [], False
-    lines.append(f"{'implementation':<20}{'backend':<14}{'config':<58}{'old ms':>10}{'new ms':>10}{'new/old':>9}  flag")
-    for r in read_jsonl(new_path):
-        o = old.get(_match_key(r))
-        if r["status"] != "ok" or o is None:
+    problems, warnings = [], []
+    old_rows = _rows_for_compare(old_path, problems)
+    new_rows = _rows_for_compare(new_path, problems)
+    old = {_match_key(r): r for r in old_rows if r["status"] == "ok" and not r.get("check_failed")}
+    lines = [f"{'implementation':<20}{'backend':<14}{'config':<58}{'old ms':>10}{'new ms':>10}{'new/old':>9}  flag"]
+    matched = set()
+    for r in new_rows:
+        key = _match_key(r)
+        o = old.get(key)
+        if o is None:
+            continue
+        matched.add(key)
+        what = f"{r['implementation']}/{r['backend']} {_cfg_title(r['config'])}"
+        if r["status"] != "ok" or r.get("check_failed"):
+            why = "failed its correctness check" if r.get("check_failed") else f"{r['status']}: {r.get('reason')}"
+            problems.append(f"{what}: ok in OLD, {why} in NEW")
+            lines.append(f"{r['implementation']:<20}{r['backend']:<14}{_cfg_title(r['config'])[:57]:<58}"
+                         f"{o['time_ms']['median']:>10.3f}{'-':>10}{'-':>9}  {r['status'].upper()}"
+                         + (" CHECK FAILED" if r.get("check_failed") else ""))
             continue
         to, tn = o["time_ms"], r["time_ms"]
         ratio = tn["median"] / to["median"]
         noise = max(min_noise, (to["p90"] - to["p10"]) / (2 * to["median"]), (tn["p90"] - tn["p10"]) / (2 * tn["median"]))
         flag = "REGRESSION" if ratio > 1 + noise else ("faster" if ratio < 1 - noise else "")
-        regressed |= flag == "REGRESSION"
+        if flag == "REGRESSION":
+            problems.append(f"{what}: {ratio:.3f}x the old time (noise {noise:.3f})")
         lines.append(f"{r['implementation']:<20}{r['backend']:<14}{_cfg_title(r['config'])[:57]:<58}"
                      f"{to['median']:>10.3f}{tn['median']:>10.3f}{ratio:>9.3f}  {flag}")
-    if len(lines) == 1:
+    if old_rows and new_rows and not matched:
+        problems.append("no configuration of OLD that ran is in NEW: nothing to compare")
         lines.append("(no matching ok rows)")
-    return "\n".join(lines), regressed
+    missing = [k for k in old if k not in matched]
+    if missing and matched:
+        warnings.append(f"{len(missing)} configuration(s) that ran in OLD are not in NEW")
+    for field in _ENV_FIELDS:
+        a = {str((r.get("env") or {}).get(field)) for r in old_rows}
+        b = {str((r.get("env") or {}).get(field)) for r in new_rows}
+        if old_rows and new_rows and a != b:
+            warnings.append(f"the runs differ in {field}: OLD {', '.join(sorted(a))}; NEW {', '.join(sorted(b))}")
+    return "\n".join(lines), problems, warnings
 
 
 # -- plots --------------------------------------------------------------------------------

@@ -7,22 +7,58 @@ writing a temporary file and renaming it into place).
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import os
 
 
+class ResultsWriteError(OSError):
+    """A row could not be written whole (disk full, file-size limit): the partial bytes were removed."""
+
+
 class ResultWriter:
-    def __init__(self, path: str):
+    """Appends rows to ``path``, created now (so that an unwritable place fails before any work).
+    ``append=False`` refuses an existing file (:class:`FileExistsError`)."""
+
+    def __init__(self, path: str, append: bool = False):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_EXCL)
+        os.close(os.open(path, flags, 0o644))
         self.rows = 0
 
+    @classmethod
+    def fresh(cls, directory: str, script: str) -> "ResultWriter":
+        """A new file ``<directory>/<script>-<UTC time to the microsecond>.jsonl`` that no other run
+        has: created exclusively, with a counter where two runs start in the same microsecond."""
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        for i in range(1000):
+            path = os.path.join(directory, f"{script}-{stamp}{f'-{i}' if i else ''}.jsonl")
+            try:
+                return cls(path)
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"no free results file name under {directory}")
+
     def append(self, row: dict) -> None:
-        line = json.dumps(row, default=str, allow_nan=True) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        """Write ``row`` as one line, whole or not at all: a short or failed write (disk full,
+        file-size limit) is truncated back to the last whole row and raises ResultsWriteError."""
+        line = (json.dumps(row, default=str, allow_nan=True) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
-            os.write(fd, line.encode())
-            os.fsync(fd)
+            size = os.fstat(fd).st_size
+            try:
+                written = 0
+                while written < len(line):
+                    n = os.write(fd, line[written:])
+                    if n <= 0:
+                        raise OSError(f"wrote {written} of {len(line)} bytes")
+                    written += n
+                os.fsync(fd)
+            except OSError as e:
+                os.ftruncate(fd, size)
+                raise ResultsWriteError(f"{self.path}: a row of {len(line)} bytes could not be written ({e}); "
+                                        f"the file holds its {self.rows} whole rows") from None
         finally:
             os.close(fd)
         self.rows += 1

@@ -136,7 +136,11 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         with PeakMemory(device) as mem:
             if setup:
                 setup()
+            t_first = time.perf_counter()
             step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            first_ms = impl.reduce_max([(time.perf_counter() - t_first) * 1e3])[0]  # the same on every rank
         if mem.peak_total_mib is not None:
             mem.peak_above_mib, mem.peak_total_mib = impl.reduce_max([mem.peak_above_mib, mem.peak_total_mib])
         row["memory"] = {"peak_above_inputs_mib": mem.peak_above_mib, "peak_total_mib": mem.peak_total_mib,
@@ -163,12 +167,22 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         state_before = envmod.gpu_state(device)
         steady = 1.0 if device.type == "cuda" else 0.0
         collective = type(impl).reduce_max is not Implementation.reduce_max  # ranks time together
-        runs = measure_side_by_side(timed, device, warmup=max(0, opts.warmup - 1), reps=opts.reps,
-                                    budget_s=opts.budget_s, flush_l2=opts.flush_l2,
-                                    warmup_s=steady if opts.warmup_s is None else opts.warmup_s,
-                                    rep_s=steady if opts.rep_s is None else opts.rep_s,
-                                    agree=(lambda more: impl.reduce_max([float(more)])[0] > 0) if collective else None,
-                                    cuda_graph=opts.cuda_graph and case.mode == "fwd" and timed_setup is None)
+        graphed = opts.cuda_graph and case.mode == "fwd" and timed_setup is None
+        if opts.budget_s is not None and first_ms > 1e3 * opts.budget_s and len(timed) == 1 and not graphed:
+            # one call already took longer than the row's budget: that call is the row's one sample
+            runs = [[first_ms]]
+            row["time_note"] = (f"one call ({first_ms / 1e3:.1f} s, its first) exceeded --time-budget "
+                                f"{opts.budget_s:g} s: the only sample, not warmed up")
+        else:
+            runs = measure_side_by_side(timed, device, warmup=max(0, opts.warmup - 1), reps=opts.reps,
+                                        budget_s=opts.budget_s, flush_l2=opts.flush_l2,
+                                        warmup_s=steady if opts.warmup_s is None else opts.warmup_s,
+                                        rep_s=steady if opts.rep_s is None else opts.rep_s,
+                                        agree=(lambda more: impl.reduce_max([float(more)])[0] > 0) if collective
+                                        else None, cuda_graph=graphed)
+        # the last call of the step left its output (and gradients) in place: the check reads them,
+        # so that the result checked is the one timed, and a long row does not run again
+        reuse = len(timed) == 1 and not graphed
         del timed
         if state_before is not None:  # the GPU's clocks and temperature before and after the timed calls
             row["gpu_state"] = {"before": state_before, "after": envmod.gpu_state(device), "settle_s": opts.settle_s}
@@ -196,13 +210,13 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             row["comm"] = comm
         if opts.check:
             with torch.enable_grad() if needs_grad else torch.no_grad():
-                zero_grads()
-                fwd()
+                if not reuse:
+                    zero_grads()
+                    fwd()
+                    if needs_grad:
+                        holder["out"].backward(holder["dout"])
                 out = holder["out"]
-                grads = None
-                if needs_grad:
-                    out.backward(holder["dout"])
-                    grads = [impl.gather(t.grad) for t in inputs]
+                grads = [impl.gather(t.grad) for t in inputs] if needs_grad else None
                 full = tuple(impl.gather(t.detach()) for t in inputs)
                 row["check"] = _check(impl, case, full, model, impl.gather(out.detach()), case.mode, grads,
                                       impl.gather(holder["dout"]) if needs_grad else None)

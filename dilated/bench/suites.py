@@ -8,10 +8,11 @@ import torch
 
 import dilated
 
-from .cli import (add_common_args, default_dtype, default_schedule, finish, open_writer, parse_with_config,
-                  run_options, str_list)
+from .cli import (BenchParser, script_main, add_common_args, apply_quick, default_dtype, default_schedule, exit_status, finish, int_list,
+                  nonnegative_float, open_writer, parse_with_config, positive_float, run_options, size_list, str_list,
+                  usage_error)
 from .captured import captured_case, load_captured
-from .registry import Case, get_implementation
+from .registry import Case, get_implementation, implementation_names
 from .results import write_json
 from .runner import run_sweep
 
@@ -20,9 +21,7 @@ def _schedule(args, n):
     if args.segment_lengths:
         segs = tuple(min(w, n) for w in args.segment_lengths)
         dils = tuple(args.dilation_rates or [1] * len(segs))
-        if len(dils) != len(segs):
-            raise SystemExit("error: --dilation-rates needs one rate per --segment-lengths entry")
-        return segs, tuple(min(r, w) for w, r in zip(segs, dils))
+        return segs, tuple(min(r, w) for w, r in zip(segs, dils))  # a segment clipped to N keeps r <= w
     return default_schedule(n)
 
 
@@ -63,51 +62,56 @@ IMPLEMENTATION_SET = ["dense", "dilated", "improved", "improved_nocache", "impro
                       "multihead_readable"]
 
 
+@script_main
 def implementations_main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="DilatedAttention, ImprovedDilatedAttention (pattern cache and "
+    p = BenchParser(description="DilatedAttention, ImprovedDilatedAttention (pattern cache and "
                                 "memory pool on/off), MultiheadDilatedAttention (improved on/off) and dense "
                                 "attention as the baseline, through the dilated.bench harness.")
     gpu = torch.cuda.is_available()
     add_common_args(p, seq_lengths="8192" if gpu else "1024")
     p.add_argument("--implementations", type=str_list, default=IMPLEMENTATION_SET)
-    args = parse_with_config(p, argv)
-    if args.quick:
-        args.seq_lengths, args.reps, args.warmup = [min(args.seq_lengths[0], 2048 if gpu else 512)], 3, 1
+    args = parse_with_config(p, argv, implementation_names(distributed=False))
+    apply_quick(args, seq_lengths=[2048 if gpu else 512], reps=3, warmup=1)
     impls = [get_implementation(n) for n in args.implementations]
     args.baseline = args.baseline or "dense"
     jobs = _jobs(args, impls, args.backend, args.seq_lengths, args.mode)
     writer = open_writer("benchmark_implementations", args)
     rows = run_sweep(jobs, run_options(args), writer, "benchmark_implementations", not args.no_progress)
-    finish(rows, writer, args)
-    return 0
+    return finish(rows, writer, args)
 
 
 # -- benchmark_backends -------------------------------------------------------------------
+@script_main
 def backends_main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Every attention backend on dense attention: prefill and decode, "
+    p = BenchParser(description="Every attention backend on dense attention: prefill and decode, "
                                 "causal or not, GQA ratios, head dims, dtypes; plus torch.compile'd variants.")
     gpu = torch.cuda.is_available()
     add_common_args(p, seq_lengths="4096,16384" if gpu else "512", batch=1 if gpu else 1,
                     heads=16 if gpu else 4, head_dim=128 if gpu else 64)
-    p.add_argument("--backends", type=str_list, default=None, help="backends to run (default: all available)")
-    p.add_argument("--scenarios", type=str_list, default="prefill,decode")
-    p.add_argument("--kv-lengths", type=lambda s: [int(x) for x in str_list(s)] if not isinstance(s, list) else s,
-                   default=None, help="decode KV-cache lengths (default 2K..128K on GPU)")
-    p.add_argument("--decode-batches", type=lambda s: [int(x) for x in str_list(s)], default=None)
-    p.add_argument("--gqa-ratios", type=lambda s: [int(x) for x in str_list(s)], default=[1])
-    p.add_argument("--head-dims", type=lambda s: [int(x) for x in str_list(s)], default=None)
+    p.add_argument("--backends", type=str_list, default=None,
+                   help="backends to run (default: all available; --backend works too)")
+    p.add_argument("--scenarios", type=str_list, default="prefill,decode", help="prefill, decode (comma list)")
+    p.add_argument("--kv-lengths", type=size_list, default=None, help="decode KV-cache lengths (default 2K..128K on GPU)")
+    p.add_argument("--decode-batches", type=int_list, default=None)
+    p.add_argument("--gqa-ratios", type=int_list, default=[1])
+    p.add_argument("--head-dims", type=int_list, default=None)
     p.add_argument("--dtypes", type=str_list, default=None)
     p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile rows")
-    args = parse_with_config(p, argv)
-    from .cli import size_list
-
-    if isinstance(args.kv_lengths, str):
-        args.kv_lengths = size_list(args.kv_lengths)
-    if args.quick:
-        args.seq_lengths = [min(args.seq_lengths[0], 4096 if gpu else 256)]
-        args.kv_lengths = args.kv_lengths or ([8192] if gpu else [512])
-        args.decode_batches = args.decode_batches or [1]
-        args.reps, args.warmup = 3, 1
+    args = parse_with_config(p, argv, ["dense"], rejected={
+        "segment_lengths": "dense attention has no schedule (benchmark_implementations.py runs the dilated ones)",
+        "dilation_rates": "dense attention has no schedule (benchmark_implementations.py runs the dilated ones)",
+        "floor": "the kernel floor is a dilated row's (benchmark_implementations.py --floor)",
+        "baseline": "the baseline here is dense/sdpa"})
+    if "backend" in args.given and "backends" in args.given:
+        usage_error(p, "--backend and --backends: give one list of backends")
+    for scenario in args.scenarios:
+        if scenario not in ("prefill", "decode"):
+            usage_error(p, f"--scenarios: unknown scenario {scenario!r} (choose from prefill, decode)")
+    for ratio in args.gqa_ratios:
+        if args.num_heads % ratio:
+            usage_error(p, f"--gqa-ratios {ratio} must divide --num-heads {args.num_heads}")
+    apply_quick(args, seq_lengths=[4096 if gpu else 256], kv_lengths=[8192] if gpu else [512], decode_batches=[1],
+                reps=3, warmup=1)
     kv_lengths = args.kv_lengths or ([2048, 8192, 32768, 131072] if gpu else [512, 2048])
     batches = args.decode_batches or ([1, 8] if gpu else [1, 4])
     head_dims = args.head_dims or [args.head_dim]
@@ -116,7 +120,8 @@ def backends_main(argv=None) -> int:
     print("backends on this device:")
     for name, reason in report.items():
         print(f"  {name:<15} {'available' if reason is None else 'unavailable: ' + reason}")
-    names = args.backends or [n for n, r in report.items() if r is None and n != "auto"]
+    chosen = args.backends or (args.backend if "backend" in args.given else None)
+    names = chosen or [n for n, r in report.items() if r is None and n != "auto"]
     dense = get_implementation("dense")
     compiled = [] if args.no_compiled else [get_implementation("dense_compiled"), get_implementation("manual_compiled")]
     jobs = []
@@ -139,11 +144,10 @@ def backends_main(argv=None) -> int:
                         jobs += [(impl, case, "sdpa" if impl.name == "dense_compiled" else "manual") for impl in compiled]
     if args.inputs:  # captured tensors replace the generated scenarios
         jobs = _jobs(args, [dense], names, None, args.mode)
-    args.baseline = args.baseline or "dense/sdpa"
+    args.baseline = "dense/sdpa"
     writer = open_writer("benchmark_backends", args)
     rows = run_sweep(jobs, run_options(args), writer, "benchmark_backends", not args.no_progress)
-    finish(rows, writer, args)
-    return 0
+    return finish(rows, writer, args)
 
 
 # -- benchmark_extreme_sequences ----------------------------------------------------------
@@ -202,13 +206,14 @@ def _have_matplotlib() -> bool:
     return True
 
 
+@script_main
 def extreme_main(argv=None) -> int:
     from .cli import parse_size
     from .report import fit_exponent
     from . import env as envmod
 
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description="Sequence length sweep (doubling) of dilated, improved, multihead and "
+    p = BenchParser(description="Sequence length sweep (doubling) of dilated, improved, multihead and "
                                 "dense attention; --find-max searches the longest sequence each one runs.")
     add_common_args(p, seq_lengths="1", batch=1, heads=16 if gpu else 4, head_dim=128 if gpu else 32)  # lengths come from --min/--max-seq-length
     p.add_argument("--min-seq-length", type=parse_size, default=parse_size("8k") if gpu else 256)
@@ -217,11 +222,20 @@ def extreme_main(argv=None) -> int:
     p.add_argument("--find-max", action="store_true", help="then search the longest N per implementation")
     p.add_argument("--find-max-limit", type=parse_size, default=parse_size("64M"))
     p.add_argument("--granularity", type=parse_size, default=None, help="bisection step (default: max/16)")
-    p.add_argument("--max-call-seconds", type=float, default=30.0,
+    p.add_argument("--max-call-seconds", type=positive_float, default=30.0,
                    help="--find-max stops growing N once one call takes longer (dense attention at many M tokens)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plots")
-    p.add_argument("--timeout", type=float, default=1800.0, help="process-group timeout under torchrun (s)")
-    args = parse_with_config(p, argv)
+    add_timeout_arg(p)
+    args = parse_with_config(p, argv, implementation_names(distributed=False) + EXTREME_DISTRIBUTED + ["all"], rejected={
+        "seq_lengths": "the sweep doubles from --min-seq-length to --max-seq-length; set those",
+        "inputs": "the length sweep generates its inputs; use benchmark_implementations.py for captured ones"})
+    lo, hi = (parse_size("8k"), parse_size("32k")) if gpu else (256, 512)  # --quick's, within what the user set
+    apply_quick(args, min_seq_length=min(lo, args.max_seq_length) if "max_seq_length" in args.given else lo,
+                max_seq_length=max(hi, args.min_seq_length) if "min_seq_length" in args.given else hi, reps=3, warmup=1)
+    if args.min_seq_length > args.max_seq_length:
+        usage_error(p, f"--min-seq-length {args.min_seq_length} is above --max-seq-length {args.max_seq_length}")
+    if args.plot and args.no_plot:
+        usage_error(p, "--plot and --no-plot: choose one")
     launched = _launched_world() > 1  # under torchrun/srun: the ring and distributed classes join "all"
     rank = 0
     if launched:
@@ -233,8 +247,6 @@ def extreme_main(argv=None) -> int:
     if args.time_budget is None and gpu:
         args.time_budget = 5.0  # seconds per row: at least 1 warm-up and 3 timed calls (dense at 1M: ~15 s a call)
     args.plot = not args.no_plot and _have_matplotlib()
-    if args.inputs:
-        p.error("--inputs: the length sweep generates its inputs; use benchmark_implementations.py for captured ones")
     names = args.implementation
     if names == ["all"]:
         names = EXTREME_SET + (EXTREME_DISTRIBUTED if launched else [])
@@ -262,8 +274,7 @@ def extreme_main(argv=None) -> int:
                      extra_row=(lambda r: {"world_size": world if r["implementation"] in EXTREME_DISTRIBUTED else 1})
                      if launched else None)
     want_plot, args.plot = args.plot, False  # plotted at the end, with the --find-max rows
-    if lead:
-        finish(rows, writer, args)
+    status = finish(rows, writer, args) if lead else 0
     args.plot = want_plot
     out("\nscaling exponents (fit of log time and log memory against log N):")
     for impl in (impls if lead else []):
@@ -279,7 +290,7 @@ def extreme_main(argv=None) -> int:
     if args.find_max:
         gran = args.granularity or max(1, args.max_seq_length // 16)
         out(f"\n--find-max: doubling from {args.max_seq_length}, then bisection to {gran} tokens")
-        found = []
+        found, probes = [], []
         # a probe needs to run and be checked; a few timed calls are enough
         probe_opts = dataclasses.replace(opts, warmup=1, reps=min(opts.reps, 3), budget_s=None)
         for impl in [i for i in impls if here(i)]:
@@ -293,6 +304,7 @@ def extreme_main(argv=None) -> int:
                     case = next(_cases(args, [n], [mode]))
                     r = run_sweep([(impl, case, args.backend[0])], probe_opts, writer, "benchmark_extreme_sequences",
                                   False, extra_row=lambda _: {"find_max": True})[0]
+                    probes.append(r)
                     if launched and isinstance(impl, DistributedImplementation):  # every rank takes the same branch
                         ok = impl.reduce_max([0.0 if r["status"] == "ok" and not r.get("check_failed") else 1.0])[0]
                         if ok and r["status"] == "ok":
@@ -321,6 +333,7 @@ def extreme_main(argv=None) -> int:
             path = writer.path[:-len(".jsonl")] + "-find_max.json"
             write_json(path, {"granularity": gran, "max_call_seconds": args.max_call_seconds, "results": found})
             print(f"longest lengths: {path}")
+            status = max(status, exit_status(probes, "--find-max probe"))
     if lead and args.plot and writer.rows:
         from .report import plot
         print("plots: " + ", ".join(plot(writer.path)))
@@ -332,7 +345,7 @@ def extreme_main(argv=None) -> int:
 
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 # -- benchmark_distributed ----------------------------------------------------------------
@@ -367,18 +380,25 @@ def distributed_args(description: str, default_impls: list[str]):
     from .cli import size_list
 
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=description)
+    p = BenchParser(description=description)
     add_common_args(p, seq_lengths="128k" if gpu else "1024", batch=1, heads=16 if gpu else 4,
                     head_dim=128 if gpu else 32)
     p.add_argument("--implementations", type=str_list, default=default_impls)
     p.add_argument("--scaling", choices=["strong", "weak"], default="strong",
                    help="strong: --seq-lengths are global N; weak: --seq-lengths are tokens per rank")
-    p.add_argument("--world-sizes", type=size_list, default=None,
+    p.add_argument("--world-sizes", type=int_list, default=None,
                    help="run on ranks 0..P-1 for each P (default: the whole launched world)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="process-group timeout in seconds")
+    add_timeout_arg(p)
     return p
 
 
+def add_timeout_arg(p) -> None:
+    p.add_argument("--timeout", type=positive_float, default=300.0,
+                   help="process-group timeout in seconds: how long a rank waits for a dead or stuck peer "
+                        "before the job ends naming it (default 300)")
+
+
+@script_main
 def distributed_main(argv=None, script="benchmark_distributed", default_impls=None, description=None,
                      one_process_baseline_only: bool = False) -> int:
     import torch.distributed as dist
@@ -389,16 +409,17 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
     p = distributed_args(description or "RingAttention (contiguous and zigzag) and DistributedDilatedAttention "
                          "under torchrun: strong or weak scaling against the single-device run of the same problem.",
                          default_impls or DISTRIBUTED_SET)
-    args = parse_with_config(p, argv)
-    if args.inputs:
-        p.error("--inputs: distributed runs generate their shards; captured inputs are not supported here")
+    args = parse_with_config(p, argv, implementation_names(distributed=True), rejected={
+        "inputs": "distributed runs generate their shards; captured inputs are not supported here",
+        "floor": "the kernel floor is timed on one device (benchmark_implementations.py --floor)",
+        "cuda_graph": "distributed rows start every call on all ranks together, which a graph replay cannot",
+        "baseline": "the baseline here is the single-device run of the same problem"})
+    apply_quick(args, seq_lengths=[args.seq_lengths[0]], reps=3, warmup=1)
+    sizes = args.world_sizes or [_launched_world()]
+    if any(s > _launched_world() for s in sizes):
+        usage_error(p, f"--world-sizes {sizes}: each must be at most the launched world size {_launched_world()}")
     rank, world, device = _init_for_benchmark(args)
     args.device = args.device or str(device)
-    if args.quick:
-        args.seq_lengths, args.reps, args.warmup = [args.seq_lengths[0]], 3, 1
-    sizes = args.world_sizes or [world]
-    if any(s < 1 or s > world for s in sizes):
-        p.error(f"--world-sizes {sizes}: each must be between 1 and the launched world size {world}")
     impls = [get_implementation(n) for n in args.implementations]
     if world == 1 and one_process_baseline_only:
         print("one process: only the single-device baseline is measured (a ring of one is not a ring); "
@@ -444,11 +465,10 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
                          writer, script, not args.no_progress,
                          lambda r: {"world_size": 1, "role": "baseline", "scaling": args.scaling,
                                     "tokens_per_rank": r["config"]["seq_len"]})
-    if rank == 0:
-        finish(rows, writer, args, table=format_scaling(rows))
+    status = finish(rows, writer, args, table=format_scaling(rows)) if rank == 0 else 0
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return status
 
 
 # -- benchmark_ring_attention -------------------------------------------------------------
@@ -456,6 +476,7 @@ RING_SET = ["ring", "ring_zigzag", "ring_zigzag_p2p", "ring_no_overlap", "ring_z
             "ring_flash_attn_zigzag"]
 
 
+@script_main
 def ring_main(argv=None) -> int:
     return distributed_main(argv, "benchmark_ring_attention", RING_SET,
                             "Ring attention variants (layout, transport, overlap on/off) against PyTorch's context parallel "
@@ -468,24 +489,40 @@ HOPPER_CLASS = ["flash_attn_3", "flash_attn_4", "sdpa_cudnn", "flex"]
 PREVIOUS_CLASS = ["flash_attn", "sdpa_flash", "manual"]
 
 
+@script_main
 def hopper_main(argv=None) -> int:
     from .report import format_speedups
 
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description="Hopper-class kernels (flash-attn 3/4, cuDNN SDPA, flex_attention) "
+    p = BenchParser(description="Hopper-class kernels (flash-attn 3/4, cuDNN SDPA, flex_attention) "
                                 "against the previous generation (flash-attn 2, SDPA flash, manual) on dense "
                                 "attention and under ImprovedDilatedAttention.")
     add_common_args(p, seq_lengths="512,2k,8k,32k,64k" if gpu else "256", batch=1, heads=16 if gpu else 4,
                     head_dim=128 if gpu else 32, mode="fwd,fwd_bwd")
-    p.add_argument("--head-dims", type=lambda s: [int(x) for x in str_list(s)], default=None,
-                   help="default 64,128,256 on a GPU")
-    p.add_argument("--causal-modes", type=str_list, default="false,true", help="false,true: both")
+    p.add_argument("--head-dims", type=int_list, default=None, help="default 64,128,256 on a GPU")
+    p.add_argument("--causal-modes", type=str_list, default="false,true",
+                   help="false,true: both (--causal alone: true only)")
     p.add_argument("--implementations", type=str_list, default="dense,improved")
-    p.add_argument("--backends", type=str_list, default=HOPPER_CLASS + PREVIOUS_CLASS)
-    args = parse_with_config(p, argv)
-    if args.quick:
-        args.seq_lengths, args.reps, args.warmup = [args.seq_lengths[0]], 3, 1
-        args.head_dims = args.head_dims or [args.head_dim]
+    p.add_argument("--backends", type=str_list, default=HOPPER_CLASS + PREVIOUS_CLASS,
+                   help="kernels to compare (--backend works too)")
+    args = parse_with_config(p, argv, implementation_names(distributed=False),
+                             rejected={"baseline": "this script compares the Hopper class with the previous one"})
+    for mode in args.causal_modes:
+        if mode.lower() not in ("true", "false"):
+            usage_error(p, f"--causal-modes: {mode!r} is not true or false")
+    if "causal" in args.given and "causal_modes" in args.given:
+        usage_error(p, "--causal and --causal-modes: give one")
+    if "causal" in args.given:
+        args.causal_modes = ["true" if args.causal else "false"]
+    if "backend" in args.given and "backends" in args.given:
+        usage_error(p, "--backend and --backends: give one list of backends")
+    if "backend" in args.given:
+        args.backends = args.backend
+    if "head_dim" in args.given and "head_dims" in args.given:
+        usage_error(p, "--head-dim and --head-dims: give one")
+    if "head_dim" in args.given:
+        args.head_dims = [args.head_dim]
+    apply_quick(args, seq_lengths=[args.seq_lengths[0]], reps=3, warmup=1, head_dims=[args.head_dim])
     head_dims = args.head_dims or ([64, 128, 256] if gpu else [args.head_dim])
     report = dilated.available_backends(args.device)
     print("kernels on this device:")
@@ -497,10 +534,10 @@ def hopper_main(argv=None) -> int:
     impls = [get_implementation(n) for n in args.implementations]
     jobs = []
     for d in head_dims:
-        for causal in (c.lower() in ("true", "1", "yes") for c in args.causal_modes):
+        for causal in (c.lower() == "true" for c in args.causal_modes):
             jobs += _jobs(args, impls, names, args.seq_lengths, args.mode, head_dim=d, causal=causal)
     writer = open_writer("benchmark_flash_attention_3", args)
     rows = run_sweep(jobs, run_options(args), writer, "benchmark_flash_attention_3", not args.no_progress)
-    finish(rows, writer, args)
+    status = finish(rows, writer, args)
     print(format_speedups(rows, HOPPER_CLASS, PREVIOUS_CLASS))
-    return 0
+    return status
