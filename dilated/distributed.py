@@ -163,6 +163,34 @@ class RankMismatchError(ValueError):
     """Ranks of one group called a collective module with inputs or settings that do not agree."""
 
 
+def all_gather_text(group, text: str, device: torch.device) -> list[str]:
+    """Every rank's ``text`` (at most ``_AGREE_BYTES`` bytes of UTF-8 each), in rank order: one
+    all-gather of a small buffer and one host synchronisation."""
+    _, p = _world(group)
+    payload = text.encode()[:_AGREE_BYTES]
+    buf = torch.zeros(_AGREE_BYTES + 2, dtype=torch.uint8)
+    buf[0], buf[1] = len(payload) // 256, len(payload) % 256
+    if payload:
+        buf[2:2 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if p == 1:
+        return [payload.decode(errors="replace")]
+    buf = buf.to(device if device.type == "cuda" else torch.device("cpu"))
+    parts = [torch.empty_like(buf) for _ in range(p)]
+    dist.all_gather(parts, buf, group=group)
+    texts = []
+    for t in parts:
+        t = t.cpu()
+        n = int(t[0]) * 256 + int(t[1])
+        texts.append(bytes(t[2:2 + n].tolist()).decode(errors="replace"))
+    return texts
+
+
+def group_device(group) -> torch.device:
+    """Where ``group``'s collectives take tensors: this rank's GPU for NCCL, else the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def check_ranks_agree(group, fields: dict, device: torch.device, what: str) -> None:
     """Raise :class:`RankMismatchError` on every rank of ``group`` unless all ranks pass equal
     ``fields`` (shapes, dtype, layout, causal, schedule, ...). One all-gather of a small buffer and
@@ -174,19 +202,7 @@ def check_ranks_agree(group, fields: dict, device: torch.device, what: str) -> N
         if "error" in fields:
             raise RankMismatchError(f"{what}: {fields['error']}")
         return
-    payload = _encode(fields)
-    dev = device if device.type == "cuda" else torch.device("cpu")
-    buf = torch.zeros(_AGREE_BYTES + 2, dtype=torch.uint8)
-    buf[0], buf[1] = len(payload) // 256, len(payload) % 256
-    buf[2:2 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    buf = buf.to(dev)
-    parts = [torch.empty_like(buf) for _ in range(p)]
-    dist.all_gather(parts, buf, group=group)
-    decoded = []
-    for t in parts:
-        t = t.cpu()
-        n = int(t[0]) * 256 + int(t[1])
-        decoded.append(json.loads(bytes(t[2:2 + n].tolist()).decode()))
+    decoded = [json.loads(t) for t in all_gather_text(group, _encode(fields).decode(), device)]
     errors = [(r, d["error"]) for r, d in enumerate(decoded) if "error" in d]
     if errors:
         raise RankMismatchError(f"{what}: " + "; ".join(f"rank {r}: {e}" for r, e in errors))
@@ -213,10 +229,8 @@ def validate_on_all_ranks(group, checked: set, what: str, validate):
     key = json.dumps(fields, sort_keys=True, default=str)
     if err is None and key in checked:
         return result
-    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     try:
-        check_ranks_agree(group, fields, device, what)
+        check_ranks_agree(group, fields, group_device(group), what)
     except RankMismatchError:
         if err is not None:
             raise err

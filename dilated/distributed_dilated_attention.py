@@ -17,7 +17,8 @@ All branches, local and spanning, are mixed by log-sum-exp (LongNet eq. 9-10) in
 :func:`dilated.layout.combine`, straight into the output dtype;
 backward is a custom autograd Function in which every kernel backward gets the *merged* output
 and lse, which is the exact gradient of the mixture. The result equals ``DilatedAttention`` on
-the gathered sequence, forward and backward.
+the gathered sequence, forward and backward. A rank whose computation fails runs the call's
+remaining collectives before it raises, so the other ranks finish the call instead of waiting.
 """
 from __future__ import annotations
 
@@ -166,17 +167,39 @@ def _span_backward(sp: _Span, q, out, lse_rows, dout, kv, dq, backend, causal, s
     return dks, dvs
 
 
+def _span_parts(sp: _Span, q, out, lse_rows, dout, kv, dq, backend, causal, scale):
+    """The span's dK/dV, one flat ``[B, L_m]`` part per member in the layout it sent (K rows of
+    every offset, then V rows); adds the span's dq into ``dq``."""
+    b = q.shape[0]
+    dks, dvs = _span_backward(sp, q, out, lse_rows, dout, kv, dq, backend, causal, scale)
+    to_member = [[] for _ in range(sp.span)]
+    for grads in (dks, dvs):
+        for (_, _, sizes, _), g in zip(sp.offsets, grads):
+            i = 0
+            for m in range(sp.span):
+                to_member[m].append(g[:, i:i + sizes[m]].reshape(b, -1))
+                i += sizes[m]
+    return [torch.cat(t, 1) for t in to_member]
+
+
 class _DistributedDilatedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, spans, backend, causal, scale, stats):
         calls, parts, lses, gathered = [], [], [], []
+        failure = None  # a failed computation here: the remaining collectives still run (see _raise_after)
         for sp in spans:
             kv = _gather_span(sp, k, v, stats)
             gathered.append(kv)
-            c, o, lse = _span_forward(sp, q, kv, backend, causal, scale)
-            calls += c
-            parts += o
-            lses += lse
+            if failure is None:
+                try:
+                    c, o, lse = _span_forward(sp, q, kv, backend, causal, scale)
+                    calls += c
+                    parts += o
+                    lses += lse
+                except Exception as e:  # noqa: BLE001 - raised once every span's all-gather has run
+                    failure = e
+        if failure is not None:
+            raise failure
         # spanning and local branches mixed by one combine, straight into the output dtype
         out, lse_rows = forward_calls(q, k, v, plan, backend, causal, scale, None, extra=(calls, parts, lses))
         del calls, parts, lses
@@ -189,25 +212,34 @@ class _DistributedDilatedFunction(torch.autograd.Function):
         q, k, v, out, lse_rows = ctx.saved_tensors
         plan, spans, backend, causal, scale, stats = ctx.cfg
         dout = dout.contiguous()
-        dq, dk, dv = backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, acc_dtype(q.dtype))
+        failure = None  # a failed computation here: every span's reduce-scatter still runs, with zeros
+        try:
+            dq, dk, dv = backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, acc_dtype(q.dtype))
+        except Exception as e:  # noqa: BLE001 - raised once every collective has run
+            failure = e
         b, d = q.shape[0], q.shape[3]
         for sp, kv in zip(spans, ctx.gathered):
-            dks, dvs = _span_backward(sp, q, out, lse_rows, dout, kv, dq, backend, causal, scale)
-            to_member = [[] for _ in range(sp.span)]
-            for grads in (dks, dvs):  # the layout each member sent: K rows of every offset, then V rows
-                for (_, _, sizes, _), g in zip(sp.offsets, grads):
-                    i = 0
-                    for m in range(sp.span):
-                        to_member[m].append(g[:, i:i + sizes[m]].reshape(b, -1))
-                        i += sizes[m]
             lens = [sp.member_len(m, d) for m in range(sp.span)]
-            mine = _reduce_scatter_flat([torch.cat(t, 1) for t in to_member], sp.group, lens, sp.me, stats)
+            parts = None
+            if failure is None:
+                try:
+                    parts = _span_parts(sp, q, out, lse_rows, dout, kv, dq, backend, causal, scale)
+                except Exception as e:  # noqa: BLE001 - raised once every collective has run
+                    failure = e
+            if parts is None:
+                parts = [q.new_zeros(b, n, dtype=acc_dtype(q.dtype)) for n in lens]
+            mine = _reduce_scatter_flat(parts, sp.group, lens, sp.me, stats)
+            if failure is not None:
+                continue
             i = 0
             for acc_t in (dk, dv):
                 for off, rows, sizes, kvidx in sp.offsets:
                     cnt = sizes[sp.me] * len(kvidx) * d
                     acc_t[:, rows].index_add_(2, kvidx, mine[:, i:i + cnt].view(b, sizes[sp.me], len(kvidx), d))
                     i += cnt
+        if failure is not None:
+            ctx.gathered = None
+            raise failure
         ctx.gathered = None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 

@@ -22,6 +22,11 @@ Backward is a custom autograd Function: K/V travel again (same transport), each 
 contribution with the kernel backward given the *merged* output and lse, and the float32 dK/dV
 accumulators travel around the ring by send/recv with their block back to its owner (one extra
 hop at the end).
+
+A rank whose computation fails (a kernel error, out of memory) keeps passing blocks on for the
+rest of the call and raises only then: the other ranks finish the call instead of waiting for a
+block that never comes, and a caller that agrees on the outcome across ranks (the benchmark
+harness does) can stop them all together.
 """
 from __future__ import annotations
 
@@ -160,11 +165,17 @@ class _RingFunction(torch.autograd.Function):
         ring = _Ring(group, stats)
         n = q.shape[1]
         acc, acc_lse = empty_accumulators(*q.shape[:3], v.shape[3], q.device, acc_dtype(q.dtype))
+        failure = None
         for kb, vb, plan in _blocks(transport, ring, k, v, n, causal, layout, overlap):
-            if plan is not None:
+            if plan is not None and failure is None:
                 qs, ks, c = plan
-                o, lse = attention_forward(backend, q[:, qs], kb[:, ks], vb[:, ks], c, scale)
-                merge_(acc[:, qs], acc_lse[:, qs], o, lse.transpose(1, 2))
+                try:
+                    o, lse = attention_forward(backend, q[:, qs], kb[:, ks], vb[:, ks], c, scale)
+                    merge_(acc[:, qs], acc_lse[:, qs], o, lse.transpose(1, 2))
+                except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
+                    failure = e
+        if failure is not None:  # the other ranks got every block they wait for; now this one fails
+            raise failure
         out = acc.to(q.dtype)
         lse = acc_lse.transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -179,14 +190,17 @@ class _RingFunction(torch.autograd.Function):
         p, n = ring.size, q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
-        pending_d = None
+        pending_d, failure = None, None
         for kb, vb, plan in _blocks(transport, ring, k, v, n, causal, layout, overlap):
             g = None
-            if plan is not None:
+            if plan is not None and failure is None:
                 qs, ks, c = plan
-                g = attention_backward(backend, dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
-                                       lse[:, :, qs].contiguous(), c, scale)
-                dq[:, qs] += g[0]
+                try:
+                    g = attention_backward(backend, dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
+                                           lse[:, :, qs].contiguous(), c, scale)
+                    dq[:, qs] += g[0]
+                except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
+                    failure, g = e, None
             # this block's accumulator from the previous ranks (received while the kernel ran), to
             # which this rank's part is added in place: one pass over it per step
             if pending_d is not None:
@@ -201,6 +215,8 @@ class _RingFunction(torch.autograd.Function):
             if p > 1:  # pass this block's dK/dV on (after the last step: to its owner)
                 pending_d = ring.start(local, tag=1)
         dkv = ring.wait(pending_d) if p > 1 else local
+        if failure is not None:
+            raise failure
         dk, dv = _unpack(dkv, (k, v))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 

@@ -115,3 +115,52 @@ def test_ring_and_distributed_dilated_take_strided_shards():
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_disagree_all_get_a_clear_error(world):
     mp.spawn(dist_worker.ranks_disagree, args=(world, _port()), nprocs=world, join=True)
+
+
+FAILING_BACKEND_SCRIPT = '''
+import sys
+import torch
+import torch.distributed as dist
+import dilated
+from dilated.backends.manual import ManualBackend
+
+
+class FailsOnRankOne(ManualBackend):
+    """The manual kernel, out of memory on rank 1 for any call longer than the availability probe's."""
+    name = "fails_on_rank_1"
+
+    def forward(self, q, k, v, causal, scale):
+        if dist.is_initialized() and dist.get_rank() == 1 and q.shape[1] > 16:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 PiB (on purpose)")
+        return super().forward(q, k, v, causal, scale)
+
+
+dilated.register_backend(FailsOnRankOne())
+from dilated.bench.suites import distributed_main
+sys.exit(distributed_main())
+'''
+
+
+def test_a_rank_local_failure_ends_the_row_on_every_rank_and_the_sweep_goes_on(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING_BACKEND_SCRIPT)
+    out = tmp_path / "rows.jsonl"
+    t = time.time()
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                          str(_port()), str(script), "--output", str(out), "--reps", "2", "--warmup", "1",
+                          "--seq-lengths", "128", "--implementations", "ring,distributed_dilated", "--mode", "fwd_bwd",
+                          "--backend", "fails_on_rank_1,manual", "--timeout", "60", "--no-progress"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert time.time() - t < 120, "a rank waited for the failed one"
+    from dilated.bench import read_jsonl
+    rows = read_jsonl(str(out))
+    failing = [r for r in rows if r["backend"] == "fails_on_rank_1"]
+    working = [r for r in rows if r["backend"] == "manual"]
+    assert {r["implementation"] for r in failing} >= {"ring", "distributed_dilated", "dense", "improved"}
+    for r in failing:  # baselines (every rank) and the distributed rows alike
+        assert r["status"] == "oom" and r["failed_ranks"] == [1] and "rank 1:" in r["reason"], r
+    assert working and all(r["status"] == "ok" and r["check"]["passed"] for r in working)
+    assert res.returncode == 0, res.stderr[-3000:]  # oom rows are results, not failures

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import dilated
+from dilated.distributed import all_gather_text, group_device
 
 from .registry import Case, Implementation, register_implementation
 from .runner import RunOptions, run_sweep
@@ -111,6 +112,9 @@ class OnEveryRank(Implementation):
     def reduce_max(self, values):
         return _max_over_ranks(values, None)
 
+    def all_ranks_text(self, text):
+        return all_gather_text(None, text, group_device(None))
+
     @classmethod
     def of(cls, impl: Implementation) -> "OnEveryRank":
         return cls(**{f.name: getattr(impl, f.name) for f in dataclasses.fields(Implementation)})
@@ -159,6 +163,9 @@ class DistributedImplementation(Implementation):
 
     def reduce_max(self, values):
         return _max_over_ranks(values, self.group)
+
+    def all_ranks_text(self, text):
+        return all_gather_text(self.group, text, group_device(self.group))
 
     def before_call(self):
         dist.barrier(group=self.group)

@@ -120,6 +120,11 @@ class Implementation:
     def before_call(self) -> None:
         """Runs untimed before each timed call (a barrier across ranks)."""
 
+    def all_ranks_text(self, text: str) -> list[str]:
+        """Every taking-part rank's ``text``, in rank order (``[text]`` on one device): how the
+        ranks of a row learn each other's failures."""
+        return [text]
+
     def comm_metrics(self, model, step, seconds_per_call: float = 0.0) -> dict | None:
         """Communication per call of ``step`` (bytes, messages, exposed wait), or None."""
         return None

@@ -49,6 +49,68 @@ class OverBudget(RuntimeError):
     pass
 
 
+def _outcome(e: BaseException) -> tuple[str, str]:
+    """(status, reason) of a row that raised ``e``."""
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    if isinstance(e, BackendUnavailableError):
+        return "unsupported", str(e)
+    if isinstance(e, OverBudget) or is_oom(e):
+        return "oom", first
+    if isinstance(e, NotImplementedError):
+        return "unsupported", f"{type(e).__name__}: {first}"
+    return "error", f"{type(e).__name__}: {first}"
+
+
+class FailedOnRanks(RuntimeError):
+    """Some ranks of a collective row failed: ``failures`` is ``[(rank, status, reason)]``."""
+
+    def __init__(self, failures, local: BaseException | None):
+        self.failures, self.local = failures, local
+        super().__init__("; ".join(f"rank {r}: {why}" for r, _, why in failures))
+
+    @property
+    def status(self) -> str:
+        statuses = {s for _, s, _ in self.failures}
+        return next(s for s in ("error", "oom", "unsupported") if s in statuses)
+
+
+class _RankFailures:
+    """A row timed across ranks: a rank that fails records its first failure and goes on taking
+    part in the row's collectives without doing the work; at agreed points (before any collective
+    that could wait on it forever) every rank learns every rank's failure, by one small all-gather,
+    and all end the row together with the same status, naming the failing ranks and causes."""
+
+    def __init__(self, impl: Implementation, collective: bool):
+        self.impl, self.collective, self.error = impl, collective, None
+
+    def guard(self, fn):
+        if not self.collective or fn is None:
+            return fn
+
+        def run(*args):
+            if self.error is None:
+                try:
+                    fn(*args)
+                except Exception as e:  # noqa: BLE001 - recorded; every rank learns it at the next settle()
+                    self.error = e
+        return run
+
+    def record(self, e: Exception) -> None:
+        """A failure outside a guarded call (raised at once on a row of one rank)."""
+        if not self.collective:
+            raise e
+        self.error = self.error or e
+
+    def settle(self) -> None:
+        if not self.collective:
+            return
+        mine = "|".join(_outcome(self.error)) if self.error is not None else ""
+        texts = self.impl.all_ranks_text(mine)
+        failed = [(r, *t.split("|", 1)) for r, t in enumerate(texts) if t]
+        if failed:
+            raise FailedOnRanks(failed, self.error)
+
+
 def _rel(x, ref):
     x, ref = x.double(), ref.double()
     err = (x - ref).abs().max().item()
@@ -95,14 +157,19 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
     if captured is not None:
         row["inputs"] = captured.path
     inputs = model = out = grads = None
+    collective = type(impl).reduce_max is not Implementation.reduce_max  # ranks time together
+    ranks = _RankFailures(impl, collective)
     try:
         gen = torch.Generator().manual_seed(opts.seed)
         needs_grad = case.mode != "fwd"
-        inputs = impl.inputs(case, device, gen, needs_grad, captured.tensors if captured is not None else None)
-        model = impl.build(case, backend)
-        if isinstance(model, torch.nn.Module):
-            model = model.to(device=device, dtype=case.torch_dtype)
         holder = {}
+        try:
+            inputs = impl.inputs(case, device, gen, needs_grad, captured.tensors if captured is not None else None)
+            model = impl.build(case, backend)
+            if isinstance(model, torch.nn.Module):
+                model = model.to(device=device, dtype=case.torch_dtype)
+        except Exception as e:  # noqa: BLE001 - a collective row agrees on it first (settle below)
+            ranks.record(e)
 
         def fwd():
             holder["out"] = model(*inputs)
@@ -127,19 +194,24 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             def step():
                 holder["out"].backward(holder["dout"])
         holder["dout"] = None
-        if needs_grad:  # the output's shape and dtype for the incoming gradient
+
+        def make_dout():  # the output's shape and dtype for the incoming gradient
             with torch.enable_grad():
                 out_probe = model(*inputs)
             holder["dout"] = torch.randn(out_probe.shape, generator=device_generator(gen, device), device=device,
                                          dtype=out_probe.dtype)
-            del out_probe
+
+        if needs_grad and ranks.error is None:
+            ranks.guard(make_dout)()
+        ranks.settle()
         with PeakMemory(device) as mem:
             if setup:
-                setup()
+                ranks.guard(setup)()
             t_first = time.perf_counter()
-            step()
+            ranks.guard(step)()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            ranks.settle()
             first_ms = impl.reduce_max([(time.perf_counter() - t_first) * 1e3])[0]  # the same on every rank
         if mem.peak_total_mib is not None:
             mem.peak_above_mib, mem.peak_total_mib = impl.reduce_max([mem.peak_above_mib, mem.peak_total_mib])
@@ -148,13 +220,13 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                          "measure": "cuda allocator" if device.type == "cuda" else "process peak RSS"}
         if opts.memory_budget_mib is not None and (mem.peak_above_mib or 0) > opts.memory_budget_mib:
             raise OverBudget(f"peak {mem.peak_above_mib:.1f} MiB exceeds the memory budget of {opts.memory_budget_mib} MiB")
-        timed_setup = setup
+        timed_setup = ranks.guard(setup)
         spread = type(impl).before_call is not Implementation.before_call  # runs across ranks
-        if spread:  # ranks start each call together
-            timed_setup = (lambda: (setup(), impl.before_call())) if setup else impl.before_call
+        if spread:  # ranks start each call together (a rank that failed still joins the barrier)
+            timed_setup = (lambda: (ranks.guard(setup)(), impl.before_call())) if setup else impl.before_call
         # the memory call above was the first warm-up call; with --floor the kernel floor is timed
         # in turns with the step (dilated.bench.floor), so that the ratio is not the machine's drift
-        timed = [(step, timed_setup)]
+        timed = [(ranks.guard(step), timed_setup)]
         if opts.floor and impl.kind == "dilated" and not spread:
             from .floor import kernel_floor_step
 
@@ -166,7 +238,11 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             time.sleep(opts.settle_s)
         state_before = envmod.gpu_state(device)
         steady = 1.0 if device.type == "cuda" else 0.0
-        collective = type(impl).reduce_max is not Implementation.reduce_max  # ranks time together
+
+        def agree(more):  # go on only while some rank wants more calls and no rank has failed
+            wants, failed = impl.reduce_max([float(more), float(ranks.error is not None)])
+            return wants > 0 and failed == 0
+
         graphed = opts.cuda_graph and case.mode == "fwd" and timed_setup is None
         if opts.budget_s is not None and first_ms > 1e3 * opts.budget_s and len(timed) == 1 and not graphed:
             # one call already took longer than the row's budget: that call is the row's one sample
@@ -178,8 +254,8 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                                         budget_s=opts.budget_s, flush_l2=opts.flush_l2,
                                         warmup_s=steady if opts.warmup_s is None else opts.warmup_s,
                                         rep_s=steady if opts.rep_s is None else opts.rep_s,
-                                        agree=(lambda more: impl.reduce_max([float(more)])[0] > 0) if collective
-                                        else None, cuda_graph=graphed)
+                                        agree=agree if collective else None, cuda_graph=graphed)
+        ranks.settle()
         # the last call of the step left its output (and gradients) in place: the check reads them,
         # so that the result checked is the one timed, and a long row does not run again
         reuse = len(timed) == 1 and not graphed
@@ -205,36 +281,39 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             floor = summarize(runs[1])
             row["kernel_floor_ms"] = floor
             row["floor_ratio"] = t["median"] / floor["median"]
-        comm = impl.comm_metrics(model, (lambda: (setup(), step())) if setup else step, sec)
+        comm = impl.comm_metrics(model, ranks.guard((lambda: (setup(), step())) if setup else step), sec)
+        ranks.settle()
         if comm is not None:
             row["comm"] = comm
         if opts.check:
             with torch.enable_grad() if needs_grad else torch.no_grad():
                 if not reuse:
-                    zero_grads()
-                    fwd()
+                    ranks.guard(zero_grads)()
+                    ranks.guard(fwd)()
                     if needs_grad:
-                        holder["out"].backward(holder["dout"])
+                        ranks.guard(lambda: holder["out"].backward(holder["dout"]))()
+                    ranks.settle()
                 out = holder["out"]
                 grads = [impl.gather(t.grad) for t in inputs] if needs_grad else None
                 full = tuple(impl.gather(t.detach()) for t in inputs)
-                row["check"] = _check(impl, case, full, model, impl.gather(out.detach()), case.mode, grads,
-                                      impl.gather(holder["dout"]) if needs_grad else None)
+                try:
+                    row["check"] = _check(impl, case, full, model, impl.gather(out.detach()), case.mode, grads,
+                                          impl.gather(holder["dout"]) if needs_grad else None)
+                except Exception as e:  # noqa: BLE001 - a collective row agrees on it first
+                    ranks.record(e)
+                ranks.settle()
             row["check_failed"] = not row["check"]["passed"]
     except KeyboardInterrupt:
         raise
-    except BackendUnavailableError as e:
-        row.update(status="unsupported", reason=str(e))
-    except OverBudget as e:
-        row.update(status="oom", reason=str(e))
+    except FailedOnRanks as e:  # the same status on every rank, naming the ranks that failed and why
+        row.update(status=e.status, reason=str(e)[:600], failed_ranks=[r for r, _, _ in e.failures])
+        if e.local is not None and e.status == "error":
+            row["traceback"] = "".join(traceback.format_exception(e.local, limit=4))
     except Exception as e:  # every failure becomes a recorded row; the sweep goes on
-        first = str(e).splitlines()[0][:300] if str(e) else ""
-        if is_oom(e):
-            row.update(status="oom", reason=first)
-        elif isinstance(e, NotImplementedError):
-            row.update(status="unsupported", reason=f"{type(e).__name__}: {first}")
-        else:
-            row.update(status="error", reason=f"{type(e).__name__}: {first}", traceback=traceback.format_exc(limit=4))
+        status, reason = _outcome(e)
+        row.update(status=status, reason=reason)
+        if status == "error":
+            row["traceback"] = traceback.format_exc(limit=4)
     finally:
         inputs = model = out = grads = None
         free_memory(device)
