@@ -164,3 +164,23 @@ def test_a_rank_local_failure_ends_the_row_on_every_rank_and_the_sweep_goes_on(t
         assert r["status"] == "oom" and r["failed_ranks"] == [1] and "rank 1:" in r["reason"], r
     assert working and all(r["status"] == "ok" and r["check"]["passed"] for r in working)
     assert res.returncode == 0, res.stderr[-3000:]  # oom rows are results, not failures
+
+
+def test_a_rank_that_stops_ends_the_job_within_the_timeout_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "stops.py"
+    script.write_text(FAILING_BACKEND_SCRIPT.replace(
+        'raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 PiB (on purpose)")',
+        "__import__('time').sleep(3600)"))
+    t = time.time()
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                          str(_port()), str(script), "--output", str(tmp_path / "r.jsonl"), "--reps", "2",
+                          "--warmup", "1", "--seq-lengths", "128", "--implementations", "ring",
+                          "--backend", "fails_on_rank_1", "--timeout", "5", "--no-progress"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert time.time() - t < 60
+    assert res.returncode != 0
+    assert "a rank died, or stopped for longer than --timeout" in res.stderr
+    assert "rank 1: dense/fails_on_rank_1 N=128 fwd: inputs built" in res.stderr, res.stderr[-3000:]

@@ -347,6 +347,24 @@ def script_main(fn):
         except ResultsWriteError as e:
             print(f"error: {e}. The run stopped.", file=sys.stderr)
             return 1
+        except Exception as e:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise
+            # a collective failed or timed out: another rank died or stopped. Say which, and where.
+            from .distributed import last_seen
+
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            seen = last_seen()
+            me = dist.get_rank()
+            mine = seen[me].split(": ", 1)[-1] if me < len(seen) else None
+            behind = [line for line in seen if line.split(": ", 1)[-1] != mine]
+            print(f"error: rank {me}: {type(e).__name__}: {first}\n"
+                  f"a collective failed: a rank died, or stopped for longer than --timeout. "
+                  + (f"Not where rank {me} is ({mine}): " + "; ".join(behind) if behind else
+                     "Where each rank last checked in: " + "; ".join(seen)), file=sys.stderr, flush=True)
+            return 1
     return run
 
 

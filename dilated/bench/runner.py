@@ -80,8 +80,9 @@ class _RankFailures:
     that could wait on it forever) every rank learns every rank's failure, by one small all-gather,
     and all end the row together with the same status, naming the failing ranks and causes."""
 
-    def __init__(self, impl: Implementation, collective: bool):
+    def __init__(self, impl: Implementation, collective: bool, label: str = ""):
         self.impl, self.collective, self.error = impl, collective, None
+        self.label = label
 
     def guard(self, fn):
         if not self.collective or fn is None:
@@ -101,9 +102,13 @@ class _RankFailures:
             raise e
         self.error = self.error or e
 
-    def settle(self) -> None:
+    def settle(self, done: str) -> None:
+        """All ranks agree on the row's outcome so far; ``done``: what the row has done by now."""
         if not self.collective:
             return
+        from .distributed import checkpoint
+
+        checkpoint(f"{self.label}: {done}")
         mine = "|".join(_outcome(self.error)) if self.error is not None else ""
         texts = self.impl.all_ranks_text(mine)
         failed = [(r, *t.split("|", 1)) for r, t in enumerate(texts) if t]
@@ -158,7 +163,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         row["inputs"] = captured.path
     inputs = model = out = grads = None
     collective = type(impl).reduce_max is not Implementation.reduce_max  # ranks time together
-    ranks = _RankFailures(impl, collective)
+    ranks = _RankFailures(impl, collective, f"{impl.name}/{backend} N={case.seq_len} {case.mode}")
     try:
         gen = torch.Generator().manual_seed(opts.seed)
         needs_grad = case.mode != "fwd"
@@ -203,7 +208,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
 
         if needs_grad and ranks.error is None:
             ranks.guard(make_dout)()
-        ranks.settle()
+        ranks.settle("inputs built")
         with PeakMemory(device) as mem:
             if setup:
                 ranks.guard(setup)()
@@ -211,7 +216,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             ranks.guard(step)()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            ranks.settle()
+            ranks.settle("first call done")
             first_ms = impl.reduce_max([(time.perf_counter() - t_first) * 1e3])[0]  # the same on every rank
         if mem.peak_total_mib is not None:
             mem.peak_above_mib, mem.peak_total_mib = impl.reduce_max([mem.peak_above_mib, mem.peak_total_mib])
@@ -255,7 +260,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                                         warmup_s=steady if opts.warmup_s is None else opts.warmup_s,
                                         rep_s=steady if opts.rep_s is None else opts.rep_s,
                                         agree=agree if collective else None, cuda_graph=graphed)
-        ranks.settle()
+        ranks.settle("timed calls done")
         # the last call of the step left its output (and gradients) in place: the check reads them,
         # so that the result checked is the one timed, and a long row does not run again
         reuse = len(timed) == 1 and not graphed
@@ -282,7 +287,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             row["kernel_floor_ms"] = floor
             row["floor_ratio"] = t["median"] / floor["median"]
         comm = impl.comm_metrics(model, ranks.guard((lambda: (setup(), step())) if setup else step), sec)
-        ranks.settle()
+        ranks.settle("communication measured")
         if comm is not None:
             row["comm"] = comm
         if opts.check:
@@ -292,7 +297,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                     ranks.guard(fwd)()
                     if needs_grad:
                         ranks.guard(lambda: holder["out"].backward(holder["dout"]))()
-                    ranks.settle()
+                    ranks.settle("check call done")
                 out = holder["out"]
                 grads = [impl.gather(t.grad) for t in inputs] if needs_grad else None
                 full = tuple(impl.gather(t.detach()) for t in inputs)
@@ -301,7 +306,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                                           impl.gather(holder["dout"]) if needs_grad else None)
                 except Exception as e:  # noqa: BLE001 - a collective row agrees on it first
                     ranks.record(e)
-                ranks.settle()
+                ranks.settle("checked")
             row["check_failed"] = not row["check"]["passed"]
     except KeyboardInterrupt:
         raise
