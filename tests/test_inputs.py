@@ -246,3 +246,53 @@ def test_non_finite_value_under_a_causal_mask_is_never_hidden(backend, gen):
         assert not _bad_rows(out)[0, :5].any()
         ref = dense_reference(q, k, v, causal=True)[0]
         assert rel_err(out[0, :5], ref[0, :5]) < 2e-4
+
+
+# -- the same contracts on CUDA kernels (cuDNN/flash reading strided rows, the Triton combine) ---
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU_SCHEDULE = ([256, 512, 1024], [1, 2, 4])
+
+
+@needs_cuda
+@pytest.mark.parametrize("how,which", STRIDED[:4])
+def test_gpu_improved_reads_strided_inputs_right(how, which, gen):
+    q, k, v = (rand(1, 1024, 8, 64, gen=gen) for _ in range(3))
+    dout = rand(1, 1024, 8, 64, gen=gen)
+    ref, ref_g = _grads(lambda a, b, c: dilated_reference(a, b, c, *GPU_SCHEDULE, causal=True),
+                        (q.double(), k.double(), v.double()), dout.double())
+    inputs = [(_strided(t, how) if n in which else t).cuda().to(torch.bfloat16) for n, t in zip("qkv", (q, k, v))]
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = dilated.ImprovedDilatedAttention(*GPU_SCHEDULE, causal=True)(*inputs)
+    out.backward(dout.cuda().to(torch.bfloat16))
+    assert rel_err(out.cpu(), ref) < 3e-2
+    for t, r in zip(inputs, ref_g):
+        assert rel_err(t.grad.cpu(), r) < 6e-2
+
+
+@needs_cuda
+def test_gpu_nan_and_large_logits_through_the_triton_combine(gen):
+    q, k, v = (rand(1, 1024, 8, 64, gen=gen) for _ in range(3))
+    k[0, 300, 2, 0] = float("nan")
+    ref = dilated_reference(q, k, v, *GPU_SCHEDULE)
+    out = dilated.ImprovedDilatedAttention(*GPU_SCHEDULE)(*(t.cuda().to(torch.bfloat16) for t in (q, k, v))).cpu()
+    assert torch.equal(_bad_rows(out), _bad_rows(ref)) and _bad_rows(ref).any()
+    fine = ~_bad_rows(ref)
+    assert rel_err(out[fine], ref[fine]) < 3e-2
+    q, k, v = (rand(1, 1024, 8, 64, gen=gen, scale=s) for s in (1e2, 1e2, 1.0))
+    ref = dilated_reference(q, k, v, *GPU_SCHEDULE)
+    mod = dilated.ImprovedDilatedAttention(*GPU_SCHEDULE, backend="sdpa_efficient")  # float32 kernel
+    assert rel_err(mod(q.cuda(), k.cuda(), v.cuda()).cpu(), ref) < 1e-3
+
+
+@needs_cuda
+def test_gpu_float64(gen):
+    q, k, v = (rand(1, 512, 4, 32, gen=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ref = dilated_reference(q, k, v, *GPU_SCHEDULE, causal=True)
+    qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    out = dilated.ImprovedDilatedAttention(*GPU_SCHEDULE, causal=True, backend="manual")(qc, kc, vc)
+    assert out.dtype == torch.float64 and rel_err(out.cpu(), ref) < 1e-12
+    dout = torch.randn_like(ref)
+    out.backward(dout.cuda())
+    for t, r in zip((qc, kc, vc), torch.autograd.grad(ref, (q, k, v), dout)):
+        assert rel_err(t.grad.cpu(), r) < 1e-11
