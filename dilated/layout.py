@@ -375,7 +375,7 @@ if triton is not None:
                             + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 if HAS_LSE:
                     lse = _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi)
-                    m_new = tl.maximum(m_i, lse, propagate_nan=tl.PropagateNan.ALL)
+                    m_new = tl.maximum(m_i, lse)
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                     alpha = tl.exp(m_i - m_safe)
                     w = tl.exp(lse - m_safe)
@@ -385,7 +385,7 @@ if triton is not None:
                 else:
                     acc += o
         if HAS_LSE:
-            seen = s_i != 0  # rows no call covers stay 0; NaN (a non-finite input) stays NaN
+            seen = s_i > 0  # rows no call covers stay 0 (a NaN lse makes acc NaN through w: it stays NaN)
             acc = acc * tl.where(seen, 1.0 / tl.where(seen, s_i, 1.0), 0.0)[:, None]
             if STORE_LSE:
                 tl.store(lse_at, tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf")), mask=pmask)
