@@ -29,6 +29,27 @@ def test_flop_counts_by_hand():
     assert dilated_flops(1, 1, 4, 8, [4], [1], causal=True) == 4 * 8 * 10
 
 
+def test_causal_flops_count_the_visible_half_by_hand():
+    # 4 x 4 causal: 10 of 16 pairs; 4 FLOPs (QK^T and PV) per pair and head-dim element
+    assert dense_flops(1, 1, 4, 4, 8, causal=True) == 4 * 10 * 8
+    assert dense_flops(2, 3, 1024, 1024, 64, causal=True) == 4 * 2 * 3 * (1024 * 1025 // 2) * 64
+    case = Case(batch=1, seq_len=64, num_heads=2, head_dim=8, dtype="float32", causal=True)
+    full = Case(batch=1, seq_len=64, num_heads=2, head_dim=8, dtype="float32")
+    impl = IMPLEMENTATIONS["dense"]
+    assert impl.flops(case, "fwd") == 4 * 2 * (64 * 65 // 2) * 8
+    assert impl.flops(full, "fwd") == 4 * 2 * 64 * 64 * 8
+
+
+def test_summary_statistics_by_hand():
+    from dilated.bench.timing import summarize
+
+    t = summarize([5.0, 1.0, 3.0, 2.0, 4.0, 100.0])
+    assert t["median"] == t["p50"] == 3.5 and t["min"] == 1.0 and t["max"] == 100.0
+    assert t["mean"] == pytest.approx(115.0 / 6) and t["n"] == 6
+    assert t["p10"] == pytest.approx(1.5) and t["p90"] == pytest.approx(52.5)  # linear between order statistics
+    assert summarize([7.0])["median"] == 7.0 and summarize([2.0, 9.0, 4.0])["median"] == 4.0
+
+
 def _run_script(script, *args, tmp_path):
     out = tmp_path / "run.jsonl"
     res = subprocess.run([sys.executable, str(ROOT / script), "--quick", "--no-progress", "--output", str(out), *args],

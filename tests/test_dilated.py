@@ -62,6 +62,33 @@ def test_improved_in_place_matches_reference(case, causal, batch, gen, monkeypat
         assert rel_err(g, rg) < 2 * TOL[torch.float32]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_in_place_calls_over_several_segments(causal, gen, monkeypatch):
+    """In-place plans whose r > 1 branches span several segments: one call per segment holding all
+    offsets (count 2 and 4, fewer calls than offsets) and one call per offset over all segments."""
+    from dilated.backends.sdpa import SDPABackend
+    from dilated.pattern_cache import build_plan
+
+    monkeypatch.setattr(SDPABackend, "reads_strided_rows", lambda self, q, k, causal: True)
+    monkeypatch.setattr("dilated.pattern_cache.in_place_min_tiles", lambda device: 0)
+    n, h, segs, dils = 64, 8, [8, 16, 32], [1, 8, 8]
+    plan = build_plan(n, h, h, segs, dils, "cpu", batch=1, in_place_tiles=0)
+    per_segment = [c for c in plan if c.mode == "diag" and c.in_place]
+    assert len(per_segment) == 4 + 2 and {c.start for c in per_segment} == {0, 16, 32, 48}
+    plan2 = build_plan(n, 4, 4, [8, 16], [1, 2], "cpu", batch=2, in_place_tiles=0)
+    assert any(c.mode == "offset" and c.in_place and c.count == 4 for c in plan2)
+    for (b, hh, sg, dl) in ((1, h, segs, dils), (2, 4, [8, 16], [1, 2])):
+        q, k, v = (rand(b, n, hh, 16, gen=gen, requires_grad=True) for _ in range(3))
+        out = dilated.improved_dilated_attention(q, k, v, sg, dl, causal=causal, backend="sdpa")
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = dilated_reference(qd, kd, vd, sg, dl, causal)
+        assert rel_err(out, ref) < TOL[torch.float32]
+        dout = rand(b, n, hh, 16, gen=gen)
+        for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout),
+                         torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+            assert rel_err(g, rg) < 2 * TOL[torch.float32]
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "manual"])
 def test_backends_agree_under_dilated(backend, gen):
     q, k, v = (rand(1, 48, 4, 16, gen=gen, requires_grad=True) for _ in range(3))
