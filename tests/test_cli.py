@@ -161,7 +161,7 @@ def test_a_wrong_kernel_fails_its_check_and_the_run_exits_1(wrong_implementation
     for mode in ("fwd", "fwd_bwd"):
         r = by[(wrong_implementation, mode)]
         assert r["check_failed"] and r["check"]["rel_err"] > 0.05
-    assert f"{wrong_implementation}/manual N=64 fwd: failed its check" in capsys.readouterr().out
+    assert f"{wrong_implementation}/manual N=64 fwd: failed its check (rel err" in capsys.readouterr().out
 
 
 def test_an_error_row_exits_1_oom_and_unsupported_exit_0(tmp_path):
@@ -321,3 +321,62 @@ def test_compare_exits_1_when_new_cannot_vouch_for_old(tmp_path):
 def test_compare_warns_when_the_runs_differ_in_gpu(tmp_path):
     code, text = _compare(_rows(tmp_path / "a.jsonl"), _rows(tmp_path / "b.jsonl", gpu="H100"))
     assert code == 0 and "warning: the runs differ in gpu" in text
+
+
+# -- correctness reports -----------------------------------------------------------------------
+
+def test_determinism_and_input_scales_are_rows(tmp_path):
+    out = tmp_path / "s.jsonl"
+    implementations_main([*TINY, "--seq-lengths", "64", "--implementations", "dense,improved", "--backend", "manual",
+                          "--mode", "fwd_bwd", "--input-scales", "0.01,1,100", "--check-determinism",
+                          "--output", str(out)])
+    rows = read_jsonl(str(out))
+    assert sorted({r["config"].get("input_scale", 1.0) for r in rows}) == [0.01, 1.0, 100.0]
+    for r in rows:
+        d = r["determinism"]
+        assert d["output_bit_identical"] is True and d["grads_bit_identical"] == [True, True, True]
+        assert r["check"]["nonfinite_outputs"] == 0 and "rel_err" in r["check"]
+
+
+def test_determinism_sees_a_kernel_that_is_not_deterministic(tmp_path):
+    calls = []
+
+    def build(case, backend):
+        def fn(q, k, v):
+            calls.append(1)
+            return q * (1.0 + 1e-7 * len(calls))  # a different last bit on every call
+        return fn
+
+    impl = register_implementation(Implementation("drifts_for_test", "dense", build))
+    try:
+        case = Case(batch=1, seq_len=8, num_heads=1, head_dim=4, dtype="float32")
+        row = run_sweep([(impl, case, "manual")], RunOptions(reps=2, warmup=1, check=False, check_determinism=True),
+                        None, "t", progress=False)[0]
+        assert row["determinism"]["output_bit_identical"] is False
+    finally:
+        del IMPLEMENTATIONS["drifts_for_test"]
+
+
+def test_non_finite_outputs_are_counted_and_fail_the_check(tmp_path):
+    def build(case, backend):
+        def fn(q, k, v):
+            out = q * 1.0
+            out[0, 0, 0, 0] = float("nan")
+            return out
+        return fn
+
+    impl = register_implementation(Implementation("nan_for_test", "dense", build))
+    try:
+        case = Case(batch=1, seq_len=8, num_heads=1, head_dim=4, dtype="float32")
+        row = run_sweep([(impl, case, "manual")], RunOptions(reps=2, warmup=1), None, "t", progress=False)[0]
+        assert row["check"]["nonfinite_outputs"] == 1 and row["check_failed"]
+    finally:
+        del IMPLEMENTATIONS["nan_for_test"]
+
+
+def test_float64_rows_run_and_pass(tmp_path):
+    out = tmp_path / "f64.jsonl"
+    assert implementations_main([*TINY, "--seq-lengths", "64", "--dtype", "float64", "--mode", "fwd,fwd_bwd",
+                                 "--implementations", "dense,dilated,improved,multihead", "--output", str(out)]) == 0
+    rows = read_jsonl(str(out))
+    assert len(rows) == 8 and all(r["status"] == "ok" and r["check"]["rel_err"] < 1e-12 for r in rows)

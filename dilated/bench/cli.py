@@ -71,6 +71,15 @@ def str_list(text) -> list[str]:
     return items
 
 
+def float_list(text) -> list[float]:
+    if isinstance(text, (list, tuple)):
+        text = ",".join(map(str, text))
+    items = [t for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"an empty list: {text!r}")
+    return [positive_float(t) for t in items]
+
+
 def positive_int(text) -> int:
     return _number(text, int, lambda v: v >= 1, "a whole number >= 1")
 
@@ -137,6 +146,10 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
                    help="bfloat16 (GPU default), float32 (CPU default), float16, float64")
     g.add_argument("--mode", type=str_list, default=mode, help="fwd, bwd, fwd_bwd (comma list)")
     g.add_argument("--backend", type=str_list, default="auto", help="attention backend(s), comma list")
+    g.add_argument("--input-scales", type=float_list, default=[1.0],
+                   help="stability scenario: q and k (a module's input) multiplied by each of these (logits by its "
+                        "square), e.g. 0.01,0.1,1,10,100,1e4; each row records its error against float64 and the "
+                        "non-finite values of its output")
     g.add_argument("--inputs", default=None, metavar="DIR",
                    help="captured tensors: a directory of .pt files, each a dict of q, k, v [B, N, H, D] "
                         "(or x [B, N, E] for modules), loaded with weights_only; shapes come from the files")
@@ -153,6 +166,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
                    help="at most about this many seconds per row: warm-up and timed calls stop once it is spent "
                         "(at least one timed call)")
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
+    t.add_argument("--check-determinism", action="store_true",
+                   help="run each configuration twice more on the same inputs and record whether its output and "
+                        "gradients are bit-identical (row field 'determinism')")
     t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows and their --floor; marked in results)")
     t.add_argument("--no-l2-flush", action="store_true")
     t.add_argument("--floor", action="store_true",
@@ -308,7 +324,7 @@ def run_options(args) -> RunOptions:
                       cuda_graph=args.cuda_graph, flush_l2=not args.no_l2_flush,
                       memory_budget_mib=args.memory_budget_mib, seed=args.seed, device=args.device,
                       floor=args.floor, settle_s=args.settle_s, warmup_s=args.warmup_s,
-                      rep_s=args.rep_s)
+                      rep_s=args.rep_s, check_determinism=args.check_determinism)
 
 
 def default_dtype(args) -> str:
@@ -374,9 +390,14 @@ def exit_status(rows, what: str = "row") -> int:
     bad = [r for r in rows if r.get("status") == "error" or r.get("check_failed")]
     for r in bad:
         cfg = r.get("config") or {}
-        why = (f"error: {r.get('reason')}" if r.get("status") == "error"
-               else f"failed its check (rel err {r['check']['rel_err']:.3g} > tolerance {r['check']['tolerance']:g})")
-        print(f"{what} {r.get('implementation')}/{r.get('backend')} N={cfg.get('seq_len')} {r.get('mode')}: {why}")
+        if r.get("status") == "error":
+            why = f"error: {r.get('reason')}"
+        else:
+            c = r["check"]
+            errs = f"rel err {c['rel_err']:.3g}" + (f", gradients {c['grad_rel_err']:.3g}" if "grad_rel_err" in c else "")
+            why = f"failed its check ({errs}; tolerance {c['tolerance']:g}, gradients {2 * c['tolerance']:g})"
+        scale = f" inputs x{cfg['input_scale']:g}" if cfg.get("input_scale", 1.0) != 1.0 else ""
+        print(f"{what} {r.get('implementation')}/{r.get('backend')} N={cfg.get('seq_len')} {r.get('mode')}{scale}: {why}")
     return 1 if bad else 0
 
 

@@ -183,11 +183,11 @@ class DistributedImplementation(Implementation):
         g = torch.Generator(device=device).manual_seed(seed)
         n = case.seq_len // p
 
-        def r(h):
-            return torch.randn(case.batch, n, h, case.head_dim, generator=g, device=device,
-                               dtype=case.torch_dtype).requires_grad_(requires_grad)
+        def r(h, scale=1.0):
+            return (torch.randn(case.batch, n, h, case.head_dim, generator=g, device=device, dtype=case.torch_dtype)
+                    * scale).requires_grad_(requires_grad)
 
-        return r(case.num_heads), r(case.kv_heads), r(case.kv_heads)
+        return r(case.num_heads, case.input_scale), r(case.kv_heads, case.input_scale), r(case.kv_heads)
 
     def gather(self, t):
         full_bytes = t.numel() * t.element_size() * dist.get_world_size(self.group)

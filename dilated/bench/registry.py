@@ -40,6 +40,7 @@ class Case:
     mode: str = "fwd"
     segment_lengths: tuple | None = None
     dilation_rates: tuple | None = None
+    input_scale: float = 1.0  # q and k (a module's x) multiplied by it: logits scale by its square
 
     @property
     def kv_heads(self) -> int:
@@ -57,6 +58,8 @@ class Case:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         for k in ("segment_lengths", "dilation_rates"):
             d[k] = list(d[k]) if d[k] is not None else None
+        if d["input_scale"] == 1.0:  # the usual inputs: rows keep the keys they always had
+            del d["input_scale"]
         return d
 
 
@@ -85,11 +88,12 @@ class Implementation:
         def r(*shape):
             return torch.randn(*shape, generator=dev_gen, device=device, dtype=case.torch_dtype)
 
+        s = case.input_scale
         if self.kind == "module":
-            x = r(case.batch, case.seq_len, case.num_heads * case.head_dim)
+            x = r(case.batch, case.seq_len, case.num_heads * case.head_dim) * s
             return (x.requires_grad_(requires_grad),)
-        q = r(case.batch, case.nq, case.num_heads, case.head_dim)
-        k = r(case.batch, case.seq_len, case.kv_heads, case.head_dim)
+        q = r(case.batch, case.nq, case.num_heads, case.head_dim) * s
+        k = r(case.batch, case.seq_len, case.kv_heads, case.head_dim) * s
         v = r(case.batch, case.seq_len, case.kv_heads, case.head_dim)
         return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 

@@ -31,6 +31,8 @@ def _cfg_title(cfg):
     if cfg.get("num_kv_heads") and cfg["num_kv_heads"] != cfg["num_heads"]:
         parts.append(f"Hkv={cfg['num_kv_heads']}")
     parts += [cfg["dtype"], "causal" if cfg["causal"] else "non-causal", cfg["mode"]]
+    if cfg.get("input_scale", 1.0) != 1.0:
+        parts.append(f"inputs x{cfg['input_scale']:g}")
     if cfg.get("segment_lengths"):
         parts.append(f"w={cfg['segment_lengths']} r={cfg['dilation_rates']}")
     return " ".join(parts)

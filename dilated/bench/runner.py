@@ -43,6 +43,7 @@ class RunOptions:
     # GPU (it reaches its power cap's steady clocks within that, so repeats agree), 0 on CPU
     warmup_s: float | None = None
     rep_s: float | None = None
+    check_determinism: bool = False  # run the step twice more on the same inputs: bit-identical results?
 
 
 class OverBudget(RuntimeError):
@@ -144,8 +145,36 @@ def _check(impl, case, inputs, model, out, mode, grads, dout):
         res["max_abs_err"], res["rel_err"] = _rel(out[:, rows], ref)
         if mode != "fwd":
             res["grad_check"] = "skipped: gradients are checked only where the float64 reference fits"
+    res["nonfinite_outputs"] = int((~torch.isfinite(out)).sum()) if isinstance(out, torch.Tensor) else None
+    if grads is not None:
+        res["nonfinite_grads"] = sum(int((~torch.isfinite(g)).sum()) for g in grads if isinstance(g, torch.Tensor))
     res["passed"] = res["rel_err"] <= tol and res.get("grad_rel_err", 0.0) <= 2 * tol and math.isfinite(res["rel_err"])
     return res
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8).clone()
+
+
+def _determinism(impl, ranks, inputs, holder, zero_grads, setup, step, needs_grad) -> dict:
+    """Run the step twice on the same inputs: are the output and the gradients bit-identical?
+    (on every rank, for a distributed row)."""
+    runs = []
+    for _ in range(2):
+        def once():
+            zero_grads()
+            if setup:
+                setup()
+            step()
+            runs.append((_bits(holder["out"]), [_bits(t.grad) for t in inputs] if needs_grad else []))
+        ranks.guard(once)()
+    ranks.settle("determinism runs done")
+    (out1, grads1), (out2, grads2) = runs
+    differs = impl.reduce_max([float(not torch.equal(out1, out2))]
+                              + [float(not torch.equal(a, b)) for a, b in zip(grads1, grads2)])
+    return {"output_bit_identical": differs[0] == 0,
+            "grads_bit_identical": [d == 0 for d in differs[1:]] if needs_grad else None,
+            "runs": 2}
 
 
 def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, extra: dict | None = None,
@@ -308,6 +337,8 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
                     ranks.record(e)
                 ranks.settle("checked")
             row["check_failed"] = not row["check"]["passed"]
+        if opts.check_determinism:
+            row["determinism"] = _determinism(impl, ranks, inputs, holder, zero_grads, setup, step, needs_grad)
     except KeyboardInterrupt:
         raise
     except FailedOnRanks as e:  # the same status on every rank, naming the ranks that failed and why

@@ -30,11 +30,12 @@ def _cases(args, seq_lengths, modes, **overrides):
     for n in seq_lengths:
         segs, dils = _schedule(args, n)
         for mode in modes:
-            kw = dict(batch=args.batch_size, seq_len=n, num_heads=args.num_heads, head_dim=args.head_dim,
-                      num_kv_heads=args.num_kv_heads, dtype=dtype, causal=args.causal, mode=mode,
-                      segment_lengths=segs, dilation_rates=dils)
-            kw.update(overrides)
-            yield Case(**kw)
+            for scale in args.input_scales:
+                kw = dict(batch=args.batch_size, seq_len=n, num_heads=args.num_heads, head_dim=args.head_dim,
+                          num_kv_heads=args.num_kv_heads, dtype=dtype, causal=args.causal, mode=mode,
+                          segment_lengths=segs, dilation_rates=dils, input_scale=scale)
+                kw.update(overrides)
+                yield Case(**kw)
 
 
 def _jobs(args, impls, backends, seq_lengths, modes, **overrides):
@@ -133,11 +134,11 @@ def backends_main(argv=None) -> int:
                             causal=args.causal, segment_lengths=None, dilation_rates=None)
                 cases = []
                 if "prefill" in args.scenarios:
-                    cases += [Case(batch=args.batch_size, seq_len=n, mode=m, **base)
-                              for n in args.seq_lengths for m in args.mode]
+                    cases += [Case(batch=args.batch_size, seq_len=n, mode=m, input_scale=s, **base)
+                              for n in args.seq_lengths for m in args.mode for s in args.input_scales]
                 if "decode" in args.scenarios:
-                    cases += [Case(batch=b, seq_len=n, q_len=1, mode="fwd", **base)
-                              for n in kv_lengths for b in batches]
+                    cases += [Case(batch=b, seq_len=n, q_len=1, mode="fwd", input_scale=s, **base)
+                              for n in kv_lengths for b in batches for s in args.input_scales]
                 for case in cases:
                     jobs += [(dense, case, name) for name in names]
                     if case.q_len is None:
@@ -442,7 +443,8 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
             segs, dils = schedule(big_n) if impl.kind == "dilated" else (None, None)
             out += [Case(batch=args.batch_size, seq_len=big_n, num_heads=args.num_heads, head_dim=args.head_dim,
                          num_kv_heads=args.num_kv_heads, dtype=dtype, causal=args.causal, mode=m,
-                         segment_lengths=segs, dilation_rates=dils) for m in args.mode]
+                         segment_lengths=segs, dilation_rates=dils, input_scale=s)
+                    for m in args.mode for s in args.input_scales]
         return out
 
     def baseline_case(case, p_):
