@@ -66,7 +66,7 @@ def _dilated_modules(backend):
 
 
 @pytest.mark.parametrize("how,which", STRIDED[:4])
-@pytest.mark.parametrize("backend", ["sdpa_flash", "manual"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("name", ["dilated", "improved"])
 def test_dilated_reads_strided_inputs_right(name, backend, how, which, gen):
     q, k, v = (rand(1, 32, 4, 8, gen=gen) for _ in range(3))

@@ -305,7 +305,8 @@ def check_args(p: argparse.ArgumentParser, args, implementations: list[str] | No
     if getattr(args, "append", False) and not getattr(args, "output", None):
         usage_error(p, "--append needs --output FILE")
     output = getattr(args, "output", None)
-    if output and os.path.exists(output) and not getattr(args, "append", False):
+    writer = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0  # only rank 0 writes rows
+    if writer and output and os.path.exists(output) and not getattr(args, "append", False):
         usage_error(p, f"--output {output} exists; give --append to add rows to it, or another path")
     if output and not output.endswith(".jsonl"):
         usage_error(p, f"--output {output}: results are JSON lines; name the file *.jsonl")
