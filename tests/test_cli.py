@@ -219,6 +219,28 @@ def test_time_budget_bounds_a_row_whose_one_call_is_longer(tmp_path):
         del IMPLEMENTATIONS["slow_for_test"]
 
 
+def test_time_budget_bounds_a_row_of_calls_shorter_than_it():
+    calls = []
+
+    def build(case, backend):
+        def fn(q, k, v):
+            calls.append(1)
+            time.sleep(0.1)
+            return q * 1.0
+        return fn
+
+    impl = register_implementation(Implementation("slowish_for_test", "dense", build))
+    try:
+        case = Case(batch=1, seq_len=8, num_heads=1, head_dim=4, dtype="float32")
+        t = time.perf_counter()
+        row = run_sweep([(impl, case, "manual")], RunOptions(reps=50, warmup=10, budget_s=0.35, check=False), None,
+                        "t", progress=False)[0]
+        # the first (probe) call, then warm-up up to a quarter of the budget and timed calls up to all of it
+        assert time.perf_counter() - t < 1.0 and len(calls) <= 8 and 1 <= row["time_ms"]["n"] <= 5, len(calls)
+    finally:
+        del IMPLEMENTATIONS["slowish_for_test"]
+
+
 # -- results files -----------------------------------------------------------------------------
 
 def test_an_existing_output_is_refused_unless_append(tmp_path, capsys):

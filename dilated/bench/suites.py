@@ -246,7 +246,7 @@ def extreme_main(argv=None) -> int:
         args.device = args.device or str(device)
     lead = rank == 0  # only rank 0 runs the single-device implementations, prints and writes
     if args.time_budget is None and gpu:
-        args.time_budget = 5.0  # seconds per row: at least 1 warm-up and 3 timed calls (dense at 1M: ~15 s a call)
+        args.time_budget = 5.0  # seconds per row (dense at 1M: ~15 s a call: its first call is its one sample)
     args.plot = not args.no_plot and _have_matplotlib()
     names = args.implementation
     if names == ["all"]:

@@ -41,8 +41,8 @@ def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | 
     as triton's ``do_bench``: a GPU at its power cap lowers its clocks within a row's calls).
     Timed calls: ``reps``, and on until ``rep_s`` seconds of them have run, so that the median
     spans the swings of a power-capped GPU's clocks rather than one phase of them.
-    With ``budget_s``, warm-up and repetitions also stop once that much wall time is spent (at
-    least one warm-up and three timed calls): long calls get fewer samples, short ones ``reps``.
+    With ``budget_s``, warm-up (a quarter of it) and repetitions also stop once that much wall time
+    is spent, after at least one timed call: long calls get fewer samples, short ones ``reps``.
     ``cuda_graph`` captures ``step`` once and times replays (only for steps without ``setup``).
     ``agree(more) -> bool``: where several ranks time together, makes each go-on-or-stop decision
     the same on all of them (a rank that stopped alone would leave the others waiting).
@@ -74,7 +74,7 @@ def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budg
 
     t0 = time.perf_counter()
     done = 0
-    while more(done, warmup, warmup_s, t0, None if budget_s is None else budget_s / 4, 1):
+    while more(done, warmup, warmup_s, t0, None if budget_s is None else budget_s / 4, 0):
         for step, setup in steps:
             if setup:
                 setup()
@@ -86,7 +86,7 @@ def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budg
         torch.cuda.synchronize(device)
     samples = [[] for _ in steps]
     t0 = time.perf_counter()
-    while more(len(samples[0]), reps, rep_s, t0, budget_s, 3):
+    while more(len(samples[0]), reps, rep_s, t0, budget_s, 1):
         for (step, setup), out in zip(steps, samples):
             if setup:
                 setup()
