@@ -22,9 +22,11 @@ None of the private ops support GQA, so k/v are expanded above the backend.
 
 Non-finite inputs: a NaN/Inf in q or k reaches exactly the rows that read it. The fused kernels
 multiply a causal tile's zero probabilities by its V rows, so a NaN/Inf in *v* under a causal mask
-also reaches the rows before it within that tile (more rows NaN, never a finite wrong row); the
-math kernel adds the causal mask to the scores (NaN + -inf = NaN), so its causal calls with a
-non-finite k or v are computed with the mask applied by ``masked_fill`` instead.
+would also reach the rows before it within that tile: on a CPU such calls (found by one pass over
+v) take the exact masked computation; on CUDA, where that pass would cost a few percent of every
+call, they do not (more rows NaN, never a finite wrong row). The math kernel adds the causal mask
+to the scores (NaN + -inf = NaN), so its causal calls with a non-finite k or v are computed with
+the mask applied by ``masked_fill`` instead.
 """
 from __future__ import annotations
 
@@ -99,6 +101,12 @@ class SDPABackend(Backend):
     # -- compute ------------------------------------------------------------------------
     def forward(self, q, k, v, causal, scale):
         kern = self._resolve(q, k, causal)
+        if causal and q.device.type == "cpu" and not bool(torch.isfinite(v).all()):
+            # the fused kernel's causal tiles multiply zero probabilities by every V row of the tile,
+            # so a non-finite value would reach rows before it: on a CPU the check is cheap (one pass
+            # over v against a quadratic kernel), and such calls take the exact masked computation
+            with torch.no_grad():
+                return ManualBackend().forward(q, k, v, causal, scale)
         qt, kt, vt = to_bhnd(q), to_bhnd(k), to_bhnd(v)
         if kern == "flash" and q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=scale)
