@@ -9,7 +9,6 @@ pass ``gamma_init``; 1.0 by default), biases zero.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
@@ -85,7 +84,3 @@ def layer_norm_rows(norm: nn.LayerNorm, x: torch.Tensor, max_elements: int = LAY
         out[:, s:s + rows] = norm(x[:, s:s + rows])
     return out
 
-
-def magneto_gamma(num_layers: int) -> float:
-    """MAGNETO's initialisation gain for an encoder of ``num_layers`` layers."""
-    return math.sqrt(math.log(2 * num_layers))

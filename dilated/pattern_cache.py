@@ -129,13 +129,6 @@ class PatternCache:
             self._plans.popitem(last=False)
         return value
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, causal: bool,
-             in_place: bool = False):
-        """The plan for these inputs; ``in_place``: the kernel reads strided rows."""
-        key = (tuple(q.shape), k.shape[2], tuple(segment_lengths), tuple(dilation_rates), causal,
-               str(q.device), q.dtype, in_place)
-        return self.get(key, lambda: plan_for(q, k, segment_lengths, dilation_rates, in_place))
-
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "size": len(self._plans), "max_entries": self.max_entries}
 

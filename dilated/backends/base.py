@@ -25,8 +25,6 @@ class Backend:
     native_gqa: bool = False
     #: whether backward() is implemented.
     supports_backward: bool = True
-    #: a one-line note on how lse (and its use in backward) is obtained, shown in docs/reports.
-    lse_source: str = ""
 
     # -- availability -------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> str | None:

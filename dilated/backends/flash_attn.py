@@ -28,7 +28,6 @@ def _import():
 class FlashAttn2Backend(Backend):
     name = "flash_attn"
     native_gqa = True
-    lse_source = "public flash_attn_func(return_attn_probs=True); backward via _flash_attn_backward(out, lse)"
 
     def unavailable_reason(self, device):
         if device.type != "cuda":

@@ -28,7 +28,6 @@ def _import():
 class FlashAttn3Backend(Backend):
     name = "flash_attn_3"
     native_gqa = True
-    lse_source = "public flash_attn_interface.flash_attn_func returns it; backward via _flash_attn_backward(out, lse)"
 
     def unavailable_reason(self, device):
         if device.type != "cuda":

@@ -22,7 +22,6 @@ def _import():
 class FlashAttn4Backend(Backend):
     name = "flash_attn_4"
     native_gqa = True
-    lse_source = "flash_attn.cute.interface._flash_attn_fwd(return_lse=True); backward via _flash_attn_bwd(out, lse)"
 
     def unavailable_reason(self, device):
         if device.type != "cuda":

@@ -53,7 +53,6 @@ def _lse_kwargs():
 class FlexBackend(Backend):
     name = "flex"
     native_gqa = True
-    lse_source = "flex_attention returns it; backward by autograd through flex with rescaled cotangents"
 
     def unavailable_reason(self, device):
         try:

@@ -59,7 +59,6 @@ def _pv(p, v, s):
 class ManualBackend(Backend):
     name = "manual"
     native_gqa = False
-    lse_source = "exact logsumexp of the float32 (float64) scores; backward written out from (out, lse)"
 
     def forward(self, q, k, v, causal, scale):
         acc = _acc_dtype(q)

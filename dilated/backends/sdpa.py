@@ -58,13 +58,6 @@ class SDPABackend(Backend):
     def __init__(self, kernel: str | None):
         self.kernel = kernel
         self.name = "sdpa" if kernel is None else f"sdpa_{kernel}"
-        self.lse_source = {
-            None: "PyTorch's choice of kernel, then that kernel's private op",
-            "flash": "private op aten._scaled_dot_product_flash_attention(_for_cpu) returns it",
-            "efficient": "private op aten._scaled_dot_product_efficient_attention(compute_log_sumexp=True)",
-            "cudnn": "private op aten._scaled_dot_product_cudnn_attention(compute_log_sumexp=True)",
-            "math": "second pass (logsumexp of the scores); backward by autograd with rescaled cotangents",
-        }[kernel]
 
     # -- availability -------------------------------------------------------------------
     def unavailable_reason(self, device):

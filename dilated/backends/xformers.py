@@ -29,7 +29,6 @@ def _bias(xops, causal):
 class XFormersBackend(Backend):
     name = "xformers"
     native_gqa = False
-    lse_source = "memory_efficient_attention_forward_requires_grad returns it; backward via memory_efficient_attention_backward(out, lse)"
 
     def unavailable_reason(self, device):
         if device.type != "cuda":

@@ -1,16 +1,15 @@
 """The sweeps behind the benchmark scripts: arguments in, (implementation, case, backend) jobs out."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
 
 import dilated
 
-from .cli import (BenchParser, script_main, add_common_args, apply_quick, default_dtype, default_schedule, exit_status, finish, int_list,
-                  nonnegative_float, open_writer, parse_with_config, positive_float, run_options, size_list, str_list,
-                  usage_error)
+from .cli import (BenchParser, add_common_args, apply_quick, default_dtype, default_schedule, exit_status, finish,
+                  int_list, open_writer, parse_with_config, positive_float, run_options, script_main, size_list,
+                  str_list, usage_error)
 from .captured import captured_case, load_captured
 from .registry import Case, get_implementation, implementation_names
 from .results import write_json
@@ -378,8 +377,6 @@ def _init_for_benchmark(args):
 
 
 def distributed_args(description: str, default_impls: list[str]):
-    from .cli import size_list
-
     gpu = torch.cuda.is_available()
     p = BenchParser(description=description)
     add_common_args(p, seq_lengths="128k" if gpu else "1024", batch=1, heads=16 if gpu else 4,
