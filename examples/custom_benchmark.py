@@ -24,7 +24,7 @@ gpu = torch.cuda.is_available()
 cases = [Case(batch=1, seq_len=n, num_heads=8, head_dim=64, dtype="bfloat16" if gpu else "float32", mode=mode)
          for n in ([4096, 16384] if gpu else [512, 1024]) for mode in ("fwd", "fwd_bwd")]
 jobs = [(get_implementation(name), c, "auto") for c in cases for name in ("mine", "dense")]
-writer = ResultWriter(f"results/{device_slug()}/custom_benchmark.jsonl")
+writer = ResultWriter.fresh(f"results/{device_slug()}", "custom_benchmark")  # a new file per run
 rows = run_sweep(jobs, RunOptions(warmup=2, reps=5), writer, "custom_benchmark")
 print(format_tables(rows, baseline="dense"))
 print(f"\nresults: {writer.path}")

@@ -129,3 +129,23 @@ def test_bad_scale(gen):
     q = rand(1, 4, 2, 8, gen=gen)
     with pytest.raises(ValueError, match="scale"):
         dilated.attention(q, q, q, scale=-1.0)
+
+
+def test_no_process_wide_settings_change_by_using_the_library(monkeypatch):
+    """flex raises dynamo's recompile limits only around its own calls; the library never pins
+    glibc's malloc threshold (benchmark programs do)."""
+    import torch._dynamo
+
+    from dilated.backends.flex import recompile_limits
+    from dilated.bench import memory
+
+    cfg = torch._dynamo.config
+    before = cfg.recompile_limit
+    with recompile_limits():
+        assert cfg.recompile_limit >= 1024
+    assert cfg.recompile_limit == before
+    monkeypatch.setattr(memory, "_MALLOC_PINNED", False)  # as in a process that ran no benchmark program
+    q = torch.randn(1, 16, 2, 8)
+    with memory.PeakMemory("cpu"):
+        dilated.attention(q, q, q)
+    assert not memory.large_allocations_tracked()

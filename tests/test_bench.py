@@ -239,7 +239,7 @@ def test_custom_benchmark_example_runs(tmp_path):
     assert len(example.read_text().splitlines()) < 40
     res = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = read_jsonl(str(next(tmp_path.glob("results/*/custom_benchmark.jsonl"))))
+    rows = read_jsonl(str(next(tmp_path.glob("results/*/custom_benchmark-*.jsonl"))))
     assert {r["implementation"] for r in rows} == {"mine", "dense"} and all(r["check"]["passed"] for r in rows)
 
 

@@ -21,14 +21,18 @@ from .base import Backend, to_bhnd
 def _compiled():
     from torch.nn.attention.flex_attention import flex_attention
 
-    # one compiled kernel per shape (dilated attention calls several); past dynamo's default
-    # recompile limit (8) flex would silently fall back to its eager, unfused form
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                 "accumulated_cache_size_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), 1024))
     return torch.compile(flex_attention, dynamic=False)
+
+
+_LIMITS = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit")
+
+
+def recompile_limits():
+    """Dynamo's recompile limits raised for the duration of a flex call, then restored: one compiled
+    kernel per shape (dilated attention calls several), and past dynamo's default limit (8) flex
+    would silently fall back to its eager, unfused form. The rest of the process keeps its limits."""
+    cfg = torch._dynamo.config
+    return cfg.patch(**{name: max(getattr(cfg, name), 1024) for name in _LIMITS if hasattr(cfg, name)})
 
 
 @functools.lru_cache(maxsize=64)
@@ -79,8 +83,9 @@ class FlexBackend(Backend):
     def forward_autograd(self, q, k, v, causal, scale):
         kwargs, unpack = _lse_kwargs()
         mask = _causal_mask(q.shape[1], k.shape[1], str(q.device)) if causal else None
-        res = _compiled()(
-            to_bhnd(q), to_bhnd(k), to_bhnd(v), block_mask=mask, scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2], **kwargs)
+        with recompile_limits():
+            res = _compiled()(
+                to_bhnd(q), to_bhnd(k), to_bhnd(v), block_mask=mask, scale=scale,
+                enable_gqa=q.shape[2] != k.shape[2], **kwargs)
         out, lse = unpack(res)
         return out.transpose(1, 2), lse.float()

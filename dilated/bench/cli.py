@@ -359,6 +359,9 @@ def script_main(fn):
     exit status 1 and one clear message (the file keeps its whole rows)."""
     @functools.wraps(fn)
     def run(argv=None, *a, **kw):
+        from .memory import track_large_allocations
+
+        track_large_allocations()  # a benchmark program: CPU peak memory follows every large tensor
         try:
             return fn(argv, *a, **kw)
         except ResultsWriteError as e:

@@ -69,12 +69,17 @@ class TorchContextParallel(nn.Module):
             raise NotImplementedError(f"torch context parallel runs SDPA kernels only, not backend {name!r}")
         # context_parallel shards its buffers on entry: a two-element dummy keeps that to nothing,
         # and its load balancer follows _cp_options, which we set per call (causal -> head-tail).
+        # (restored after the call: a process-wide option of torch's).
+        before = _cp_options.enable_load_balance
         _cp_options.enable_load_balance = self.causal
-        dummy = torch.zeros(2 * self.mesh.size(), device=q.device)
-        with context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy}), \
-                sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[name])):
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=self.causal)
+        try:
+            dummy = torch.zeros(2 * self.mesh.size(), device=q.device)
+            with context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy}), \
+                    sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[name])):
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     is_causal=self.causal)
+        finally:
+            _cp_options.enable_load_balance = before
         return out.transpose(1, 2)
 
 

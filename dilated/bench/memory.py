@@ -21,8 +21,14 @@ def _rss_bytes(field: str) -> int | None:
 _MALLOC_PINNED = False
 
 
-def _track_large_allocations() -> None:
-    """Make glibc serve every allocation above 64 KiB with its own mmap, returned on free.
+def large_allocations_tracked() -> bool:
+    return _MALLOC_PINNED
+
+
+def track_large_allocations() -> None:
+    """Make glibc serve every allocation above 64 KiB with its own mmap, returned on free: a setting
+    of the whole process, for the benchmark programs (their entry points call it), not done by
+    merely using the library.
 
     By default glibc raises that threshold as large blocks are freed (up to 32 MiB) and then reuses
     freed heap memory, so a call's tensors would not show in the resident set and peak RSS would
@@ -65,7 +71,6 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            _track_large_allocations()
             self._ok = _reset_cpu_peak()
             self._base = _rss_bytes("VmRSS")
         return self

@@ -14,7 +14,7 @@ from dilated.backends import BackendUnavailableError
 
 from . import env as envmod
 from .flops import peak_tflops
-from .memory import PeakMemory, free_memory, is_oom
+from .memory import PeakMemory, free_memory, is_oom, large_allocations_tracked
 from .registry import Case, Implementation, device_generator
 from .results import ResultWriter
 from .timing import measure_side_by_side, summarize
@@ -251,7 +251,10 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             mem.peak_above_mib, mem.peak_total_mib = impl.reduce_max([mem.peak_above_mib, mem.peak_total_mib])
         row["memory"] = {"peak_above_inputs_mib": mem.peak_above_mib, "peak_total_mib": mem.peak_total_mib,
                          "min_theoretical_mib": impl.min_bytes(case, case.mode) / (1 << 20),
-                         "measure": "cuda allocator" if device.type == "cuda" else "process peak RSS"}
+                         "measure": "cuda allocator" if device.type == "cuda" else
+                         "process peak RSS" + ("" if large_allocations_tracked() else
+                                               " (glibc's mmap threshold not pinned: freed heap memory reused by "
+                                               "a call does not show; see memory.track_large_allocations)")}
         if opts.memory_budget_mib is not None and (mem.peak_above_mib or 0) > opts.memory_budget_mib:
             raise OverBudget(f"peak {mem.peak_above_mib:.1f} MiB exceeds the memory budget of {opts.memory_budget_mib} MiB")
         timed_setup = ranks.guard(setup)
