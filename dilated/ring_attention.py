@@ -280,3 +280,20 @@ class RingAttention(nn.Module):
         self.transport_used = self._resolve_transport(k, v)
         return _RingFunction.apply(q, k, v, impl, self.causal, scale, self.layout, self.group, self.stats,
                                    self.overlap, self.transport_used)
+
+
+_MODULES: dict = {}  # (group, settings) -> RingAttention: the agreed input signatures are kept per module
+
+
+def ring_attention(q, k, v, *, causal: bool = False, scale: float | None = None, backend: str = "auto",
+                   layout: str = "contiguous", group=None, transport: str = "auto"):
+    """Functional form of :class:`RingAttention`: exact attention over the global sequence from
+    this rank's shards ``[B, N/P, H, D]`` in ``layout`` (see :func:`dilated.shard`); differentiable.
+    Calls with the same settings on the same group share one module, so the ranks compare their
+    inputs once per signature, not per call."""
+    key = (id(group) if group is not None else None, causal, scale, backend, layout, transport)
+    module = _MODULES.get(key)
+    if module is None:
+        module = _MODULES[key] = RingAttention(causal=causal, scale=scale, backend=backend, layout=layout,
+                                               group=group, transport=transport)
+    return module(q, k, v)

@@ -233,6 +233,17 @@ def ranks_disagree(rank, world, port):
             assert what == "error" and odd and "4 dimensions" in str(e), e
         else:
             raise AssertionError(f"rank {rank}: no error when ranks disagree on {what}")
+    # the functional form gives the module's result and, like it, compares inputs once per signature
+    qf = torch.randn(1, 8, 2, 8, generator=torch.Generator().manual_seed(rank))
+    ref = dilated.RingAttention(causal=True, layout="zigzag", backend="manual")(qf, qf, qf)
+    for _ in range(2):
+        got = dilated.ring_attention(qf, qf, qf, causal=True, layout="zigzag", backend="manual")
+        assert torch.equal(got, ref)
+    try:
+        dilated.ring_attention(qf if rank else qf[:, :4], qf, qf, backend="manual")
+        raise AssertionError("ring_attention ran with disagreeing shapes")
+    except ValueError as e:
+        assert "disagree" in str(e) or "one length" in str(e), e
     # the group is still usable, and an agreed signature is checked once, not per call
     ring = dilated.RingAttention(backend="manual")
     same = torch.randn(1, 8, 2, 8, generator=torch.Generator().manual_seed(0))
