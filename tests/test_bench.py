@@ -309,3 +309,20 @@ def test_rep_seconds_extend_the_timed_calls_and_repeats_are_reported():
     assert "1.0% apart" in "\n".join(format_repeats(rows)) and "BEYOND" not in "\n".join(format_repeats(rows))
     assert "BEYOND 2%" in "\n".join(format_repeats(rows + [dict(row, time_ms={"median": 1.05})]))
     assert format_repeats(rows[:1]) == []
+
+
+def test_plot_lines_are_one_configuration_each():
+    from dilated.bench.report import scaling_efficiency, series_of
+
+    def row(n, q_len=None, d=64, status="ok"):
+        return {"implementation": "dense", "backend": "sdpa", "mode": "fwd", "status": status,
+                "config": Case(batch=1, seq_len=n, num_heads=2, head_dim=d, q_len=q_len).config()}
+
+    rows = [row(n, q, d) for n in (256, 512) for q in (None, 1) for d in (64, 128)] + [row(1024, status="oom")]
+    series = series_of(rows)
+    assert len(series) == 4  # prefill and decode, two head dims: never joined into one line
+    assert all(len({(r["config"]["q_len"], r["config"]["head_dim"]) for r in s}) == 1 for s in series.values())
+    assert any(r["status"] == "oom" for s in series.values() for r in s)
+    assert set(series_of([row(256), row(512)])) == {"dense/sdpa"}  # nothing varies: the plain name
+    weak = {"scaling": "weak", "efficiency": 0.25, "work_efficiency": 0.97}
+    assert scaling_efficiency(weak) == 0.97 and scaling_efficiency(dict(weak, scaling="strong")) == 0.25

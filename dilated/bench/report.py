@@ -196,8 +196,32 @@ def fit_exponent(xs, ys) -> float | None:
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else None
 
 
+_SERIES_FIELDS = (("batch", "B={}"), ("q_len", "Nq={}"), ("num_heads", "H={}"), ("num_kv_heads", "Hkv={}"),
+                  ("head_dim", "D={}"), ("dtype", "{}"), ("causal", "{}"), ("input_scale", "inputs x{:g}"))
+
+
+def series_of(rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows of each line of a plot against N: one line per implementation, backend, world size
+    and configuration (prefill and decode, head dims, dtypes, ... are separate lines; the label
+    names the fields that differ between lines)."""
+    def field(r, k):
+        v = r["config"].get(k, 1.0 if k == "input_scale" else None)
+        return ("causal" if v else "non-causal") if k == "causal" else v
+
+    varying = [(k, fmt) for k, fmt in _SERIES_FIELDS if len({str(field(r, k)) for r in rows}) > 1]
+    out = defaultdict(list)
+    for r in rows:
+        name = f"{r['implementation']}/{r['backend']}"
+        if r.get("world_size", 1) > 1:
+            name += f" P={r['world_size']}"
+        parts = [fmt.format(field(r, k)) if field(r, k) is not None else f"{k}=-" for k, fmt in varying]
+        out[" ".join([name, *parts])].append(r)
+    return dict(out)
+
+
 def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
-    """PNG plots of time, throughput and peak memory against sequence length, per mode."""
+    """PNG plots of time, throughput and peak memory against sequence length, per mode: one line
+    per configuration (:func:`series_of`), its lengths that ran out of memory marked x on the axis."""
     try:
         import matplotlib
 
@@ -205,12 +229,13 @@ def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("plotting needs matplotlib: pip install 'dilated[plot]'") from None
-    rows = [r for r in read_jsonl(jsonl_path) if r["status"] == "ok"]
+    all_rows = [r for r in read_jsonl(jsonl_path) if r["status"] in ("ok", "oom") and not r.get("check_failed")]
+    rows = [r for r in all_rows if r["status"] == "ok"]
     out_dir = out_dir or os.path.dirname(os.path.abspath(jsonl_path))
     stem = os.path.splitext(os.path.basename(jsonl_path))[0]
     written = []
     by_mode = defaultdict(list)
-    for r in rows:
+    for r in all_rows:
         by_mode[r["mode"]].append(r)
     metrics = [("time_ms", "time (ms, median)", lambda r: r["time_ms"]["median"]),
                ("tokens_per_s", "throughput (tokens/s)", lambda r: r["tokens_per_s"]),
@@ -218,19 +243,17 @@ def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
     for mode, mrows in by_mode.items():
         fig, axes = plt.subplots(1, 3, figsize=(18, 5))
         for ax, (_, label, get) in zip(axes, metrics):
-            series = defaultdict(list)
-            for r in mrows:
-                name = f"{r['implementation']}/{r['backend']}"
-                if r.get("world_size", 1) > 1:
-                    name += f" P={r['world_size']}"
-                series[name].append((r["config"]["seq_len"], get(r)))
-            for name, pts in sorted(series.items()):
-                pts = sorted(p for p in pts if p[1])
-                if not pts:
-                    continue
-                xs, ys = zip(*pts)
-                e = fit_exponent(xs, ys)
-                ax.plot(xs, ys, marker="o", label=f"{name} (N^{e:.2f})" if e is not None else name)
+            for name, srows in sorted(series_of(mrows).items()):
+                pts = sorted((r["config"]["seq_len"], get(r)) for r in srows if r["status"] == "ok" and get(r))
+                ooms = sorted(r["config"]["seq_len"] for r in srows if r["status"] == "oom")
+                color = None
+                if pts:
+                    xs, ys = zip(*pts)
+                    e = fit_exponent(xs, ys)
+                    color = ax.plot(xs, ys, marker="o", label=f"{name} (N^{e:.2f})" if e is not None else name)[0].get_color()
+                if ooms:  # on the axis: no value to plot, but where it stopped fitting
+                    ax.plot(ooms, [0.02] * len(ooms), "x", color=color, markersize=9, transform=ax.get_xaxis_transform(),
+                            label=f"{name}: oom")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length")
@@ -249,8 +272,15 @@ def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
     return written
 
 
+def scaling_efficiency(r: dict) -> float | None:
+    """What a scaling plot shows for a distributed row: strong scaling's ``T_1 / (P T_P)``; for weak
+    scaling the work efficiency (per-rank TFLOP/s over one GPU's), since ``T_1(n) / T_P(P n)`` falls
+    like 1/P for quadratic attention even when every GPU runs at full speed."""
+    return r.get("work_efficiency") if r.get("scaling") == "weak" else r.get("efficiency")
+
+
 def _plot_scaling(plt, rows, path, title):
-    """Scaling efficiency and per-GPU TFLOP/s against the number of ranks."""
+    """Scaling efficiency (strong) or work efficiency (weak) and per-GPU TFLOP/s against the ranks."""
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     series = defaultdict(list)
     for r in rows:
@@ -258,14 +288,17 @@ def _plot_scaling(plt, rows, path, title):
         n = c["seq_len"] if r.get("scaling") == "strong" else r.get("tokens_per_rank")
         name = (f"{r['implementation']} {r['mode']} {'causal' if c['causal'] else 'non-causal'} "
                 f"{'N' if r.get('scaling') == 'strong' else 'N/rank'}={n}")
-        series[name].append((r["world_size"], r["efficiency"], r.get("per_rank_tflops")))
+        series[name].append((r["world_size"], scaling_efficiency(r), r.get("per_rank_tflops")))
     for name, pts in sorted(series.items()):
         pts.sort()
         ps = [p[0] for p in pts]
         axes[0].plot(ps, [p[1] for p in pts], marker="o", label=name)
         axes[1].plot(ps, [p[2] for p in pts], marker="o", label=name)
+    kinds = {r.get("scaling") for r in rows}
     axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].set_ylabel("scaling efficiency")
+    axes[0].set_ylabel({frozenset({"strong"}): "scaling efficiency T_1 / (P T_P)",
+                        frozenset({"weak"}): "work efficiency (TFLOP/s per rank / one GPU's)"}.get(
+        frozenset(kinds), "strong: T_1 / (P T_P); weak: work efficiency"))
     axes[1].set_ylabel("TFLOP/s per rank")
     for ax in axes:
         ax.set_xlabel("ranks (P)")
