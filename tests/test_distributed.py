@@ -87,6 +87,9 @@ def test_distributed_benchmark_weak_scaling_and_ring_script(tmp_path):
                         "--implementations", "ring,ring_no_overlap,torch_cp")
     status = {r["implementation"]: r["status"] for r in rows}
     assert status["ring"] == status["ring_no_overlap"] == "ok"
+    from dilated.bench.report import format_scaling
+    tables = [line for line in format_scaling(rows, compare=True).splitlines() if line.endswith("every implementation")]
+    assert len(tables) == 1  # one problem, one comparison table with every implementation in it
     assert status["torch_cp"] == "unsupported"  # its ring needs CUDA SDPA kernels; a CPU run says so
 
 

@@ -313,35 +313,54 @@ def _plot_scaling(plt, rows, path, title):
 
 
 # -- scaling ------------------------------------------------------------------------------
-def format_scaling(rows: list[dict]) -> str:
-    """One table per (implementation, backend, mode, causal) of a distributed run, by world size."""
+def format_scaling(rows: list[dict], compare: bool = False) -> str:
+    """The rows of a distributed run by world size: one table per (implementation, backend, mode,
+    causal); with ``compare``, one table per problem (mode, causal, length) holding every
+    implementation side by side, fastest first at each world size (the ring script's comparison)."""
     groups = defaultdict(list)
     for r in rows:
         c = r["config"]
-        groups[(r["implementation"], r["backend"], c["mode"], c["causal"])].append(r)
+        if compare:
+            n = c["seq_len"] if r.get("scaling") != "weak" or r.get("role") == "baseline" else r.get("tokens_per_rank")
+            groups[(c["mode"], c["causal"], r.get("scaling"), n)].append(r)
+        else:
+            groups[(r["implementation"], r["backend"], c["mode"], c["causal"])].append(r)
     out = []
     head = (f"{'P':>3}{'N':>10}{'N/rank':>10}{'time ms':>12}{'TFLOP/s/rank':>14}{'efficiency':>12}{'work eff':>10}"
             f"{'exposed comm':>14}{'MiB sent/rank':>15}{'peak MiB':>10}  check")
-    for (impl, backend, mode, causal), grp in groups.items():
-        role = grp[0].get("role", "")
-        out += ["", f"{impl} ({role}) backend={backend} {mode} {'causal' if causal else 'non-causal'} "
-                    f"scaling={grp[0].get('scaling')}", head]
-        for r in sorted(grp, key=lambda r: (r.get("world_size", 1), r["config"]["seq_len"])):
-            def f(v, fmt):
-                return format(v, fmt) if v is not None else "-"
-            t = (r.get("time_ms") or {}).get("median")
-            comm = r.get("comm") or {}
-            exp = r.get("exposed_comm_fraction")
-            sent = comm.get("bytes_sent_per_rank_max")
-            chk = "-" if "check" not in r else ("FAILED" if r.get("check_failed") else "ok")
-            out.append(f"{r.get('world_size', 1):>3}{r['config']['seq_len']:>10}{r.get('tokens_per_rank', 0):>10}"
-                       f"{f(t, '.3f'):>12}{f(r.get('per_rank_tflops', r.get('tflops')), '.2f'):>14}"
-                       f"{f(r.get('efficiency'), '.3f'):>12}{f(r.get('work_efficiency'), '.3f'):>10}"
-                       f"{(f(100 * exp, '.1f') + '%') if exp is not None else '-':>14}"
-                       f"{f(sent / (1 << 20) if sent is not None else None, '.1f'):>15}"
-                       f"{f((r.get('memory') or {}).get('peak_total_mib'), '.0f'):>10}  {chk}"
-                       + ("" if r["status"] == "ok" else f"  {r['status']}: {(r.get('reason') or '')[:60]}"))
+    for key, grp in groups.items():
+        if compare:
+            mode, causal, scaling, n = key
+            out += ["", f"{mode} {'causal' if causal else 'non-causal'} {scaling} scaling, "
+                        f"{'N' if scaling != 'weak' else 'N/rank'}={n}: every implementation",
+                    f"{'implementation':<26}{'backend':<16}" + head]
+            order = sorted(grp, key=lambda r: (r.get("world_size", 1), (r.get("time_ms") or {}).get("median") or 1e30))
+        else:
+            impl, backend, mode, causal = key
+            out += ["", f"{impl} ({grp[0].get('role', '')}) backend={backend} {mode} "
+                        f"{'causal' if causal else 'non-causal'} scaling={grp[0].get('scaling')}", head]
+            order = sorted(grp, key=lambda r: (r.get("world_size", 1), r["config"]["seq_len"]))
+        for r in order:
+            lead = f"{r['implementation']:<26}{r['backend']:<16}" if compare else ""
+            out.append(lead + _scaling_line(r))
     return "\n".join(out)
+
+
+def _scaling_line(r: dict) -> str:
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+    t = (r.get("time_ms") or {}).get("median")
+    comm = r.get("comm") or {}
+    exp = r.get("exposed_comm_fraction")
+    sent = comm.get("bytes_sent_per_rank_max")
+    chk = "-" if "check" not in r else ("FAILED" if r.get("check_failed") else "ok")
+    return (f"{r.get('world_size', 1):>3}{r['config']['seq_len']:>10}{r.get('tokens_per_rank', 0):>10}"
+            f"{f(t, '.3f'):>12}{f(r.get('per_rank_tflops', r.get('tflops')), '.2f'):>14}"
+            f"{f(r.get('efficiency'), '.3f'):>12}{f(r.get('work_efficiency'), '.3f'):>10}"
+            f"{(f(100 * exp, '.1f') + '%') if exp is not None else '-':>14}"
+            f"{f(sent / (1 << 20) if sent is not None else None, '.1f'):>15}"
+            f"{f((r.get('memory') or {}).get('peak_total_mib'), '.0f'):>10}  {chk}"
+            + ("" if r["status"] == "ok" else f"  {r['status']}: {(r.get('reason') or '')[:60]}"))
 
 
 def format_speedups(rows: list[dict], new_class: list[str], old_class: list[str]) -> str:

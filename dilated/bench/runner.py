@@ -67,7 +67,11 @@ class FailedOnRanks(RuntimeError):
 
     def __init__(self, failures, local: BaseException | None):
         self.failures, self.local = failures, local
-        super().__init__("; ".join(f"rank {r}: {why}" for r, _, why in failures))
+        by_reason = {}  # the same cause on several ranks is said once
+        for r, _, why in failures:
+            by_reason.setdefault(why, []).append(r)
+        super().__init__("; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {why}"
+                                   for why, rs in by_reason.items()))
 
     @property
     def status(self) -> str:
