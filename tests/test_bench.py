@@ -326,3 +326,26 @@ def test_plot_lines_are_one_configuration_each():
     assert set(series_of([row(256), row(512)])) == {"dense/sdpa"}  # nothing varies: the plain name
     weak = {"scaling": "weak", "efficiency": 0.25, "work_efficiency": 0.97}
     assert scaling_efficiency(weak) == 0.97 and scaling_efficiency(dict(weak, scaling="strong")) == 0.25
+
+
+def test_winners_per_scenario_never_a_row_that_failed_its_check():
+    from dilated.bench.report import format_tables
+
+    def row(impl, ms, q_len=None, failed=False, n=256):
+        return {"implementation": impl, "backend": "b", "mode": "fwd", "status": "ok", "check_failed": failed,
+                "time_ms": {"median": ms, "p10": ms, "p90": ms},
+                "config": Case(batch=1, seq_len=n, num_heads=2, head_dim=8, q_len=q_len).config()}
+
+    rows = [row("fast_but_wrong", 1.0, failed=True), row("a", 2.0), row("b", 3.0),
+            row("a", 2.0, n=512), row("b", 2.5, n=512), row("a", 4.0, q_len=1), row("b", 1.0, q_len=1)]
+    text = format_tables(rows)
+    assert "prefill fwd      a/b" in text and "fastest in 2 of 2 configuration(s), 1.38x the runner-up" in text
+    assert "decode  fwd      b/b" in text and "fastest in 1 of 1" in text
+    assert "*fast_but_wrong" not in text and "*a" in text
+
+
+def test_dense_rows_say_what_the_score_matrix_would_take():
+    case = Case(batch=2, seq_len=64, num_heads=4, head_dim=8, dtype="float32")
+    row = run_sweep([(IMPLEMENTATIONS["dense"], case, "manual")], RunOptions(reps=2, warmup=1), None, "t",
+                    progress=False)[0]
+    assert row["memory"]["score_matrix_mib"] == 2 * 4 * 64 * 64 * 4 / (1 << 20)

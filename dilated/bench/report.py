@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import os
 from collections import defaultdict
 
@@ -51,7 +52,8 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
         out.append(_cfg_title(grp[0]["config"]))
         out.append(head)
         ok = [r for r in grp if r["status"] == "ok"]
-        best = min(ok, key=lambda r: r["time_ms"]["median"]) if ok else None
+        passed = [r for r in ok if not r.get("check_failed")]  # a wrong result is never the fastest
+        best = min(passed, key=lambda r: r["time_ms"]["median"]) if passed else None
         base = None
         if baseline:
             for r in ok:
@@ -71,6 +73,9 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
                 status += " CHECK FAILED"
             if r.get("floor_ratio"):
                 status += f" ({r['floor_ratio']:.2f}x kernel floor {r['kernel_floor_ms']['median']:.3f} ms)"
+            scores = (r.get("memory") or {}).get("score_matrix_mib")
+            if scores is not None and r["status"] == "ok":
+                status += f" (the score matrix alone: {scores:.4g} MiB)"
             mark = "*" if r is best else " "
             pct = f"{r['pct_peak']:.0f}" if r.get("pct_peak") else "-"
             tok = f"{r['tokens_per_s']:.3g}" if r.get("tokens_per_s") else "-"
@@ -78,7 +83,40 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             mib = f"{mem:.1f}" if mem is not None else "-"
             out.append(f"{mark}{r['implementation']:<21}{r['backend']:<15}{_fmt_time(t):<30}"
                        f"{tok:>12}{tfl:>9}{pct:>7}{mib:>10}{err:>9}  {speed:>8}  {status}")
-    return "\n".join(out + format_repeats(rows))
+    return "\n".join(out + format_winners(rows) + format_repeats(rows))
+
+
+def format_winners(rows: list[dict]) -> list[str]:
+    """Per scenario (prefill or decode, and mode): which implementation/backend was fastest among
+    the rows that ran and passed their check, in how many of its configurations, and by how much
+    over the runner-up (median of the per-configuration ratios)."""
+    scenarios = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r["status"] == "ok" and not r.get("check_failed"):
+            c = r["config"]
+            scenario = (("decode" if c.get("q_len") else "prefill"), c["mode"])
+            scenarios[scenario][_key(r)].append(r)
+    out = []
+    for (kind, mode), configs in sorted(scenarios.items()):
+        wins, margins, total = defaultdict(int), defaultdict(list), 0
+        for grp in configs.values():
+            names = {f"{r['implementation']}/{r['backend']}" for r in grp}
+            if len(names) < 2:
+                continue
+            total += 1
+            ranked = sorted(grp, key=lambda r: r["time_ms"]["median"])
+            name = f"{ranked[0]['implementation']}/{ranked[0]['backend']}"
+            wins[name] += 1
+            margins[name].append(ranked[1]["time_ms"]["median"] / ranked[0]["time_ms"]["median"])
+        if not total:
+            continue
+        if not out:
+            out += ["", "fastest per scenario (rows that ran and passed their check):"]
+        for name, n in sorted(wins.items(), key=lambda kv: -kv[1]):
+            m = statistics.median(margins[name])
+            out.append(f"  {kind:<8}{mode:<9}{name:<36}fastest in {n} of {total} configuration(s), "
+                       f"{m:.2f}x the runner-up (median)")
+    return out
 
 
 def format_repeats(rows: list[dict], tolerance: float = 0.02) -> list[str]:

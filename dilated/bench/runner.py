@@ -254,6 +254,10 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
         if mem.peak_total_mib is not None:
             mem.peak_above_mib, mem.peak_total_mib = impl.reduce_max([mem.peak_above_mib, mem.peak_total_mib])
         row["memory"] = {"peak_above_inputs_mib": mem.peak_above_mib, "peak_total_mib": mem.peak_total_mib,
+                         # dense: what materialising the scores would take (how much a fused kernel avoids)
+                         "score_matrix_mib": (case.batch * case.num_heads * case.nq * case.seq_len
+                                              * torch.empty((), dtype=case.torch_dtype).element_size() / (1 << 20)
+                                              if impl.kind == "dense" else None),
                          "min_theoretical_mib": impl.min_bytes(case, case.mode) / (1 << 20),
                          "measure": "cuda allocator" if device.type == "cuda" else
                          "process peak RSS" + ("" if large_allocations_tracked() else
