@@ -402,3 +402,16 @@ def test_float64_rows_run_and_pass(tmp_path):
                                  "--implementations", "dense,dilated,improved,multihead", "--output", str(out)]) == 0
     rows = read_jsonl(str(out))
     assert len(rows) == 8 and all(r["status"] == "ok" and r["check"]["rel_err"] < 1e-12 for r in rows)
+
+
+def test_profile_writes_one_trace_per_row(tmp_path):
+    traces = tmp_path / "traces"
+    out = tmp_path / "p.jsonl"
+    assert implementations_main([*TINY, "--seq-lengths", "32", "--implementations", "dense,improved", "--backend",
+                                 "manual", "--causal", "--profile", str(traces), "--output", str(out)]) == 0
+    rows = read_jsonl(str(out))
+    names = sorted(p.name for p in traces.iterdir())
+    assert names == sorted(os.path.basename(r["profile"]) for r in rows) and len(names) == 2
+    assert names[0].startswith("dense-manual-N32-fwd-causal")
+    for p in traces.iterdir():
+        assert "traceEvents" in json.loads(p.read_text())

@@ -169,6 +169,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
     t.add_argument("--check-determinism", action="store_true",
                    help="run each configuration twice more on the same inputs and record whether its output and "
                         "gradients are bit-identical (row field 'determinism')")
+    t.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a torch profiler trace (Chrome/Perfetto JSON) of one more call per row to DIR, "
+                        "named after the row")
     t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows and their --floor; marked in results)")
     t.add_argument("--no-l2-flush", action="store_true")
     t.add_argument("--floor", action="store_true",
@@ -325,7 +328,7 @@ def run_options(args) -> RunOptions:
                       cuda_graph=args.cuda_graph, flush_l2=not args.no_l2_flush,
                       memory_budget_mib=args.memory_budget_mib, seed=args.seed, device=args.device,
                       floor=args.floor, settle_s=args.settle_s, warmup_s=args.warmup_s,
-                      rep_s=args.rep_s, check_determinism=args.check_determinism)
+                      rep_s=args.rep_s, check_determinism=args.check_determinism, profile_dir=args.profile)
 
 
 def default_dtype(args) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 import traceback
@@ -44,6 +45,7 @@ class RunOptions:
     warmup_s: float | None = None
     rep_s: float | None = None
     check_determinism: bool = False  # run the step twice more on the same inputs: bit-identical results?
+    profile_dir: str | None = None  # one more call per row under torch.profiler, its trace written here
 
 
 class OverBudget(RuntimeError):
@@ -179,6 +181,43 @@ def _determinism(impl, ranks, inputs, holder, zero_grads, setup, step, needs_gra
     return {"output_bit_identical": differs[0] == 0,
             "grads_bit_identical": [d == 0 for d in differs[1:]] if needs_grad else None,
             "runs": 2}
+
+
+def _profile(directory: str, row: dict, device, ranks, setup, step) -> str:
+    """One more call of the step under torch.profiler; its Chrome/Perfetto trace, named after the
+    row (and the rank, in a distributed run), goes to ``directory``. Returns the path."""
+    import re
+
+    import torch.distributed as dist
+
+    cfg = row["config"]
+    name = f"{row['implementation']}-{row['backend']}-N{cfg['seq_len']}-{cfg['mode']}"
+    name += "-causal" if cfg["causal"] else ""
+    name += f"-B{cfg['batch']}-H{cfg['num_heads']}-D{cfg['head_dim']}-{cfg['dtype']}"
+    if cfg.get("q_len"):
+        name += f"-Nq{cfg['q_len']}"
+    if cfg.get("input_scale", 1.0) != 1.0:
+        name += f"-x{cfg['input_scale']:g}"
+    if dist.is_available() and dist.is_initialized():
+        name += f"-rank{dist.get_rank()}"
+    path = os.path.join(directory, re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".json")
+    os.makedirs(directory, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def once():
+        with torch.profiler.profile(activities=activities) as prof:
+            if setup:
+                setup()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        prof.export_chrome_trace(path)
+
+    ranks.guard(once)()
+    ranks.settle("profiled")
+    return path
 
 
 def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, extra: dict | None = None,
@@ -350,6 +389,8 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             row["check_failed"] = not row["check"]["passed"]
         if opts.check_determinism:
             row["determinism"] = _determinism(impl, ranks, inputs, holder, zero_grads, setup, step, needs_grad)
+        if opts.profile_dir:
+            row["profile"] = _profile(opts.profile_dir, row, device, ranks, setup, step)
     except KeyboardInterrupt:
         raise
     except FailedOnRanks as e:  # the same status on every rank, naming the ranks that failed and why
