@@ -1,0 +1,81 @@
+"""``benchmark_backends.py``: every attention backend on dense attention, prefill and decode."""
+from __future__ import annotations
+
+import torch
+
+import dilated
+
+from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, finish, int_list, open_writer,
+                   parse_with_config, run_options, script_main, size_list, str_list, usage_error)
+from ..registry import Case, get_implementation
+from ..runner import run_sweep
+from .common import jobs_of
+
+
+@script_main
+def backends_main(argv=None) -> int:
+    p = BenchParser(description="Every attention backend on dense attention: prefill and decode, "
+                                "causal or not, GQA ratios, head dims, dtypes; plus torch.compile'd variants.")
+    gpu = torch.cuda.is_available()
+    add_common_args(p, seq_lengths="4096,16384" if gpu else "512", batch=1 if gpu else 1,
+                    heads=16 if gpu else 4, head_dim=128 if gpu else 64)
+    p.add_argument("--backends", type=str_list, default=None,
+                   help="backends to run (default: all available; --backend works too)")
+    p.add_argument("--scenarios", type=str_list, default="prefill,decode", help="prefill, decode (comma list)")
+    p.add_argument("--kv-lengths", type=size_list, default=None, help="decode KV-cache lengths (default 2K..128K on GPU)")
+    p.add_argument("--decode-batches", type=int_list, default=None)
+    p.add_argument("--gqa-ratios", type=int_list, default=[1])
+    p.add_argument("--head-dims", type=int_list, default=None)
+    p.add_argument("--dtypes", type=str_list, default=None)
+    p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile rows")
+    args = parse_with_config(p, argv, ["dense"], rejected={
+        "segment_lengths": "dense attention has no schedule (benchmark_implementations.py runs the dilated ones)",
+        "dilation_rates": "dense attention has no schedule (benchmark_implementations.py runs the dilated ones)",
+        "floor": "the kernel floor is a dilated row's (benchmark_implementations.py --floor)",
+        "baseline": "the baseline here is dense/sdpa"})
+    if "backend" in args.given and "backends" in args.given:
+        usage_error(p, "--backend and --backends: give one list of backends")
+    for scenario in args.scenarios:
+        if scenario not in ("prefill", "decode"):
+            usage_error(p, f"--scenarios: unknown scenario {scenario!r} (choose from prefill, decode)")
+    for ratio in args.gqa_ratios:
+        if args.num_heads % ratio:
+            usage_error(p, f"--gqa-ratios {ratio} must divide --num-heads {args.num_heads}")
+    apply_quick(args, seq_lengths=[4096 if gpu else 256], kv_lengths=[8192] if gpu else [512], decode_batches=[1],
+                reps=3, warmup=1)
+    kv_lengths = args.kv_lengths or ([2048, 8192, 32768, 131072] if gpu else [512, 2048])
+    batches = args.decode_batches or ([1, 8] if gpu else [1, 4])
+    head_dims = args.head_dims or [args.head_dim]
+    dtypes = args.dtypes or [default_dtype(args)]
+    report = dilated.available_backends(args.device)
+    print("backends on this device:")
+    for name, reason in report.items():
+        print(f"  {name:<15} {'available' if reason is None else 'unavailable: ' + reason}")
+    chosen = args.backends or (args.backend if "backend" in args.given else None)
+    names = chosen or [n for n, r in report.items() if r is None and n != "auto"]
+    dense = get_implementation("dense")
+    compiled = [] if args.no_compiled else [get_implementation("dense_compiled"), get_implementation("manual_compiled")]
+    jobs = []
+    for dtype in dtypes:
+        for d in head_dims:
+            for ratio in args.gqa_ratios:
+                hkv = max(1, args.num_heads // ratio)
+                base = dict(num_heads=args.num_heads, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+                            causal=args.causal, segment_lengths=None, dilation_rates=None)
+                cases = []
+                if "prefill" in args.scenarios:
+                    cases += [Case(batch=args.batch_size, seq_len=n, mode=m, input_scale=s, **base)
+                              for n in args.seq_lengths for m in args.mode for s in args.input_scales]
+                if "decode" in args.scenarios:
+                    cases += [Case(batch=b, seq_len=n, q_len=1, mode="fwd", input_scale=s, **base)
+                              for n in kv_lengths for b in batches for s in args.input_scales]
+                for case in cases:
+                    jobs += [(dense, case, name) for name in names]
+                    if case.q_len is None:
+                        jobs += [(impl, case, "sdpa" if impl.name == "dense_compiled" else "manual") for impl in compiled]
+    if args.inputs:  # captured tensors replace the generated scenarios
+        jobs = jobs_of(args, [dense], names, None, args.mode)
+    args.baseline = "dense/sdpa"
+    writer = open_writer("benchmark_backends", args)
+    rows = run_sweep(jobs, run_options(args), writer, "benchmark_backends", not args.no_progress)
+    return finish(rows, writer, args)

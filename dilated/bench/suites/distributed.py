@@ -1,0 +1,117 @@
+"""``benchmark_distributed.py`` and ``benchmark_ring_attention.py``: runs across ranks, with the
+launch helpers (the torchrun/srun world, the process-group timeout)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, finish, int_list, open_writer,
+                   parse_with_config, run_options, script_main, str_list, usage_error)
+from ..registry import Case, get_implementation, implementation_names
+from ..runner import run_sweep
+from .common import init_for_benchmark, launched_world, schedule_of, add_timeout_arg
+
+DISTRIBUTED_SET = ["ring", "ring_zigzag", "distributed_dilated"]
+
+
+def distributed_args(description: str, default_impls: list[str]):
+    gpu = torch.cuda.is_available()
+    p = BenchParser(description=description)
+    add_common_args(p, seq_lengths="128k" if gpu else "1024", batch=1, heads=16 if gpu else 4,
+                    head_dim=128 if gpu else 32)
+    p.add_argument("--implementations", type=str_list, default=default_impls)
+    p.add_argument("--scaling", choices=["strong", "weak"], default="strong",
+                   help="strong: --seq-lengths are global N; weak: --seq-lengths are tokens per rank")
+    p.add_argument("--world-sizes", type=int_list, default=None,
+                   help="run on ranks 0..P-1 for each P (default: the whole launched world)")
+    add_timeout_arg(p)
+    return p
+
+
+@script_main
+def distributed_main(argv=None, script="benchmark_distributed", default_impls=None, description=None,
+                     one_process_baseline_only: bool = False) -> int:
+    import torch.distributed as dist
+
+    from ..distributed import BASELINE_OF, distributed_schedule, run_scaling_sweep
+    from ..report import format_scaling
+
+    p = distributed_args(description or "RingAttention (contiguous and zigzag) and DistributedDilatedAttention "
+                         "under torchrun: strong or weak scaling against the single-device run of the same problem.",
+                         default_impls or DISTRIBUTED_SET)
+    args = parse_with_config(p, argv, implementation_names(distributed=True), rejected={
+        "inputs": "distributed runs generate their shards; captured inputs are not supported here",
+        "floor": "the kernel floor is timed on one device (benchmark_implementations.py --floor)",
+        "cuda_graph": "distributed rows start every call on all ranks together, which a graph replay cannot",
+        "baseline": "the baseline here is the single-device run of the same problem"})
+    apply_quick(args, seq_lengths=[args.seq_lengths[0]], reps=3, warmup=1)
+    sizes = args.world_sizes or [launched_world()]
+    if any(s > launched_world() for s in sizes):
+        usage_error(p, f"--world-sizes {sizes}: each must be at most the launched world size {launched_world()}")
+    rank, world, device = init_for_benchmark(args)
+    args.device = args.device or str(device)
+    impls = [get_implementation(n) for n in args.implementations]
+    if world == 1 and one_process_baseline_only:
+        print("one process: only the single-device baseline is measured (a ring of one is not a ring); "
+              "launch with torchrun --nproc_per_node=P to compare the rings")
+        impls = []
+    elif world == 1:
+        print("one process: reporting the single-device baseline and the distributed classes on a world of 1; "
+              "launch with torchrun --nproc_per_node=P for P ranks")
+    dtype = default_dtype(args)
+
+    def schedule(n):
+        if args.segment_lengths:
+            return schedule_of(args, n)
+        return distributed_schedule(n)
+
+    def cases_for(p_, impl):
+        out = []
+        for n in args.seq_lengths:
+            big_n = n * p_ if args.scaling == "weak" else n
+            segs, dils = schedule(big_n) if impl.kind == "dilated" else (None, None)
+            out += [Case(batch=args.batch_size, seq_len=big_n, num_heads=args.num_heads, head_dim=args.head_dim,
+                         num_kv_heads=args.num_kv_heads, dtype=dtype, causal=args.causal, mode=m,
+                         segment_lengths=segs, dilation_rates=dils, input_scale=s)
+                    for m in args.mode for s in args.input_scales]
+        return out
+
+    def baseline_case(case, p_):
+        n = case.seq_len if args.scaling == "strong" else case.seq_len // p_
+        segs, dils = schedule(n) if case.segment_lengths else (None, None)
+        return dataclasses.replace(case, seq_len=n, segment_lengths=segs, dilation_rates=dils)
+
+    baselines = {kind: get_implementation(name) for kind, name in BASELINE_OF.items()}
+    writer = open_writer(script, args) if rank == 0 else None
+    if rank == 0:
+        print(f"{script}: world {world} ({device.type}), P in {sizes}, {args.scaling} scaling, "
+              f"N={args.seq_lengths}{' per rank' if args.scaling == 'weak' else ''}, {args.implementations}, "
+              f"modes {args.mode}{', causal' if args.causal else ''}; baseline: the single-device run")
+    if impls:
+        rows = run_scaling_sweep(impls, baselines, cases_for, baseline_case, sizes, args.backend, run_options(args),
+                                 writer, script, args.scaling, not args.no_progress)
+    else:
+        dense = get_implementation("dense")
+        rows = run_sweep([(dense, c, b) for c in cases_for(1, dense) for b in args.backend], run_options(args),
+                         writer, script, not args.no_progress,
+                         lambda r: {"world_size": 1, "role": "baseline", "scaling": args.scaling,
+                                    "tokens_per_rank": r["config"]["seq_len"]})
+    table = format_scaling(rows, compare=script == "benchmark_ring_attention")  # the ring script: one comparison
+    status = finish(rows, writer, args, table=table) if rank == 0 else 0
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
+
+
+# -- benchmark_ring_attention -------------------------------------------------------------
+RING_SET = ["ring", "ring_zigzag", "ring_zigzag_p2p", "ring_no_overlap", "ring_zigzag_no_overlap", "torch_cp", "ring_flash_attn",
+            "ring_flash_attn_zigzag"]
+
+
+@script_main
+def ring_main(argv=None) -> int:
+    return distributed_main(argv, "benchmark_ring_attention", RING_SET,
+                            "Ring attention variants (layout, transport, overlap on/off) against PyTorch's context parallel "
+                            "attention and ring-flash-attn where installed, with the single-device run as baseline.",
+                            one_process_baseline_only=True)

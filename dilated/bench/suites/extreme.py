@@ -1,0 +1,209 @@
+"""``benchmark_extreme_sequences.py``: the doubling length sweep, and the longest length each runs."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..cli import (BenchParser, add_common_args, apply_quick, exit_status, finish, open_writer, parse_with_config,
+                   positive_float, run_options, script_main, str_list, usage_error)
+from ..registry import get_implementation, implementation_names
+from ..results import write_json
+from ..runner import run_sweep
+from .common import cases_of, init_for_benchmark, launched_world, add_timeout_arg
+
+EXTREME_SET = ["dilated", "improved", "improved_pool", "multihead", "dense"]
+EXTREME_DISTRIBUTED = ["ring_zigzag", "distributed_dilated"]  # joined to "all" under torchrun
+
+
+def find_max_length(run, start: int, granularity: int, limit: int, known_ok: int | None = None,
+                    max_call_s: float | None = None) -> tuple[int | None, dict | None, str]:
+    """Longest N in [start, limit] for which ``run(N)`` returns an ok row: doubling from ``start``,
+    then bisection to ``granularity``; if ``start`` itself fails, bisection down to ``known_ok``.
+
+    The search also stops growing once one call takes longer than ``max_call_s`` (then the answer
+    is limited by time, not memory, and the returned note says so). Returns ``(N, row, note)``.
+    """
+    def ok(row):  # a result that failed its correctness check does not count
+        return row["status"] == "ok" and not row.get("check_failed")
+
+    best, best_row, n, fail, note = known_ok, None, start, None, ""
+    while n <= limit:
+        row = run(n)
+        if not ok(row):
+            fail = n
+            break
+        best, best_row = n, row
+        if max_call_s is not None and row["time_ms"]["median"] > 1e3 * max_call_s:
+            return best, best_row, (f"stopped growing: one call took {row['time_ms']['median'] / 1e3:.1f} s "
+                                    f"> --max-call-seconds {max_call_s:g}; memory was not the limit")
+        n *= 2
+    else:
+        note = f"reached --find-max-limit {limit}"
+    if fail is None or best is None:
+        return best, best_row, note
+    lo, hi = best, fail
+    while hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity
+        if mid <= lo:
+            break
+        row = run(mid)
+        if ok(row):
+            lo, best_row = mid, row
+            if max_call_s is not None and row["time_ms"]["median"] > 1e3 * max_call_s:
+                return lo, best_row, (f"stopped bisecting: one call took {row['time_ms']['median'] / 1e3:.1f} s "
+                                      f"> --max-call-seconds {max_call_s:g}; N={hi} failed")
+        else:
+            hi = mid
+    return lo, best_row, f"first failure at N={hi}"
+
+
+def _have_matplotlib() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return False
+    return True
+
+
+@script_main
+def extreme_main(argv=None) -> int:
+    from ..cli import parse_size
+    from ..report import fit_exponent
+    from .. import env as envmod
+
+    gpu = torch.cuda.is_available()
+    p = BenchParser(description="Sequence length sweep (doubling) of dilated, improved, multihead and "
+                                "dense attention; --find-max searches the longest sequence each one runs.")
+    add_common_args(p, seq_lengths="1", batch=1, heads=16 if gpu else 4, head_dim=128 if gpu else 32)  # lengths come from --min/--max-seq-length
+    p.add_argument("--min-seq-length", type=parse_size, default=parse_size("8k") if gpu else 256)
+    p.add_argument("--max-seq-length", type=parse_size, default=parse_size("1M") if gpu else 4096)
+    p.add_argument("--implementation", type=str_list, default="all")
+    p.add_argument("--find-max", action="store_true", help="then search the longest N per implementation")
+    p.add_argument("--find-max-limit", type=parse_size, default=parse_size("64M"))
+    p.add_argument("--granularity", type=parse_size, default=None, help="bisection step (default: max/16)")
+    p.add_argument("--max-call-seconds", type=positive_float, default=30.0,
+                   help="--find-max stops growing N once one call takes longer (dense attention at many M tokens)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG plots")
+    add_timeout_arg(p)
+    args = parse_with_config(p, argv, implementation_names(distributed=False) + EXTREME_DISTRIBUTED + ["all"], rejected={
+        "seq_lengths": "the sweep doubles from --min-seq-length to --max-seq-length; set those",
+        "inputs": "the length sweep generates its inputs; use benchmark_implementations.py for captured ones"})
+    lo, hi = (parse_size("8k"), parse_size("32k")) if gpu else (256, 512)  # --quick's, within what the user set
+    apply_quick(args, min_seq_length=min(lo, args.max_seq_length) if "max_seq_length" in args.given else lo,
+                max_seq_length=max(hi, args.min_seq_length) if "min_seq_length" in args.given else hi, reps=3, warmup=1)
+    if args.min_seq_length > args.max_seq_length:
+        usage_error(p, f"--min-seq-length {args.min_seq_length} is above --max-seq-length {args.max_seq_length}")
+    if args.plot and args.no_plot:
+        usage_error(p, "--plot and --no-plot: choose one")
+    launched = launched_world() > 1  # under torchrun/srun: the ring and distributed classes join "all"
+    rank = 0
+    if launched:
+        from ..distributed import DistributedImplementation
+
+        rank, world, device = init_for_benchmark(args)
+        args.device = args.device or str(device)
+    lead = rank == 0  # only rank 0 runs the single-device implementations, prints and writes
+    if args.time_budget is None and gpu:
+        args.time_budget = 5.0  # seconds per row (dense at 1M: ~15 s a call: its first call is its one sample)
+    args.plot = not args.no_plot and _have_matplotlib()
+    names = args.implementation
+    if names == ["all"]:
+        names = EXTREME_SET + (EXTREME_DISTRIBUTED if launched else [])
+    impls = [get_implementation(n) for n in names]
+
+    def here(impl):
+        return lead or (launched and isinstance(impl, DistributedImplementation))
+    lengths = []
+    n = args.min_seq_length
+    while n <= args.max_seq_length:
+        lengths.append(n)
+        n *= 2
+    opts = run_options(args)
+    if args.time_budget is None and not gpu:
+        opts.reps, opts.warmup = min(opts.reps, 3), 1
+    writer = open_writer("benchmark_extreme_sequences", args) if lead else None
+    out = print if lead else (lambda *a, **k: None)
+    out(f"dilated extreme-sequence sweep on {envmod.environment()['gpu'] or 'CPU'}"
+        + (f" x {world} ranks" if launched else "") + f": N = {lengths[0]}..{lengths[-1]} (doubling), "
+        f"implementations {names}, modes {args.mode}, B={args.batch_size} H={args.num_heads} D={args.head_dim}; "
+        "each row checked against a reference.")
+    jobs = [(impl, case, b) for case in cases_of(args, lengths, args.mode) for impl in impls for b in args.backend
+            if here(impl)]
+    rows = run_sweep(jobs, opts, writer, "benchmark_extreme_sequences", lead and not args.no_progress,
+                     extra_row=(lambda r: {"world_size": world if r["implementation"] in EXTREME_DISTRIBUTED else 1})
+                     if launched else None)
+    want_plot, args.plot = args.plot, False  # plotted at the end, with the --find-max rows
+    status = finish(rows, writer, args) if lead else 0
+    args.plot = want_plot
+    out("\nscaling exponents (fit of log time and log memory against log N):")
+    for impl in (impls if lead else []):
+        for mode in args.mode:
+            ok = [r for r in rows if r["implementation"] == impl.name and r["mode"] == mode and r["status"] == "ok"]
+            if len(ok) >= 2:
+                ns = [r["config"]["seq_len"] for r in ok]
+                et = fit_exponent(ns, [r["time_ms"]["median"] for r in ok])
+                em = fit_exponent(ns, [(r.get("memory") or {}).get("peak_above_inputs_mib") or 0 for r in ok])
+                per_tok = ok[-1]["memory"]["peak_total_mib"] * (1 << 20) / ok[-1]["config"]["seq_len"]
+                print(f"  {impl.name:<12} {mode:<8} time ~ N^{et:.2f}" + (f", memory ~ N^{em:.2f}" if em else "")
+                      + f"; {per_tok:.0f} bytes/token total at N={ns[-1]}")
+    if args.find_max:
+        gran = args.granularity or max(1, args.max_seq_length // 16)
+        out(f"\n--find-max: doubling from {args.max_seq_length}, then bisection to {gran} tokens")
+        found, probes = [], []
+        # a probe needs to run and be checked; a few timed calls are enough
+        probe_opts = dataclasses.replace(opts, warmup=1, reps=min(opts.reps, 3), budget_s=None)
+        for impl in [i for i in impls if here(i)]:
+            for mode in args.mode:
+                done = {r["config"]["seq_len"]: r for r in rows if r["implementation"] == impl.name
+                        and r["mode"] == mode and r["status"] == "ok"}
+
+                def run(n, impl=impl, mode=mode, done=done):
+                    if n in done:  # measured by the sweep already
+                        return done[n]
+                    case = next(cases_of(args, [n], [mode]))
+                    r = run_sweep([(impl, case, args.backend[0])], probe_opts, writer, "benchmark_extreme_sequences",
+                                  False, extra_row=lambda _: {"find_max": True})[0]
+                    probes.append(r)
+                    if launched and isinstance(impl, DistributedImplementation):  # every rank takes the same branch
+                        ok = impl.reduce_max([0.0 if r["status"] == "ok" and not r.get("check_failed") else 1.0])[0]
+                        if ok and r["status"] == "ok":
+                            r = dict(r, status="error", reason="failed on another rank")
+                    out(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else "")
+                          + (" CHECK FAILED: not counted" if r.get("check_failed") else ""))
+                    return r
+                swept = [r["config"]["seq_len"] for r in rows if r["implementation"] == impl.name
+                         and r["mode"] == mode and r["status"] == "ok"]
+                n, row, note = find_max_length(run, args.max_seq_length, gran, args.find_max_limit,
+                                               known_ok=max(swept) if swept else None,
+                                               max_call_s=args.max_call_seconds)
+                if n is None:
+                    out(f"  => {impl.name} {mode}: nothing ran at N >= {args.min_seq_length}")
+                elif row is None:
+                    out(f"  => {impl.name} {mode}: longest N = {n} (from the sweep; {note})")
+                else:
+                    mem = row["memory"]
+                    out(f"  => {impl.name} {mode}: longest N = {n} (peak {mem['peak_total_mib']:.0f} MiB total, "
+                          f"{mem['peak_above_inputs_mib']:.0f} MiB above inputs, "
+                          f"{mem['peak_total_mib'] * (1 << 20) / n:.0f} bytes/token; {note})")
+                found.append({"implementation": impl.name, "mode": mode, "max_seq_len": n, "note": note,
+                              "memory": (row or {}).get("memory"), "backend": args.backend[0],
+                              "config": (row or {}).get("config"), "check": (row or {}).get("check")})
+        if lead:
+            path = writer.path[:-len(".jsonl")] + "-find_max.json"
+            write_json(path, {"granularity": gran, "max_call_seconds": args.max_call_seconds, "results": found})
+            print(f"longest lengths: {path}")
+            status = max(status, exit_status(probes, "--find-max probe"))
+    if lead and args.plot and writer.rows:
+        from ..report import plot
+        print("plots: " + ", ".join(plot(writer.path)))
+    if lead:
+        print(f"\nresults are in {writer.path}"
+              + ("" if args.plot else f"; plot them with: python -m dilated.bench plot {writer.path}"))
+    if launched:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return status

@@ -1,0 +1,31 @@
+"""``benchmark_implementations.py``: the implementations of dilated attention against dense attention."""
+from __future__ import annotations
+
+import torch
+
+from ..cli import (BenchParser, add_common_args, apply_quick, finish, open_writer, parse_with_config, run_options,
+                   script_main, str_list)
+from ..registry import get_implementation, implementation_names
+from ..runner import run_sweep
+from .common import jobs_of
+
+IMPLEMENTATION_SET = ["dense", "dilated", "improved", "improved_nocache", "improved_pool", "multihead",
+                      "multihead_readable"]
+
+
+@script_main
+def implementations_main(argv=None) -> int:
+    p = BenchParser(description="DilatedAttention, ImprovedDilatedAttention (pattern cache and "
+                                "memory pool on/off), MultiheadDilatedAttention (improved on/off) and dense "
+                                "attention as the baseline, through the dilated.bench harness.")
+    gpu = torch.cuda.is_available()
+    add_common_args(p, seq_lengths="8192" if gpu else "1024")
+    p.add_argument("--implementations", type=str_list, default=IMPLEMENTATION_SET)
+    args = parse_with_config(p, argv, implementation_names(distributed=False))
+    apply_quick(args, seq_lengths=[2048 if gpu else 512], reps=3, warmup=1)
+    impls = [get_implementation(n) for n in args.implementations]
+    args.baseline = args.baseline or "dense"
+    jobs = jobs_of(args, impls, args.backend, args.seq_lengths, args.mode)
+    writer = open_writer("benchmark_implementations", args)
+    rows = run_sweep(jobs, run_options(args), writer, "benchmark_implementations", not args.no_progress)
+    return finish(rows, writer, args)
