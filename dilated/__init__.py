@@ -25,6 +25,6 @@ from .ring_attention import RingAttention, ring_attention  # noqa: E402
 
 __all__ += ["RingAttention", "ring_attention", "DistributedDilatedAttention", "shard", "unshard", "init_distributed"]
 from ._checks import UncoveredRowsWarning  # noqa: E402
-from .distributed import RankMismatchError  # noqa: E402
+from .agreement import RankMismatchError  # noqa: E402
 
 __all__ += ["UncoveredRowsWarning", "RankMismatchError"]

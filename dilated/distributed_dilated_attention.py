@@ -28,7 +28,8 @@ from torch import nn
 
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
 from .backends import get_backend
-from .distributed import CommStats, signature, validate_on_all_ranks
+from .agreement import signature, validate_on_all_ranks
+from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .improved_dilated_attention import backward_calls, forward_calls
 from .pattern_cache import BranchCall, plan_for

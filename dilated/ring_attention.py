@@ -37,7 +37,8 @@ from torch import nn
 from . import peer_copy
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .backends import get_backend
-from .distributed import CommStats, signature, validate_on_all_ranks
+from .agreement import signature, validate_on_all_ranks
+from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import empty_accumulators, merge_
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import dilated
-from dilated.distributed import all_gather_text, group_device
+from dilated.agreement import all_gather_text, group_device
 
 from .registry import Case, Implementation, register_implementation
 from .runner import RunOptions, run_sweep

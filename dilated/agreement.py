@@ -1,0 +1,118 @@
+"""Ranks that agree before they communicate: every rank's inputs and settings compared (one small
+all-gather per new input signature), and the text each rank has to tell the others.
+
+A collective module checks its call here before any collective: ranks that disagree on shape,
+dtype, layout, causal or schedule get :class:`RankMismatchError` on every rank, and a rank whose own
+input is invalid raises its error while the others are told which rank failed and why, instead
+of waiting for it in the next collective.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .distributed import _world
+
+
+_AGREE_BYTES = 2048
+
+
+def _encode(fields: dict) -> bytes:
+    """``fields`` as JSON in at most ``_AGREE_BYTES`` (long values replaced by their crc32)."""
+    text = json.dumps(fields, sort_keys=True, default=str).encode()
+    if len(text) > _AGREE_BYTES:
+        short = {k: (v if len(json.dumps(v, default=str)) <= 64 else f"crc32:{zlib.crc32(json.dumps(v, default=str).encode())}")
+                 for k, v in fields.items()}
+        text = json.dumps(short, sort_keys=True, default=str).encode()[:_AGREE_BYTES]
+    return text
+
+
+class RankMismatchError(ValueError):
+    """Ranks of one group called a collective module with inputs or settings that do not agree."""
+
+
+def all_gather_text(group, text: str, device: torch.device) -> list[str]:
+    """Every rank's ``text`` (at most ``_AGREE_BYTES`` bytes of UTF-8 each), in rank order: one
+    all-gather of a small buffer and one host synchronisation."""
+    _, p = _world(group)
+    payload = text.encode()[:_AGREE_BYTES]
+    buf = torch.zeros(_AGREE_BYTES + 2, dtype=torch.uint8)
+    buf[0], buf[1] = len(payload) // 256, len(payload) % 256
+    if payload:
+        buf[2:2 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if p == 1:
+        return [payload.decode(errors="replace")]
+    buf = buf.to(device if device.type == "cuda" else torch.device("cpu"))
+    parts = [torch.empty_like(buf) for _ in range(p)]
+    dist.all_gather(parts, buf, group=group)
+    texts = []
+    for t in parts:
+        t = t.cpu()
+        n = int(t[0]) * 256 + int(t[1])
+        texts.append(bytes(t[2:2 + n].tolist()).decode(errors="replace"))
+    return texts
+
+
+def group_device(group) -> torch.device:
+    """Where ``group``'s collectives take tensors: this rank's GPU for NCCL, else the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def check_ranks_agree(group, fields: dict, device: torch.device, what: str) -> None:
+    """Raise :class:`RankMismatchError` on every rank of ``group`` unless all ranks pass equal
+    ``fields`` (shapes, dtype, layout, causal, schedule, ...). One all-gather of a small buffer and
+    one host synchronisation: callers do it once per new input signature, not per step. A field
+    ``"error"`` carries a rank's own validation failure, so that the others stop too instead of
+    waiting for it in the next collective."""
+    rank, p = _world(group)
+    if p == 1:
+        if "error" in fields:
+            raise RankMismatchError(f"{what}: {fields['error']}")
+        return
+    decoded = [json.loads(t) for t in all_gather_text(group, _encode(fields).decode(), device)]
+    errors = [(r, d["error"]) for r, d in enumerate(decoded) if "error" in d]
+    if errors:
+        raise RankMismatchError(f"{what}: " + "; ".join(f"rank {r}: {e}" for r, e in errors))
+    keys = sorted({k for d in decoded for k in d})
+    differ = [k for k in keys if any(d.get(k) != decoded[0].get(k) for d in decoded)]
+    if differ:
+        lines = [f"{k}: " + ", ".join(f"rank {r} {d.get(k)}" for r, d in enumerate(decoded)) for k in differ]
+        raise RankMismatchError(f"{what}: the ranks of the group disagree on {', '.join(differ)} "
+                                f"(every rank must pass inputs of one shape, dtype and layout and the same "
+                                f"settings): " + "; ".join(lines))
+
+
+def validate_on_all_ranks(group, checked: set, what: str, validate):
+    """Run ``validate() -> (result, fields)`` on this rank and make every rank of ``group`` agree
+    before any collective of the call: where ``fields`` (the call's signature) is new to this
+    module, or validation failed here, one :func:`check_ranks_agree`. A rank whose own validation
+    failed raises its error; the others raise :class:`RankMismatchError` naming it. Returns
+    ``result``."""
+    try:
+        result, fields = validate()
+        err = None
+    except (ValueError, TypeError, RuntimeError) as e:
+        result, fields, err = None, {"error": f"{type(e).__name__}: {e}"}, e
+    key = json.dumps(fields, sort_keys=True, default=str)
+    if err is None and key in checked:
+        return result
+    try:
+        check_ranks_agree(group, fields, group_device(group), what)
+    except RankMismatchError:
+        if err is not None:
+            raise err
+        raise
+    if err is not None:
+        raise err
+    checked.add(key)
+    return result
+
+
+def signature(q, k, v, **settings) -> dict:
+    """The fields ranks must agree on for one call: shapes, dtype, device type and ``settings``."""
+    return {"q": list(q.shape), "k": list(k.shape), "v": list(v.shape), "dtype": str(q.dtype),
+            "device": q.device.type, **settings}
