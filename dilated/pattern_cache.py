@@ -41,7 +41,7 @@ QUERY_TILE = 128  # rows per query tile of the flash-type kernels (for the devic
 def in_place_min_tiles(device) -> int:
     """Query tiles an in-place call needs to fill ``device``: one wave of its multiprocessors.
     (H200, 32K-128K tokens, LongNet schedule: one wave beat two by 3% at 32K; half a wave was no
-    better; ``results/h200/session4/call2/thresh-*.jsonl``.)"""
+    better.)"""
     device = torch.device(device)
     if device.type != "cuda":
         return 0

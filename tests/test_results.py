@@ -22,3 +22,19 @@ def test_every_committed_row_that_ran_passed_its_check():
                     bad.append(f"{os.path.relpath(path, ROOT)}:{i} {row.get('implementation')} "
                                f"N={row['config'].get('seq_len')}: {check or 'no check'}")
     assert not bad, "rows that did not pass their check:\n" + "\n".join(bad)
+
+
+def test_results_hold_harness_output_in_dated_folders():
+    """``results/<device>/<date>-<purpose>/``: no scripts, nothing loose beside the run folders."""
+    import re
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "results"], capture_output=True, text=True,
+                             cwd=os.path.join(ROOT, "..")).stdout.split()
+    if not tracked:  # not a git checkout (an sdist): nothing to say
+        return
+    for path in tracked:
+        parts = path.split("/")
+        assert not path.endswith((".py", ".sh")), f"{path}: results hold harness output, not scripts"
+        assert len(parts) == 4 and re.fullmatch(r"\d{4}-\d{2}-\d{2}-[A-Za-z0-9][A-Za-z0-9.-]*", parts[2]), \
+            f"{path}: results go under results/<device>/<date>-<purpose>/"

@@ -6,8 +6,9 @@ returns ``out, softmax_lse, S_dmask``). Backward calls
 ``softmax_lse``, by keyword, because its positional signature changed across 2.x releases. GQA is
 native. Causal in flash-attn >= 2.1 is bottom-right aligned; we only pass square causal problems.
 
-Not exercised on our machines: the lent GPUs have no flash-attn wheel for their torch, so this
-path is written against the published API and reports itself unavailable there.
+Written against flash-attn's published API; not yet run against an installed flash-attn 2 (no
+wheel for torch 2.11 was available to test with). Where it is not installed it reports itself
+unavailable.
 """
 from __future__ import annotations
 

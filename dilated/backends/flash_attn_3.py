@@ -6,8 +6,8 @@ The log-sum-exp comes from the public API: ``flash_attn_func`` returns ``(out, s
 ``flash_attn_interface._flash_attn_backward`` with the (merged) ``out`` and ``softmax_lse`` by
 keyword (its varlen arguments are None for dense batches). GQA is native.
 
-Not exercised on our machines: the lent H100/H200 images have no FA3 build; this is written
-against the published hopper interface and reports itself unavailable there.
+Written against the published hopper interface; not yet run against an installed FA3 build.
+Where it is not installed it reports itself unavailable.
 """
 from __future__ import annotations
 

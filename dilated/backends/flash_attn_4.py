@@ -4,8 +4,8 @@
 backward is ``_flash_attn_bwd(q, k, v, out, dout, lse, ...)`` with the (merged) ``out`` and
 ``lse``. Both are called by keyword. GQA is native.
 
-Not exercised on our machines: flash-attn 4 is not installed on the lent GPUs; this is written
-against the published CuTe interface and reports itself unavailable there.
+Written against the published CuTe interface; where flash-attn 4 is not installed it reports
+itself unavailable.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ backward). Backward is ``memory_efficient_attention_backward(grad, out, lse, q, 
 the (merged) ``out`` and ``lse``. Causal uses ``LowerTriangularMask`` (we only pass square causal
 problems). GQA is expanded above the backend (xformers wants a 5-D layout for it).
 
-On the lent GPUs the xformers 0.0.35 wheel imports but every call fails with "No operator found"
-against torch 2.11; :func:`dilated.available_backends` reports that reason, from a real call.
+With torch 2.11 the xformers 0.0.35 wheel imports but every call fails with "No operator found";
+:func:`dilated.available_backends` reports that reason, from a real call.
 """
 from __future__ import annotations
 
