@@ -67,11 +67,8 @@ def _have_matplotlib() -> bool:
     return True
 
 
-@script_main
-def extreme_main(argv=None) -> int:
+def _parse(argv):
     from ..cli import parse_size
-    from ..report import fit_exponent
-    from .. import env as envmod
 
     gpu = torch.cuda.is_available()
     p = BenchParser(description="Sequence length sweep (doubling) of dilated, improved, multihead and "
@@ -97,113 +94,169 @@ def extreme_main(argv=None) -> int:
         usage_error(p, f"--min-seq-length {args.min_seq_length} is above --max-seq-length {args.max_seq_length}")
     if args.plot and args.no_plot:
         usage_error(p, "--plot and --no-plot: choose one")
-    launched = launched_world() > 1  # under torchrun/srun: the ring and distributed classes join "all"
-    rank = 0
-    if launched:
-        from ..distributed import DistributedImplementation
-
-        rank, world, device = init_for_benchmark(args)
-        args.device = args.device or str(device)
-    lead = rank == 0  # only rank 0 runs the single-device implementations, prints and writes
     if args.time_budget is None and gpu:
         args.time_budget = 5.0  # seconds per row (dense at 1M: ~15 s a call: its first call is its one sample)
     args.plot = not args.no_plot and _have_matplotlib()
-    names = args.implementation
-    if names == ["all"]:
-        names = EXTREME_SET + (EXTREME_DISTRIBUTED if launched else [])
-    impls = [get_implementation(n) for n in names]
+    return args
 
-    def here(impl):
-        return lead or (launched and isinstance(impl, DistributedImplementation))
-    lengths = []
-    n = args.min_seq_length
-    while n <= args.max_seq_length:
-        lengths.append(n)
-        n *= 2
-    opts = run_options(args)
-    if args.time_budget is None and not gpu:
-        opts.reps, opts.warmup = min(opts.reps, 3), 1
-    writer = open_writer("benchmark_extreme_sequences", args) if lead else None
-    out = print if lead else (lambda *a, **k: None)
-    out(f"dilated extreme-sequence sweep on {envmod.environment()['gpu'] or 'CPU'}"
-        + (f" x {world} ranks" if launched else "") + f": N = {lengths[0]}..{lengths[-1]} (doubling), "
-        f"implementations {names}, modes {args.mode}, B={args.batch_size} H={args.num_heads} D={args.head_dim}; "
-        "each row checked against a reference.")
-    jobs = [(impl, case, b) for case in cases_of(args, lengths, args.mode) for impl in impls for b in args.backend
-            if here(impl)]
-    rows = run_sweep(jobs, opts, writer, "benchmark_extreme_sequences", lead and not args.no_progress,
-                     extra_row=(lambda r: {"world_size": world if r["implementation"] in EXTREME_DISTRIBUTED else 1})
-                     if launched else None)
-    want_plot, args.plot = args.plot, False  # plotted at the end, with the --find-max rows
-    status = finish(rows, writer, args) if lead else 0
-    args.plot = want_plot
-    out("\nscaling exponents (fit of log time and log memory against log N):")
-    for impl in (impls if lead else []):
-        for mode in args.mode:
-            ok = [r for r in rows if r["implementation"] == impl.name and r["mode"] == mode and r["status"] == "ok"]
-            if len(ok) >= 2:
-                ns = [r["config"]["seq_len"] for r in ok]
-                et = fit_exponent(ns, [r["time_ms"]["median"] for r in ok])
-                em = fit_exponent(ns, [(r.get("memory") or {}).get("peak_above_inputs_mib") or 0 for r in ok])
-                per_tok = ok[-1]["memory"]["peak_total_mib"] * (1 << 20) / ok[-1]["config"]["seq_len"]
-                print(f"  {impl.name:<12} {mode:<8} time ~ N^{et:.2f}" + (f", memory ~ N^{em:.2f}" if em else "")
-                      + f"; {per_tok:.0f} bytes/token total at N={ns[-1]}")
-    if args.find_max:
+
+class _ExtremeSweep:
+    """The sweep of one launch: on every rank under torchrun/srun (the ring and distributed classes
+    join "all"), where only rank 0 runs the single-device implementations, prints and writes."""
+
+    SCRIPT = "benchmark_extreme_sequences"
+
+    def __init__(self, args):
+        from .. import env as envmod
+
+        self.args = args
+        self.launched = launched_world() > 1
+        self.rank, self.world = 0, 1
+        if self.launched:
+            self.rank, self.world, device = init_for_benchmark(args)
+            args.device = args.device or str(device)
+        self.lead = self.rank == 0
+        names = args.implementation
+        if names == ["all"]:
+            names = EXTREME_SET + (EXTREME_DISTRIBUTED if self.launched else [])
+        self.impls = [get_implementation(n) for n in names]
+        self.lengths = []
+        n = args.min_seq_length
+        while n <= args.max_seq_length:
+            self.lengths.append(n)
+            n *= 2
+        self.opts = run_options(args)
+        if args.time_budget is None and not torch.cuda.is_available():
+            self.opts.reps, self.opts.warmup = min(self.opts.reps, 3), 1
+        self.writer = open_writer(self.SCRIPT, args) if self.lead else None
+        self.out("dilated extreme-sequence sweep on " + (envmod.environment()["gpu"] or "CPU")
+                 + (f" x {self.world} ranks" if self.launched else "")
+                 + f": N = {self.lengths[0]}..{self.lengths[-1]} (doubling), implementations {names}, "
+                 f"modes {args.mode}, B={args.batch_size} H={args.num_heads} D={args.head_dim}; "
+                 "each row checked against a reference.")
+
+    def out(self, *a, **k):
+        if self.lead:
+            print(*a, **k)
+
+    def here(self, impl) -> bool:
+        """Whether this rank runs ``impl`` (every rank runs the distributed ones)."""
+        from ..distributed import DistributedImplementation
+
+        return self.lead or (self.launched and isinstance(impl, DistributedImplementation))
+
+    def extra_row(self):
+        if not self.launched:
+            return None
+        return lambda r: {"world_size": self.world if r["implementation"] in EXTREME_DISTRIBUTED else 1}
+
+    def sweep(self) -> list[dict]:
+        args = self.args
+        jobs = [(impl, case, b) for case in cases_of(args, self.lengths, args.mode) for impl in self.impls
+                for b in args.backend if self.here(impl)]
+        return run_sweep(jobs, self.opts, self.writer, self.SCRIPT, self.lead and not args.no_progress,
+                         extra_row=self.extra_row())
+
+    def report(self, rows) -> int:
+        """The tables and exit status of the sweep, and each implementation's scaling exponents."""
+        from ..report import fit_exponent
+
+        args = self.args
+        want_plot, args.plot = args.plot, False  # plotted at the end, with the --find-max rows
+        status = finish(rows, self.writer, args) if self.lead else 0
+        args.plot = want_plot
+        self.out("\nscaling exponents (fit of log time and log memory against log N):")
+        for impl in (self.impls if self.lead else []):
+            for mode in args.mode:
+                ok = [r for r in rows if r["implementation"] == impl.name and r["mode"] == mode and r["status"] == "ok"]
+                if len(ok) >= 2:
+                    ns = [r["config"]["seq_len"] for r in ok]
+                    et = fit_exponent(ns, [r["time_ms"]["median"] for r in ok])
+                    em = fit_exponent(ns, [(r.get("memory") or {}).get("peak_above_inputs_mib") or 0 for r in ok])
+                    per_tok = ok[-1]["memory"]["peak_total_mib"] * (1 << 20) / ok[-1]["config"]["seq_len"]
+                    print(f"  {impl.name:<12} {mode:<8} time ~ N^{et:.2f}" + (f", memory ~ N^{em:.2f}" if em else "")
+                          + f"; {per_tok:.0f} bytes/token total at N={ns[-1]}")
+        return status
+
+    def find_max(self, rows) -> int:
+        """The longest N each implementation and mode runs (and passes its check); returns the exit
+        status of the probes."""
+        args = self.args
         gran = args.granularity or max(1, args.max_seq_length // 16)
-        out(f"\n--find-max: doubling from {args.max_seq_length}, then bisection to {gran} tokens")
+        self.out(f"\n--find-max: doubling from {args.max_seq_length}, then bisection to {gran} tokens")
         found, probes = [], []
         # a probe needs to run and be checked; a few timed calls are enough
-        probe_opts = dataclasses.replace(opts, warmup=1, reps=min(opts.reps, 3), budget_s=None)
-        for impl in [i for i in impls if here(i)]:
+        probe_opts = dataclasses.replace(self.opts, warmup=1, reps=min(self.opts.reps, 3), budget_s=None)
+        for impl in [i for i in self.impls if self.here(i)]:
             for mode in args.mode:
-                done = {r["config"]["seq_len"]: r for r in rows if r["implementation"] == impl.name
-                        and r["mode"] == mode and r["status"] == "ok"}
-
-                def run(n, impl=impl, mode=mode, done=done):
-                    if n in done:  # measured by the sweep already
-                        return done[n]
-                    case = next(cases_of(args, [n], [mode]))
-                    r = run_sweep([(impl, case, args.backend[0])], probe_opts, writer, "benchmark_extreme_sequences",
-                                  False, extra_row=lambda _: {"find_max": True})[0]
-                    probes.append(r)
-                    if launched and isinstance(impl, DistributedImplementation):  # every rank takes the same branch
-                        ok = impl.reduce_max([0.0 if r["status"] == "ok" and not r.get("check_failed") else 1.0])[0]
-                        if ok and r["status"] == "ok":
-                            r = dict(r, status="error", reason="failed on another rank")
-                    out(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else "")
-                          + (" CHECK FAILED: not counted" if r.get("check_failed") else ""))
-                    return r
-                swept = [r["config"]["seq_len"] for r in rows if r["implementation"] == impl.name
-                         and r["mode"] == mode and r["status"] == "ok"]
-                n, row, note = find_max_length(run, args.max_seq_length, gran, args.find_max_limit,
-                                               known_ok=max(swept) if swept else None,
-                                               max_call_s=args.max_call_seconds)
-                if n is None:
-                    out(f"  => {impl.name} {mode}: nothing ran at N >= {args.min_seq_length}")
-                elif row is None:
-                    out(f"  => {impl.name} {mode}: longest N = {n} (from the sweep; {note})")
-                else:
-                    mem = row["memory"]
-                    out(f"  => {impl.name} {mode}: longest N = {n} (peak {mem['peak_total_mib']:.0f} MiB total, "
-                          f"{mem['peak_above_inputs_mib']:.0f} MiB above inputs, "
-                          f"{mem['peak_total_mib'] * (1 << 20) / n:.0f} bytes/token; {note})")
+                swept = {r["config"]["seq_len"]: r for r in rows if r["implementation"] == impl.name
+                         and r["mode"] == mode and r["status"] == "ok"}
+                n, row, note = find_max_length(lambda n, impl=impl, mode=mode, swept=swept:
+                                               self._probe(impl, mode, n, swept, probe_opts, probes),
+                                               args.max_seq_length, gran, args.find_max_limit,
+                                               known_ok=max(swept) if swept else None, max_call_s=args.max_call_seconds)
+                self._say_longest(impl, mode, n, row, note)
                 found.append({"implementation": impl.name, "mode": mode, "max_seq_len": n, "note": note,
                               "memory": (row or {}).get("memory"), "backend": args.backend[0],
                               "config": (row or {}).get("config"), "check": (row or {}).get("check")})
-        if lead:
-            path = writer.path[:-len(".jsonl")] + "-find_max.json"
-            write_json(path, {"granularity": gran, "max_call_seconds": args.max_call_seconds, "results": found})
-            print(f"longest lengths: {path}")
-            status = max(status, exit_status(probes, "--find-max probe"))
-    if lead and args.plot and writer.rows:
-        from ..report import plot
-        print("plots: " + ", ".join(plot(writer.path)))
-    if lead:
-        print(f"\nresults are in {writer.path}"
-              + ("" if args.plot else f"; plot them with: python -m dilated.bench plot {writer.path}"))
-    if launched:
-        import torch.distributed as dist
+        if not self.lead:
+            return 0
+        path = self.writer.path[:-len(".jsonl")] + "-find_max.json"
+        write_json(path, {"granularity": gran, "max_call_seconds": args.max_call_seconds, "results": found})
+        print(f"longest lengths: {path}")
+        return exit_status(probes, "--find-max probe")
 
-        dist.barrier()
-        dist.destroy_process_group()
+    def _probe(self, impl, mode, n, swept, probe_opts, probes) -> dict:
+        from ..distributed import DistributedImplementation
+
+        if n in swept:  # measured by the sweep already
+            return swept[n]
+        case = next(cases_of(self.args, [n], [mode]))
+        r = run_sweep([(impl, case, self.args.backend[0])], probe_opts, self.writer, self.SCRIPT, False,
+                      extra_row=lambda _: {"find_max": True})[0]
+        probes.append(r)
+        if self.launched and isinstance(impl, DistributedImplementation):  # every rank takes the same branch
+            failed = impl.reduce_max([0.0 if r["status"] == "ok" and not r.get("check_failed") else 1.0])[0]
+            if failed and r["status"] == "ok":
+                r = dict(r, status="error", reason="failed on another rank")
+        self.out(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else "")
+                 + (" CHECK FAILED: not counted" if r.get("check_failed") else ""))
+        return r
+
+    def _say_longest(self, impl, mode, n, row, note) -> None:
+        if n is None:
+            self.out(f"  => {impl.name} {mode}: nothing ran at N >= {self.args.min_seq_length}")
+        elif row is None:
+            self.out(f"  => {impl.name} {mode}: longest N = {n} (from the sweep; {note})")
+        else:
+            mem = row["memory"]
+            self.out(f"  => {impl.name} {mode}: longest N = {n} (peak {mem['peak_total_mib']:.0f} MiB total, "
+                     f"{mem['peak_above_inputs_mib']:.0f} MiB above inputs, "
+                     f"{mem['peak_total_mib'] * (1 << 20) / n:.0f} bytes/token; {note})")
+
+    def close(self) -> None:
+        """Plots (with the --find-max rows), where the results are, and the process group ended."""
+        if self.lead:
+            if self.args.plot and self.writer.rows:
+                from ..report import plot
+
+                print("plots: " + ", ".join(plot(self.writer.path)))
+            print(f"\nresults are in {self.writer.path}"
+                  + ("" if self.args.plot else f"; plot them with: python -m dilated.bench plot {self.writer.path}"))
+        if self.launched:
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+@script_main
+def extreme_main(argv=None) -> int:
+    args = _parse(argv)
+    sweep = _ExtremeSweep(args)
+    rows = sweep.sweep()
+    status = sweep.report(rows)
+    if args.find_max:
+        status = max(status, sweep.find_max(rows))
+    sweep.close()
     return status
