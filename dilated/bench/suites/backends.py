@@ -5,8 +5,9 @@ import torch
 
 import dilated
 
-from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, finish, int_list, open_writer,
-                   parse_with_config, run_options, script_main, size_list, str_list, usage_error)
+from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, int_list, parse_with_config, run_options,
+                   size_list, str_list, usage_error)
+from ..output import finish, open_writer, script_main
 from ..registry import Case, get_implementation
 from ..runner import run_sweep
 from .common import jobs_of

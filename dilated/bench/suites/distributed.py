@@ -6,8 +6,9 @@ import dataclasses
 
 import torch
 
-from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, finish, int_list, open_writer,
-                   parse_with_config, run_options, script_main, str_list, usage_error)
+from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, int_list, parse_with_config, run_options,
+                   str_list, usage_error)
+from ..output import finish, open_writer, script_main
 from ..registry import Case, get_implementation, implementation_names
 from ..runner import run_sweep
 from .common import init_for_benchmark, launched_world, schedule_of, add_timeout_arg

@@ -5,8 +5,9 @@ import dataclasses
 
 import torch
 
-from ..cli import (BenchParser, add_common_args, apply_quick, exit_status, finish, open_writer, parse_with_config,
-                   positive_float, run_options, script_main, str_list, usage_error)
+from ..cli import (BenchParser, add_common_args, apply_quick, parse_with_config, positive_float, run_options, str_list,
+                   usage_error)
+from ..output import exit_status, finish, open_writer, script_main
 from ..registry import get_implementation, implementation_names
 from ..results import write_json
 from ..runner import run_sweep

@@ -5,8 +5,9 @@ import torch
 
 import dilated
 
-from ..cli import (BenchParser, add_common_args, apply_quick, finish, int_list, open_writer, parse_with_config,
-                   run_options, script_main, str_list, usage_error)
+from ..cli import (BenchParser, add_common_args, apply_quick, int_list, parse_with_config, run_options, str_list,
+                   usage_error)
+from ..output import finish, open_writer, script_main
 from ..registry import get_implementation, implementation_names
 from ..runner import run_sweep
 from .common import jobs_of

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cli import (BenchParser, add_common_args, apply_quick, finish, open_writer, parse_with_config, run_options,
-                   script_main, str_list)
+from ..cli import BenchParser, add_common_args, apply_quick, parse_with_config, run_options, str_list
+from ..output import finish, open_writer, script_main
 from ..registry import get_implementation, implementation_names
 from ..runner import run_sweep
 from .common import jobs_of
