@@ -32,8 +32,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same batch, length and heads, got k={tuple(k.shape)}, "
+                         f"v={tuple(v.shape)} (v's head_dim may differ where the backend allows it)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"batch size of k ({k.shape[0]}) differs from q ({q.shape[0]})")
     if k.shape[3] != q.shape[3]:

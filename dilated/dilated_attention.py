@@ -42,6 +42,9 @@ def check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal=False)
     check_causal(causal)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"dilated attention needs q and k/v of one length, got q {q.shape[1]} and k {k.shape[1]}")
+    if v.shape[3] != q.shape[3]:
+        raise ValueError(f"dilated attention needs v's head_dim ({v.shape[3]}) equal to q's ({q.shape[3]}); "
+                         "dilated.attention takes another value head_dim on the manual and sdpa_math backends")
     return check_schedule(segment_lengths, dilation_rates)
 
 

@@ -299,6 +299,8 @@ class DistributedDilatedAttention(nn.Module):
         check_qkv(q, k, v)
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
+        if v.shape[3] != q.shape[3]:
+            raise ValueError(f"dilated attention needs v's head_dim ({v.shape[3]}) equal to q's ({q.shape[3]})")
         scale = default_scale(q.shape[-1], self.scale)
         impl = get_backend(self.backend, q, k, self.causal)
         fields = signature(q, k, v, causal=self.causal, scale=scale, segment_lengths=list(self.segment_lengths),

@@ -127,14 +127,15 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
     """Exact softmax attention on ``[batch, seq, heads, head_dim]`` tensors.
 
     k/v may have fewer heads than q (GQA: heads divisible by kv heads) and another length than q
-    (causal is then bottom-right aligned). Any strides are accepted. Returns ``out`` (q's dtype), or
+    (causal is then bottom-right aligned); v may have another head_dim than q and k where the
+    backend takes it (``manual``, ``sdpa_math``; the output then has v's). Any strides are accepted. Returns ``out`` (q's dtype), or
     ``(out, lse)`` with lse ``[batch, heads, seq_q]`` in float32 (float64 for float64 inputs).
     Gradients flow through ``out`` and ``lse``.
     """
     check_qkv(q, k, v)
     check_causal(causal)
     scale = default_scale(q.shape[-1], scale)
-    impl = get_backend(backend, q, k, causal)
+    impl = get_backend(backend, q, k, causal, v=v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = AttentionFunction.apply(q, k, v, impl, causal, scale)
     else:

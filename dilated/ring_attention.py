@@ -267,7 +267,7 @@ class RingAttention(nn.Module):
             raise ValueError(f"zigzag shards hold two chunks: the local length {q.shape[1]} must be even "
                              "(global N divisible by 2 x world size)")
         scale = default_scale(q.shape[-1], self.scale)
-        impl = get_backend(self.backend, q, k, self.causal)
+        impl = get_backend(self.backend, q, k, self.causal, v=v)
         fields = signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, transport=self.transport,
                            overlap=self.overlap)
         return (impl, scale), fields

@@ -290,3 +290,25 @@ def test_gpu_float64(gen):
     out.backward(dout.cuda())
     for t, r in zip((qc, kc, vc), torch.autograd.grad(ref, (q, k, v), dout)):
         assert rel_err(t.grad.cpu(), r) < 1e-11
+
+
+@pytest.mark.parametrize("backend", ["manual", "sdpa_math", "sdpa", "auto"])
+def test_value_head_dim_other_than_qk(backend, gen):
+    """v with its own head_dim (e.g. 16 against 32), forward and gradients, causal bottom-right."""
+    q, k = rand(1, 12, 4, 32, gen=gen), rand(1, 20, 2, 32, gen=gen)
+    v, dout = rand(1, 20, 2, 16, gen=gen), rand(1, 12, 4, 16, gen=gen)
+    ref, ref_g = _grads(lambda a, b, c: dense_reference(a, b, c, causal=True)[0], (q.double(), k.double(), v.double()),
+                        dout.double())
+    out, g = _grads(lambda a, b, c: dilated.attention(a, b, c, causal=True, backend=backend), (q, k, v), dout)
+    assert out.shape == (1, 12, 4, 16) and rel_err(out, ref) < 2e-4
+    for gi, ri in zip(g, ref_g):
+        assert rel_err(gi, ri) < 2e-4
+
+
+def test_value_head_dim_where_a_kernel_cannot(gen):
+    q = rand(1, 8, 2, 32, gen=gen)
+    v = rand(1, 8, 2, 16, gen=gen)
+    with pytest.raises(dilated.BackendUnavailableError, match="head_dim"):
+        dilated.attention(q, q, v, backend="sdpa_flash")
+    with pytest.raises(ValueError, match="v's head_dim"):
+        dilated.DilatedAttention(*SCHEDULE)(q, q, v)

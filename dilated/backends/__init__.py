@@ -113,21 +113,29 @@ def available_backends(device=None) -> dict[str, str | None]:
     return report
 
 
+def _input_reason(backend: Backend, q, k, v, causal) -> str | None:
+    reason = backend.input_reason(q, k, causal)
+    if reason is None and v is not None:
+        reason = backend.value_head_dim_reason(q, v)
+    return reason
+
+
 def get_backend(name: str, q: torch.Tensor | None = None, k: torch.Tensor | None = None,
-                causal: bool = False, device=None) -> Backend:
-    """Resolve ``name`` (or ``auto``) to a backend that works here and accepts ``q``/``k``."""
+                causal: bool = False, device=None, v: torch.Tensor | None = None) -> Backend:
+    """Resolve ``name`` (or ``auto``) to a backend that works here and accepts ``q``/``k`` (and
+    ``v``'s head_dim, where given)."""
     device = _device(q.device if q is not None else device)
     if name == "auto":
         order = AUTO_ORDER.get(device.type, AUTO_ORDER["cpu"])
         for n in order:
-            if backend_reason(n, device) is None and (q is None or _REGISTRY[n].input_reason(q, k, causal) is None):
+            if backend_reason(n, device) is None and (q is None or _input_reason(_REGISTRY[n], q, k, v, causal) is None):
                 return _REGISTRY[n]
         raise BackendUnavailableError(f"backend 'auto': no backend works on {device} for these inputs")
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(backend_names())}")
     reason = backend_reason(name, device)
     if reason is None and q is not None:
-        reason = _REGISTRY[name].input_reason(q, k, causal)
+        reason = _input_reason(_REGISTRY[name], q, k, v, causal)
     if reason is not None:
         ok = [n for n, r in available_backends(device).items() if r is None]
         raise BackendUnavailableError(

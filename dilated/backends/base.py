@@ -39,6 +39,12 @@ class Backend:
         """Why this backend cannot take these particular inputs (dtype, head_dim), or None."""
         return None
 
+    def value_head_dim_reason(self, q: torch.Tensor, v: torch.Tensor) -> str | None:
+        """Why this backend cannot take a value head_dim other than q's and k's, or None."""
+        if v.shape[-1] != q.shape[-1]:
+            return f"{self.name} needs v's head_dim ({v.shape[-1]}) equal to q's ({q.shape[-1]})"
+        return None
+
     def reads_strided_rows(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         """Whether ``forward``/``backward`` take q, k, v, out, dout with any row and head strides
         (last dim contiguous) and read them in place, at the speed of dense inputs. The dilated

@@ -60,10 +60,13 @@ class ManualBackend(Backend):
     name = "manual"
     native_gqa = False
 
+    def value_head_dim_reason(self, q, v):
+        return None  # any value head_dim
+
     def forward(self, q, k, v, causal, scale):
         acc = _acc_dtype(q)
         kf, vf = k.to(acc), v.to(acc)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:3], v.shape[3])
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=acc)
         for s0, s1 in _blocks(q, k):
             s = _scores(q[:, s0:s1].to(acc), kf, s0, causal, scale)

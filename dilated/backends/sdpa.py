@@ -75,15 +75,24 @@ class SDPABackend(Backend):
             return "PyTorch found no SDPA kernel for these inputs"
         return None
 
-    def _resolve(self, q, k, causal):
+    def _resolve(self, q, k, causal, v=None):
         if self.kernel == "cudnn" and q.shape[1] == 1 and k.shape[1] == 1:
             return "flash"  # cuDNN frontend: "s_q = s_kv = 1 is not supported" (seen, cuDNN 9.19)
         if self.kernel is not None:
             return self.kernel
-        choice = SDPBackend(torch._fused_sdp_choice(to_bhnd(q), to_bhnd(k), to_bhnd(k), None, 0.0, causal))
+        v = k if v is None else v
+        choice = SDPBackend(torch._fused_sdp_choice(to_bhnd(q), to_bhnd(k), to_bhnd(v), None, 0.0, causal))
         for name, value in _KERNELS.items():
             if value == choice:
                 return name
+        return None
+
+    def value_head_dim_reason(self, q, v):
+        # the math kernel takes any value head_dim; the fused ones here need v's equal to q's
+        kern = self._resolve(q, q, False, v)
+        if v.shape[-1] != q.shape[-1] and kern != "math":
+            return (f"SDPA {kern} needs v's head_dim ({v.shape[-1]}) equal to q's ({q.shape[-1]}); "
+                    "sdpa_math and manual take any")
         return None
 
     def reads_strided_rows(self, q, k, causal):
@@ -93,7 +102,7 @@ class SDPABackend(Backend):
 
     # -- compute ------------------------------------------------------------------------
     def forward(self, q, k, v, causal, scale):
-        kern = self._resolve(q, k, causal)
+        kern = self._resolve(q, k, causal, v)
         if causal and q.device.type == "cpu" and not bool(torch.isfinite(v).all()):
             # the fused kernel's causal tiles multiply zero probabilities by every V row of the tile,
             # so a non-finite value would reach rows before it: on a CPU the check is cheap (one pass
@@ -130,7 +139,7 @@ class SDPABackend(Backend):
         return _back(out), lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        kern = self._resolve(q, k, causal)
+        kern = self._resolve(q, k, causal, v)
         if kern == "math":
             return super().backward(dout, q, k, v, out, lse, causal, scale)
         # The efficient kernel's backward gave wrong dq/dk for [B, H, N, D]-contiguous inputs
