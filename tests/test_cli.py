@@ -415,3 +415,21 @@ def test_profile_writes_one_trace_per_row(tmp_path):
     assert names[0].startswith("dense-manual-N32-fwd-causal")
     for p in traces.iterdir():
         assert "traceEvents" in json.loads(p.read_text())
+
+
+def test_backends_script_takes_kv_lengths_and_a_value_head_dim(tmp_path):
+    out = tmp_path / "kv.jsonl"
+    assert backends_main([*TINY, "--no-compiled", "--backend", "manual,sdpa_flash", "--seq-lengths", "32",
+                          "--kv-seq-lengths", "32,48", "--head-dim-v", "4", "--causal", "--output", str(out)]) == 0
+    rows = read_jsonl(str(out))
+    prefill = [r for r in rows if r["config"].get("q_len") != 1]
+    assert {(r["config"]["seq_len"], r["config"].get("q_len")) for r in prefill} == {(32, None), (48, 32)}
+    for r in rows:
+        assert r["config"]["head_dim_v"] == 4
+        if r["backend"] == "manual":  # takes v's own head_dim: checked against float64, FLOPs 2*pairs*(d + d_v)
+            assert r["status"] == "ok" and r["check"]["passed"]
+        else:  # the fused CPU kernel needs equal head dims: says so
+            assert r["status"] == "unsupported" and "head_dim" in r["reason"]
+    r = next(r for r in prefill if r["backend"] == "manual" and r["config"]["seq_len"] == 48)
+    pairs = sum(min(48, i + 17) for i in range(32))  # bottom-right causal: query i sees keys <= i + 16
+    assert r["flops"] == 2 * 1 * 2 * pairs * (8 + 4)

@@ -30,8 +30,11 @@ def visible_pairs(nq: int, nk: int, causal: bool) -> int:
     return total
 
 
-def dense_flops(b: int, h: int, nq: int, nk: int, d: int, causal: bool = False, mode: str = "fwd") -> float:
-    return 4.0 * b * h * visible_pairs(nq, nk, causal) * d * MODE_FACTOR[mode]
+def dense_flops(b: int, h: int, nq: int, nk: int, d: int, causal: bool = False, mode: str = "fwd",
+                d_v: int | None = None) -> float:
+    """``2 * pairs * d`` for ``QK^T`` and ``2 * pairs * d_v`` for ``PV`` (``d_v``: v's head_dim, default d)."""
+    d_v = d if d_v is None else d_v
+    return 2.0 * b * h * visible_pairs(nq, nk, causal) * (d + d_v) * MODE_FACTOR[mode]
 
 
 def dilated_pairs(n: int, h: int, segment_lengths, dilation_rates, causal: bool = False) -> int:
@@ -53,12 +56,14 @@ def dilated_flops(b: int, h: int, n: int, d: int, segment_lengths, dilation_rate
     return 4.0 * b * dilated_pairs(n, h, segment_lengths, dilation_rates, causal) * d * MODE_FACTOR[mode]
 
 
-def min_bytes(b: int, nq: int, nk: int, h: int, hkv: int, d: int, elem: int, mode: str = "fwd") -> float:
+def min_bytes(b: int, nq: int, nk: int, h: int, hkv: int, d: int, elem: int, mode: str = "fwd",
+              d_v: int | None = None) -> float:
     """q, k, v read and out written once (fwd); bwd adds dout, out read and dq, dk, dv written."""
-    fwd = elem * b * d * (2 * nq * h + 2 * nk * hkv)
+    d_v = d if d_v is None else d_v
+    fwd = elem * b * (nq * h * (d + d_v) + nk * hkv * (d + d_v))
     if mode == "fwd":
         return float(fwd)
-    bwd = elem * b * d * (4 * nq * h + 4 * nk * hkv)
+    bwd = elem * b * (nq * h * (2 * d + 2 * d_v) + nk * hkv * (2 * d + 2 * d_v))
     return float(bwd if mode == "bwd" else fwd + bwd)
 
 

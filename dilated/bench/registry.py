@@ -41,10 +41,15 @@ class Case:
     segment_lengths: tuple | None = None
     dilation_rates: tuple | None = None
     input_scale: float = 1.0  # q and k (a module's x) multiplied by it: logits scale by its square
+    head_dim_v: int | None = None  # v's head_dim where it differs from q's and k's
 
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
 
     @property
     def nq(self) -> int:
@@ -60,6 +65,8 @@ class Case:
             d[k] = list(d[k]) if d[k] is not None else None
         if d["input_scale"] == 1.0:  # the usual inputs: rows keep the keys they always had
             del d["input_scale"]
+        if d["head_dim_v"] is None:
+            del d["head_dim_v"]
         return d
 
 
@@ -94,12 +101,13 @@ class Implementation:
             return (x.requires_grad_(requires_grad),)
         q = r(case.batch, case.nq, case.num_heads, case.head_dim) * s
         k = r(case.batch, case.seq_len, case.kv_heads, case.head_dim) * s
-        v = r(case.batch, case.seq_len, case.kv_heads, case.head_dim)
+        v = r(case.batch, case.seq_len, case.kv_heads, case.dv)
         return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
     def flops(self, case: Case, mode: str) -> float:
         if self.kind == "dense":
-            return F.dense_flops(case.batch, case.num_heads, case.nq, case.seq_len, case.head_dim, case.causal, mode)
+            return F.dense_flops(case.batch, case.num_heads, case.nq, case.seq_len, case.head_dim, case.causal, mode,
+                                 case.dv)
         attn = F.dilated_flops(case.batch, case.num_heads, case.seq_len, case.head_dim, case.segment_lengths,
                                case.dilation_rates, case.causal, mode)
         if self.kind == "module":
@@ -110,7 +118,8 @@ class Implementation:
 
     def min_bytes(self, case: Case, mode: str) -> float:
         elem = torch.empty((), dtype=case.torch_dtype).element_size()
-        return F.min_bytes(case.batch, case.nq, case.seq_len, case.num_heads, case.kv_heads, case.head_dim, elem, mode)
+        return F.min_bytes(case.batch, case.nq, case.seq_len, case.num_heads, case.kv_heads, case.head_dim, elem, mode,
+                           case.dv)
 
     # -- hooks for implementations spread over ranks (see dilated.bench.distributed) ---------
     def gather(self, t: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ def _cfg_title(cfg):
     if cfg.get("q_len"):
         parts.append(f"Nq={cfg['q_len']}")
     parts += [f"H={cfg['num_heads']}", f"D={cfg['head_dim']}"]
+    if cfg.get("head_dim_v"):
+        parts.append(f"Dv={cfg['head_dim_v']}")
     if cfg.get("num_kv_heads") and cfg["num_kv_heads"] != cfg["num_heads"]:
         parts.append(f"Hkv={cfg['num_kv_heads']}")
     parts += [cfg["dtype"], "causal" if cfg["causal"] else "non-causal", cfg["mode"]]
@@ -235,7 +237,8 @@ def fit_exponent(xs, ys) -> float | None:
 
 
 _SERIES_FIELDS = (("batch", "B={}"), ("q_len", "Nq={}"), ("num_heads", "H={}"), ("num_kv_heads", "Hkv={}"),
-                  ("head_dim", "D={}"), ("dtype", "{}"), ("causal", "{}"), ("input_scale", "inputs x{:g}"))
+                  ("head_dim", "D={}"), ("head_dim_v", "Dv={}"), ("dtype", "{}"), ("causal", "{}"),
+                  ("input_scale", "inputs x{:g}"))
 
 
 def series_of(rows: list[dict]) -> dict[str, list[dict]]:

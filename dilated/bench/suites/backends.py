@@ -5,8 +5,8 @@ import torch
 
 import dilated
 
-from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, int_list, parse_with_config, run_options,
-                   size_list, str_list, usage_error)
+from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, int_list, parse_with_config,
+                   positive_int, run_options, size_list, str_list, usage_error)
 from ..output import finish, open_writer, script_main
 from ..registry import Case, get_implementation
 from ..runner import run_sweep
@@ -23,7 +23,11 @@ def backends_main(argv=None) -> int:
     p.add_argument("--backends", type=str_list, default=None,
                    help="backends to run (default: all available; --backend works too)")
     p.add_argument("--scenarios", type=str_list, default="prefill,decode", help="prefill, decode (comma list)")
-    p.add_argument("--kv-lengths", type=size_list, default=None, help="decode KV-cache lengths (default 2K..128K on GPU)")
+    p.add_argument("--kv-seq-lengths", "--kv-lengths", type=size_list, default=None, dest="kv_seq_lengths",
+                   help="key/value lengths: decode's KV cache (default 2K..128K on a GPU) and, given, prefill's "
+                        "too (each --seq-lengths query length against each of these, causal bottom-right aligned)")
+    p.add_argument("--head-dim-v", type=positive_int, default=None,
+                   help="v's head_dim where it differs from q's and k's (kernels that need them equal: unsupported rows)")
     p.add_argument("--decode-batches", type=int_list, default=None)
     p.add_argument("--gqa-ratios", type=int_list, default=[1])
     p.add_argument("--head-dims", type=int_list, default=None)
@@ -42,9 +46,9 @@ def backends_main(argv=None) -> int:
     for ratio in args.gqa_ratios:
         if args.num_heads % ratio:
             usage_error(p, f"--gqa-ratios {ratio} must divide --num-heads {args.num_heads}")
-    apply_quick(args, seq_lengths=[4096 if gpu else 256], kv_lengths=[8192] if gpu else [512], decode_batches=[1],
-                reps=3, warmup=1)
-    kv_lengths = args.kv_lengths or ([2048, 8192, 32768, 131072] if gpu else [512, 2048])
+    apply_quick(args, seq_lengths=[4096 if gpu else 256], decode_batches=[1], reps=3, warmup=1)
+    default_kv = ([8192] if gpu else [512]) if args.quick else ([2048, 8192, 32768, 131072] if gpu else [512, 2048])
+    kv_lengths = args.kv_seq_lengths or default_kv
     batches = args.decode_batches or ([1, 8] if gpu else [1, 4])
     head_dims = args.head_dims or [args.head_dim]
     dtypes = args.dtypes or [default_dtype(args)]
@@ -62,17 +66,19 @@ def backends_main(argv=None) -> int:
             for ratio in args.gqa_ratios:
                 hkv = max(1, args.num_heads // ratio)
                 base = dict(num_heads=args.num_heads, num_kv_heads=hkv, head_dim=d, dtype=dtype,
-                            causal=args.causal, segment_lengths=None, dilation_rates=None)
+                            causal=args.causal, segment_lengths=None, dilation_rates=None, head_dim_v=args.head_dim_v)
                 cases = []
-                if "prefill" in args.scenarios:
-                    cases += [Case(batch=args.batch_size, seq_len=n, mode=m, input_scale=s, **base)
-                              for n in args.seq_lengths for m in args.mode for s in args.input_scales]
+                if "prefill" in args.scenarios:  # q and kv of one length, or each length against each kv length
+                    pairs = [(n, None) for n in args.seq_lengths] if not args.kv_seq_lengths else \
+                        [(m, n if n != m else None) for n in args.seq_lengths for m in args.kv_seq_lengths]
+                    cases += [Case(batch=args.batch_size, seq_len=kv, q_len=nq, mode=m, input_scale=s, **base)
+                              for kv, nq in pairs for m in args.mode for s in args.input_scales]
                 if "decode" in args.scenarios:
                     cases += [Case(batch=b, seq_len=n, q_len=1, mode="fwd", input_scale=s, **base)
                               for n in kv_lengths for b in batches for s in args.input_scales]
                 for case in cases:
                     jobs += [(dense, case, name) for name in names]
-                    if case.q_len is None:
+                    if case.q_len is None and case.head_dim_v is None:
                         jobs += [(impl, case, "sdpa" if impl.name == "dense_compiled" else "manual") for impl in compiled]
     if args.inputs:  # captured tensors replace the generated scenarios
         jobs = jobs_of(args, [dense], names, None, args.mode)
