@@ -26,15 +26,7 @@ from torch import nn
 
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
 from .functional import attention, default_scale
-
-
-def segment_blocks(n: int, w: int):
-    """``(start, count, length)``: the full segments of length w, then the clipped last one."""
-    full = n // w
-    blocks = [(0, full, w)] if full else []
-    if n % w:
-        blocks.append((full * w, 1, n % w))
-    return blocks
+from .plan import segment_blocks
 
 
 def check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal=False):

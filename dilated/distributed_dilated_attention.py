@@ -22,6 +22,8 @@ remaining collectives before it raises, so the other ranks finish the call inste
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,7 +34,7 @@ from .agreement import signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .improved_dilated_attention import backward_calls, forward_calls
-from .pattern_cache import BranchCall, plan_for
+from .plan import AttentionSpec, KernelCall, plan_for
 
 
 def _selected(start_t: int, n: int, r: int, off: int) -> slice:
@@ -133,32 +135,43 @@ def _gather_span(sp: _Span, k, v, stats):
     return [tuple(torch.cat(per[t][j], 1).unsqueeze(1) for t in range(2)) for (j,) in sp.groups]
 
 
-def _span_forward(sp: _Span, q, kv, backend, causal, scale):
+class _Saved(NamedTuple):
+    """What the backward of a call reads: its query rows, merged output and lse, incoming gradient."""
+
+    q: torch.Tensor
+    out: torch.Tensor
+    lse_rows: torch.Tensor
+    dout: torch.Tensor
+
+
+def _span_forward(sp: _Span, q, kv, spec: AttentionSpec):
     """The span's kernel calls: ``(calls, outputs, lses)``, one per offset with rows here (views of
     the outputs of its group's call)."""
     b, n = q.shape[:2]
     calls, outs, lses = [], [], []
     for group, (ks, vs) in zip(sp.groups, kv):
-        upto = sp.upto(group, causal)
-        o, lse = attention_forward(backend, sp.stacked(q, group), ks.flatten(0, 1)[:, :upto],
-                                   vs.flatten(0, 1)[:, :upto], causal, scale)
-        calls += [BranchCall(0, 1, n, sp.r, "offset", sp.offsets[j][0], row_offset=sp.offsets[j][1].start)
+        upto = sp.upto(group, spec.causal)
+        o, lse = attention_forward(spec.backend, sp.stacked(q, group), ks.flatten(0, 1)[:, :upto],
+                                   vs.flatten(0, 1)[:, :upto], spec.causal, spec.scale)
+        calls += [KernelCall(0, 1, n, sp.r, "offset", sp.offsets[j][0], row_offset=sp.offsets[j][1].start)
                   for j in group]
         outs += o.unflatten(0, (b, -1)).unbind(1)
         lses += lse.unflatten(0, (b, -1)).unbind(1)
     return calls, outs, lses
 
 
-def _span_backward(sp: _Span, q, out, lse_rows, dout, kv, dq, backend, causal, scale):
+def _span_backward(sp: _Span, spec: AttentionSpec, saved: _Saved, kv, dq):
     """Add the span's dq into ``dq``; return its dK, dV per offset (dq's dtype, all gathered rows)."""
+    q, out, lse_rows, dout = saved
     b, d = q.shape[0], q.shape[3]
     dks = [q.new_zeros(b, sum(sizes), len(kvidx), d, dtype=dq.dtype) for _, _, sizes, kvidx in sp.offsets]
     dvs = [torch.zeros_like(x) for x in dks]
     for group, (ks, vs) in zip(sp.groups, kv):
-        upto = sp.upto(group, causal)
+        upto = sp.upto(group, spec.causal)
         lse = sp.stacked(lse_rows, group).transpose(1, 2).contiguous()  # [B', h', rows]
-        g = attention_backward(backend, sp.stacked(dout, group), sp.stacked(q, group), ks.flatten(0, 1)[:, :upto],
-                               vs.flatten(0, 1)[:, :upto], sp.stacked(out, group), lse, causal, scale)
+        g = attention_backward(spec.backend, sp.stacked(dout, group), sp.stacked(q, group),
+                               ks.flatten(0, 1)[:, :upto], vs.flatten(0, 1)[:, :upto], sp.stacked(out, group), lse,
+                               spec.causal, spec.scale)
         dqs, dkg, dvg = (x.unflatten(0, (b, -1)) for x in g)
         for i, j in enumerate(group):
             off, rows = sp.offsets[j][:2]
@@ -168,11 +181,11 @@ def _span_backward(sp: _Span, q, out, lse_rows, dout, kv, dq, backend, causal, s
     return dks, dvs
 
 
-def _span_parts(sp: _Span, q, out, lse_rows, dout, kv, dq, backend, causal, scale):
+def _span_parts(sp: _Span, spec: AttentionSpec, saved: _Saved, kv, dq):
     """The span's dK/dV, one flat ``[B, L_m]`` part per member in the layout it sent (K rows of
     every offset, then V rows); adds the span's dq into ``dq``."""
-    b = q.shape[0]
-    dks, dvs = _span_backward(sp, q, out, lse_rows, dout, kv, dq, backend, causal, scale)
+    b = saved.q.shape[0]
+    dks, dvs = _span_backward(sp, spec, saved, kv, dq)
     to_member = [[] for _ in range(sp.span)]
     for grads in (dks, dvs):
         for (_, _, sizes, _), g in zip(sp.offsets, grads):
@@ -185,15 +198,15 @@ def _span_parts(sp: _Span, q, out, lse_rows, dout, kv, dq, backend, causal, scal
 
 class _DistributedDilatedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, spans, backend, causal, scale, stats):
+    def forward(ctx, q, k, v, plan, spans, spec, stats):
         calls, parts, lses, gathered = [], [], [], []
-        failure = None  # a failed computation here: the remaining collectives still run (see _raise_after)
+        failure = None  # a failed computation here: the remaining collectives still run first
         for sp in spans:
             kv = _gather_span(sp, k, v, stats)
             gathered.append(kv)
             if failure is None:
                 try:
-                    c, o, lse = _span_forward(sp, q, kv, backend, causal, scale)
+                    c, o, lse = _span_forward(sp, q, kv, spec)
                     calls += c
                     parts += o
                     lses += lse
@@ -202,20 +215,20 @@ class _DistributedDilatedFunction(torch.autograd.Function):
         if failure is not None:
             raise failure
         # spanning and local branches mixed by one combine, straight into the output dtype
-        out, lse_rows = forward_calls(q, k, v, plan, backend, causal, scale, None, extra=(calls, parts, lses))
+        out, lse_rows = forward_calls((q, k, v), plan, spec, extra=(calls, parts, lses))
         del calls, parts, lses
         ctx.save_for_backward(q, k, v, out, lse_rows)
-        ctx.gathered, ctx.cfg = gathered, (plan, spans, backend, causal, scale, stats)
+        ctx.gathered, ctx.plan, ctx.spans, ctx.spec, ctx.stats = gathered, plan, spans, spec, stats
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse_rows = ctx.saved_tensors
-        plan, spans, backend, causal, scale, stats = ctx.cfg
+        plan, spans, spec, stats = ctx.plan, ctx.spans, ctx.spec, ctx.stats
         dout = dout.contiguous()
         failure = None  # a failed computation here: every span's reduce-scatter still runs, with zeros
         try:
-            dq, dk, dv = backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, acc_dtype(q.dtype))
+            dq, dk, dv = backward_calls((q, k, v), plan, spec, out, lse_rows, dout, dtype=acc_dtype(q.dtype))
         except Exception as e:  # noqa: BLE001 - raised once every collective has run
             failure = e
         b, d = q.shape[0], q.shape[3]
@@ -224,7 +237,7 @@ class _DistributedDilatedFunction(torch.autograd.Function):
             parts = None
             if failure is None:
                 try:
-                    parts = _span_parts(sp, q, out, lse_rows, dout, kv, dq, backend, causal, scale)
+                    parts = _span_parts(sp, spec, _Saved(q, out, lse_rows, dout), kv, dq)
                 except Exception as e:  # noqa: BLE001 - raised once every collective has run
                     failure = e
             if parts is None:
@@ -305,14 +318,14 @@ class DistributedDilatedAttention(nn.Module):
         impl = get_backend(self.backend, q, k, self.causal)
         fields = signature(q, k, v, causal=self.causal, scale=scale, segment_lengths=list(self.segment_lengths),
                            dilation_rates=list(self.dilation_rates))
-        return (impl, scale), fields
+        return AttentionSpec(impl, self.causal, scale), fields
 
     def forward(self, q, k, v):
         if not dist.is_initialized():
             raise RuntimeError("DistributedDilatedAttention needs torch.distributed initialised")
-        impl, scale = validate_on_all_ranks(self.group, self._agreed, "DistributedDilatedAttention",
+        spec = validate_on_all_ranks(self.group, self._agreed, "DistributedDilatedAttention",
                                             lambda: self._validate(q, k, v))
         q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
         rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
-        plan, spans = self._layout(q, k, rank, p, impl.reads_strided_rows(q, k, self.causal))
-        return _DistributedDilatedFunction.apply(q, k, v, plan, spans, impl, self.causal, scale, self.stats)
+        plan, spans = self._layout(q, k, rank, p, spec.backend.reads_strided_rows(q, k, self.causal))
+        return _DistributedDilatedFunction.apply(q, k, v, plan, spans, spec, self.stats)

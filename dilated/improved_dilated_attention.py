@@ -30,7 +30,8 @@ from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
 from .layout import combine, gather, merged_lse_for
 from .memory_pool import MemoryPool
-from .pattern_cache import PatternCache, plan_for
+from .pattern_cache import PatternCache
+from .plan import AttentionSpec, plan_for
 
 
 def _covering_part(plan, parts, shape):
@@ -48,15 +49,16 @@ def _result(plan, parts, like: torch.Tensor, dtype) -> torch.Tensor:
     return out if out is not None else torch.empty(like.shape, dtype=dtype, device=like.device)
 
 
-def forward_calls(q, k, v, plan, backend, causal, scale, pool, dtype=None, extra=None, with_lse=True):
-    """Run the kernel calls of ``plan``; return their mixture ``out`` (``dtype``, default q's) and
-    its lse in row layout (float32 ``[B, N, H]``; None unless ``with_lse``), both written by one
-    :func:`combine`. ``extra``: ``(calls, outputs, lses)`` computed elsewhere, mixed in by the same
-    combine."""
+def forward_calls(qkv, plan, spec: AttentionSpec, *, pool=None, dtype=None, extra=None, with_lse=True):
+    """Run the kernel calls of ``plan`` on ``qkv = (q, k, v)``; return their mixture ``out``
+    (``dtype``, default q's) and its lse in row layout (``[B, N, H]``, float32 or float64; None
+    unless ``with_lse``), both written by one :func:`combine`. ``extra``: ``(calls, outputs, lses)``
+    computed elsewhere, mixed in by the same combine."""
+    q, k, v = qkv
     calls, parts, lses = (list(x) for x in extra) if extra else ([], [], [])
     for c in plan:
         (qb, kb, vb), bufs = gather(c, (q, k, v), (False, True, True), pool)
-        o, lse = attention_forward(backend, qb, kb, vb, causal, scale)
+        o, lse = attention_forward(spec.backend, qb, kb, vb, spec.causal, spec.scale)
         calls.append(c)
         parts.append(o)
         lses.append(lse)
@@ -68,13 +70,14 @@ def forward_calls(q, k, v, plan, backend, causal, scale, pool, dtype=None, extra
     return combine(calls, parts, lses, out, out_lse), out_lse
 
 
-def backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, dtype=None):
+def backward_calls(qkv, plan, spec: AttentionSpec, out, lse_rows, dout, *, dtype=None):
     """Each call's kernel backward, given the *merged* out and lse, summed into ``dq, dk, dv``
     (``dtype``, default the inputs')."""
+    q, k, v = qkv
     grads = ([], [], [])
     for c in plan:
         (qb, kb, vb, ob, dob), _ = gather(c, (q, k, v, out, dout), (False, True, True, False, False))
-        g = attention_backward(backend, dob, qb, kb, vb, ob, merged_lse_for(lse_rows, c), causal, scale)
+        g = attention_backward(spec.backend, dob, qb, kb, vb, ob, merged_lse_for(lse_rows, c), spec.causal, spec.scale)
         for acc, gi in zip(grads, g):
             acc.append(gi)
         del g, qb, kb, vb, ob, dob
@@ -88,18 +91,17 @@ def backward_calls(plan, backend, causal, scale, q, k, v, out, lse_rows, dout, d
 
 class _ImprovedDilatedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, backend, causal, scale, pool):
-        out, lse_rows = forward_calls(q, k, v, plan, backend, causal, scale, pool)
+    def forward(ctx, q, k, v, plan, spec, pool):
+        out, lse_rows = forward_calls((q, k, v), plan, spec, pool=pool)
         ctx.save_for_backward(q, k, v, out, lse_rows)
-        ctx.plan, ctx.backend, ctx.causal, ctx.scale = plan, backend, causal, scale
+        ctx.plan, ctx.spec = plan, spec
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse_rows = ctx.saved_tensors
-        dq, dk, dv = backward_calls(ctx.plan, ctx.backend, ctx.causal, ctx.scale, q, k, v, out, lse_rows,
-                                    dout.contiguous())
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = backward_calls((q, k, v), ctx.plan, ctx.spec, out, lse_rows, dout.contiguous())
+        return dq, dk, dv, None, None, None
 
 
 def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
@@ -115,18 +117,18 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
         segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal)
         impl = get_backend(backend, q, k, causal)
         plan = plan_for(q, k, segs, dils, impl.reads_strided_rows(q, k, causal))
-        return default_scale(q.shape[-1], scale), impl, plan
+        return AttentionSpec(impl, causal, default_scale(q.shape[-1], scale)), plan
 
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                tuple(segment_lengths), tuple(dilation_rates), causal, scale, backend)
     except (AttributeError, TypeError):  # not tensors / not sequences: resolve() says what is wrong
         key = None
-    scale, impl, plan = resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
+    spec, plan = resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _ImprovedDilatedFunction.apply(q, k, v, plan, impl, causal, scale, memory_pool)
-    return forward_calls(q, k, v, plan, impl, causal, scale, memory_pool, with_lse=False)[0]
+        return _ImprovedDilatedFunction.apply(q, k, v, plan, spec, memory_pool)
+    return forward_calls((q, k, v), plan, spec, pool=memory_pool, with_lse=False)[0]
 
 
 class ImprovedDilatedAttention(nn.Module):

@@ -1,6 +1,6 @@
 """Rows of a dilated plan between ``[B, N, H, D]`` and the kernels' layout: gather and combine.
 
-A call ``c`` of a plan (:class:`~dilated.pattern_cache.BranchCall`) covers some rows
+A call ``c`` of a plan (:class:`~dilated.plan.KernelCall`) covers some rows
 ``(b, position, head)``; :func:`branch_view` is the strided view of them, laid out
 ``[B, count, (r,) n, h, ...]``, and a kernel sees them as ``[B', n, h, D]`` (kernel layout).
 
@@ -30,7 +30,7 @@ import torch
 from ._checks import acc_dtype
 from .memory_pool import MemoryPool
 from .merge import merge_
-from .pattern_cache import BranchCall
+from .plan import KernelCall
 
 try:  # Triton ships with CUDA builds of PyTorch; it is optional here.
     import triton
@@ -46,7 +46,7 @@ def triton_enabled(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def branch_view(x: torch.Tensor, c: BranchCall, heads: bool = True) -> torch.Tensor:
+def branch_view(x: torch.Tensor, c: KernelCall, heads: bool = True) -> torch.Tensor:
     """Strided view of ``x`` (``[B, N, H, *rest]``) holding the rows of call ``c``.
 
     Layout ``[B, count, r, n, h, *rest]`` for "diag", ``[B, count, n, h, *rest]`` otherwise.
@@ -73,7 +73,7 @@ _VIEWS: dict = {}  # (call, shape, strides) -> (size, stride, storage offset) of
 _MAX_VIEWS = 4096
 
 
-def kernel_view(x: torch.Tensor, c: BranchCall) -> torch.Tensor | None:
+def kernel_view(x: torch.Tensor, c: KernelCall) -> torch.Tensor | None:
     """``kernel_layout(branch_view(x, c))`` as one ``as_strided`` of ``x`` when it is a view (the
     geometry is worked out once per call, shape and strides, on a meta tensor: a step's views
     then cost the host one op each instead of a chain of slices); None when it needs a copy."""
@@ -91,12 +91,12 @@ def kernel_view(x: torch.Tensor, c: BranchCall) -> torch.Tensor | None:
     return x.as_strided(geometry[0], geometry[1], x.storage_offset() + geometry[2])
 
 
-def merged_lse_for(lse_rows: torch.Tensor, c: BranchCall) -> torch.Tensor:
+def merged_lse_for(lse_rows: torch.Tensor, c: KernelCall) -> torch.Tensor:
     """A row-layout lse ``[B, N, H]`` at the rows of ``c``, as a kernel's ``[B', h, n]``."""
     return kernel_layout(branch_view(lse_rows, c), 0).transpose(1, 2).contiguous()
 
 
-def gather(c: BranchCall, tensors, kv=None, pool: MemoryPool | None = None):
+def gather(c: KernelCall, tensors, kv=None, pool: MemoryPool | None = None):
     """The rows of ``c`` of each tensor, in kernel layout. ``kv[i]`` marks kv tensors (GQA calls
     select their kv heads). Returns ``(gathered, buffers)``; the buffers came from ``pool``."""
     if c.mode == "view" or c.in_place:
@@ -169,12 +169,12 @@ def _combine_torch(plan, parts, lses, out, out_lse, kv):
 _LAUNCH = {"elements": 2048, "num_warps": 4}
 
 
-def _aligned(c: BranchCall) -> int:
+def _aligned(c: KernelCall) -> int:
     """Segments start at multiples of r: a position's rank mod r says if it is a member."""
     return int(c.start % c.r == 0 and c.length % c.r == 0)
 
 
-def _call_constants(c: BranchCall) -> tuple:
+def _call_constants(c: KernelCall) -> tuple:
     """(start, count, length, r, diag, head offset or -1, first row, aligned)."""
     aligned = _aligned(c)
     if c.mode == "offset":

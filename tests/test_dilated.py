@@ -50,7 +50,7 @@ def test_improved_in_place_matches_reference(case, causal, batch, gen, monkeypat
     from dilated.backends.sdpa import SDPABackend
 
     monkeypatch.setattr(SDPABackend, "reads_strided_rows", lambda self, q, k, causal: True)
-    monkeypatch.setattr("dilated.pattern_cache.in_place_min_tiles", lambda device: 0)
+    monkeypatch.setattr("dilated.plan.in_place_min_tiles", lambda device: 0)
     n, h, hkv, segs, dils = case
     q, k, v = (rand(batch, n, x, 16, gen=gen, requires_grad=True) for x in (h, hkv, hkv))
     out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=causal, backend="sdpa")
@@ -67,10 +67,10 @@ def test_in_place_calls_over_several_segments(causal, gen, monkeypatch):
     """In-place plans whose r > 1 branches span several segments: one call per segment holding all
     offsets (count 2 and 4, fewer calls than offsets) and one call per offset over all segments."""
     from dilated.backends.sdpa import SDPABackend
-    from dilated.pattern_cache import build_plan
+    from dilated.plan import build_plan
 
     monkeypatch.setattr(SDPABackend, "reads_strided_rows", lambda self, q, k, causal: True)
-    monkeypatch.setattr("dilated.pattern_cache.in_place_min_tiles", lambda device: 0)
+    monkeypatch.setattr("dilated.plan.in_place_min_tiles", lambda device: 0)
     n, h, segs, dils = 64, 8, [8, 16, 32], [1, 8, 8]
     plan = build_plan(n, h, h, segs, dils, "cpu", batch=1, in_place_tiles=0)
     per_segment = [c for c in plan if c.mode == "diag" and c.in_place]
@@ -239,9 +239,9 @@ def test_gpu_in_place_calls(backend, causal, gen, monkeypatch):
     """Every r > 1 branch read in place (strided views into the kernel, no gather): bf16 against float64."""
     if backend not in GPU_BACKENDS:
         pytest.skip(f"{backend} is not available here")
-    monkeypatch.setattr("dilated.pattern_cache.in_place_min_tiles", lambda device: 0)
+    monkeypatch.setattr("dilated.plan.in_place_min_tiles", lambda device: 0)
     n, segs, dils = GPU_CASE
-    plan = dilated.pattern_cache.build_plan(n, 8, 8, segs, dils, "cuda", in_place_tiles=0)
+    plan = dilated.plan.build_plan(n, 8, 8, segs, dils, "cuda", in_place_tiles=0)
     assert all(c.in_place for c in plan if c.r > 1) and {c.mode for c in plan if c.r > 1} == {"offset", "diag"}
     check_gpu_bf16(lambda *a: dilated.improved_dilated_attention(*a, causal=causal, backend=backend), causal, gen)
 

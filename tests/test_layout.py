@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dilated.layout import _combine_torch, branch_view, combine, gather, kernel_layout
-from dilated.pattern_cache import BranchCall, build_plan
+from dilated.plan import KernelCall, build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = [  # (N, H, Hkv, segments, dilations)
@@ -37,7 +37,7 @@ def check_plans():
     for case, in_place, b in runs:  # batch 1: in-place calls of one segment with all offsets
         if case is None:  # what a rank adds for a segment spanning ranks: rows 2::3 of heads 1::3
             n, h = 30, 6
-            plan = build_plan(n, h, h, [10], [1], "cpu") + [BranchCall(0, 1, n, 3, "offset", 1, row_offset=2)]
+            plan = build_plan(n, h, h, [10], [1], "cpu") + [KernelCall(0, 1, n, 3, "offset", 1, row_offset=2)]
         else:
             n, h, hkv, segs, dils = case
             plan = build_plan(n, h, hkv, segs, dils, "cpu", batch=b, in_place_tiles=in_place)

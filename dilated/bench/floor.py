@@ -10,7 +10,7 @@ import torch
 from dilated.backends import get_backend
 from dilated.functional import attention_backward, attention_forward, default_scale
 from dilated.layout import gather
-from dilated.pattern_cache import build_plan
+from dilated.plan import build_plan
 
 
 def kernel_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, backend: str, mode: str):
