@@ -14,7 +14,7 @@ Each rank holds a contiguous shard of ``n = N/P`` positions. For a branch ``(w, 
   attention over ``[earlier ranks, own]``.
 
 All branches, local and spanning, are mixed by log-sum-exp (LongNet eq. 9-10) in one
-:func:`dilated.layout.combine`, straight into the output dtype;
+:func:`dilated.rows.combine`, straight into the output dtype;
 backward is a custom autograd Function in which every kernel backward gets the *merged* output
 and lse, which is the exact gradient of the mixture. The result equals ``DilatedAttention`` on
 the gathered sequence, forward and backward. A rank whose computation fails runs the call's

@@ -4,11 +4,11 @@
   strided rows (cuDNN, flash), strided views, no copy at all (one call per head offset, or per
   segment with the r offsets as a batch of stride ``(H + 1) * D``), where each call still fills
   the device; otherwise one gather per branch (the rows of a diagonal over
-  (position mod r, head mod r); q, k and v in one launch, :func:`dilated.layout.gather`) or,
+  (position mod r, head mod r); q, k and v in one launch, :func:`dilated.rows.gather`) or,
   where w, the last segment or the heads are not multiples of r, one strided slice per head
   offset. No index tensor is data-sized (GQA with r > 1 uses an ``H/r``-entry kv-head index).
-* The calls' outputs stay in kernel layout (together about twice one output: branch r covers
-  1/r of the rows) and :func:`dilated.layout.combine` writes their log-sum-exp mixture in one
+* The calls' outputs stay in kernel shape (together about twice one output: branch r covers
+  1/r of the rows) and :func:`dilated.rows.combine` writes their log-sum-exp mixture in one
   pass, each result row once, in the output dtype (on CUDA one Triton kernel; no float32
   accumulator, no per-branch strided merge). The result overwrites the r = 1 branch's output.
 * Backward is a custom autograd Function: each call's kernel backward gets the *merged* output
@@ -28,7 +28,7 @@ from ._checks import acc_dtype, check_causal, check_scale, check_schedule, dense
 from .backends import get_backend
 from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
-from .layout import combine, gather, merged_lse_for
+from .rows import combine, gather, merged_lse_for
 from .memory_pool import MemoryPool
 from .pattern_cache import PatternCache
 from .plan import AttentionSpec, plan_for

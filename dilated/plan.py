@@ -8,7 +8,7 @@ in the general case. For GQA with r > 1 an offset call carries the small index o
 and flash on CUDA) get strided views instead of gathers (``in_place``): one call per head offset,
 or per segment for all offsets at once (a diagonal is a fixed stride), where each such call still
 fills the device. :func:`plan_for` decides it for given inputs; :class:`AttentionSpec` is what all
-the calls share. The rows of a call are cut and mixed by :mod:`dilated.layout`; plans are cached per
+the calls share. The rows of a call are cut and mixed by :mod:`dilated.rows`; plans are cached per
 input signature by :class:`dilated.pattern_cache.PatternCache`.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _in_place_form(n, count, length, h, r, diag, batch, min_tiles) -> str | None
     (one segment) or no diagonal gather exists; of two such forms, the one with fewer calls."""
     row_tiles = -(-length // (r * QUERY_TILE))
     options = []  # (calls, form, query tiles per call)
-    # kernel layout [B * count, ...] must stay a view: one batch, one segment or all rows
+    # kernel shape [B * count, ...] must stay a view: one batch, one segment or all rows
     viewable = batch == 1 or count == 1 or count * length == n
     if viewable:
         options.append((r, "per_offset", batch * count * (h // r) * row_tiles))

@@ -9,7 +9,7 @@ import torch
 
 from dilated.backends import get_backend
 from dilated.functional import attention_backward, attention_forward, default_scale
-from dilated.layout import gather
+from dilated.rows import gather
 from dilated.plan import build_plan
 
 

@@ -1,17 +1,17 @@
-"""Rows of a dilated plan between ``[B, N, H, D]`` and the kernels' layout: gather and combine.
+"""Rows of a dilated plan between ``[B, N, H, D]`` and the kernels' shape: gather and combine.
 
 A call ``c`` of a plan (:class:`~dilated.plan.KernelCall`) covers some rows
 ``(b, position, head)``; :func:`branch_view` is the strided view of them, laid out
-``[B, count, (r,) n, h, ...]``, and a kernel sees them as ``[B', n, h, D]`` (kernel layout).
+``[B, count, (r,) n, h, ...]``, and a kernel sees them as ``[B', n, h, D]`` (kernel shape).
 
 * :func:`gather`: one call's rows of several ``[B, N, H, D]`` tensors (q, k, v forward; q, k, v,
-  out, dout backward) in kernel layout. r = 1 and in-place calls are free (strided) views; the
+  out, dout backward) in kernel shape. r = 1 and in-place calls are free (strided) views; the
   others one copy each, on CUDA one Triton launch for all the tensors of the call (whole rows,
   no per-element index arithmetic of a 6-d strided copy).
 * :func:`combine`: the result of all calls, each row written once. With lse (forward) it is the
   log-sum-exp mixture ``sum_c exp(lse_c - L) o_c``, ``L = logsumexp_c lse_c`` (LongNet eq. 9-10,
   the merge of :mod:`dilated.merge` for all calls at once), and ``L`` itself; without (gradients)
-  the plain sum. On CUDA one Triton kernel reads every call's rows from its kernel-layout tensor
+  the plain sum. On CUDA one Triton kernel reads every call's rows from its kernel-shaped tensor
   and rounds once to the output dtype: no float32 accumulator in memory, no per-branch strided
   merge. The output may alias the part of a ``view`` call covering every row in ``[B, N, H, D]``
   order (each program reads its rows before writing them).
@@ -63,7 +63,7 @@ def branch_view(x: torch.Tensor, c: KernelCall, heads: bool = True) -> torch.Ten
     return s[:, :, :, c.offset::r] if heads else s
 
 
-def kernel_layout(view: torch.Tensor, rest: int = 1) -> torch.Tensor:
+def to_kernel_shape(view: torch.Tensor, rest: int = 1) -> torch.Tensor:
     """``[B, count, (r,) n, h, *rest]`` -> ``[B', n, h, *rest]`` (a copy unless already dense)."""
     lead = view.dim() - 2 - rest
     return view.reshape(-1, *view.shape[lead:])
@@ -74,14 +74,14 @@ _MAX_VIEWS = 4096
 
 
 def kernel_view(x: torch.Tensor, c: KernelCall) -> torch.Tensor | None:
-    """``kernel_layout(branch_view(x, c))`` as one ``as_strided`` of ``x`` when it is a view (the
+    """``to_kernel_shape(branch_view(x, c))`` as one ``as_strided`` of ``x`` when it is a view (the
     geometry is worked out once per call, shape and strides, on a meta tensor: a step's views
     then cost the host one op each instead of a chain of slices); None when it needs a copy."""
     key = (c, tuple(x.shape), x.stride())
     geometry = _VIEWS.get(key, False)
     if geometry is False:
         meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        v = kernel_layout(branch_view(meta, c))
+        v = to_kernel_shape(branch_view(meta, c))
         geometry = (v.shape, v.stride(), v.storage_offset()) if v._base is meta or v is meta else None
         if len(_VIEWS) >= _MAX_VIEWS:
             _VIEWS.clear()
@@ -92,23 +92,23 @@ def kernel_view(x: torch.Tensor, c: KernelCall) -> torch.Tensor | None:
 
 
 def merged_lse_for(lse_rows: torch.Tensor, c: KernelCall) -> torch.Tensor:
-    """A row-layout lse ``[B, N, H]`` at the rows of ``c``, as a kernel's ``[B', h, n]``."""
-    return kernel_layout(branch_view(lse_rows, c), 0).transpose(1, 2).contiguous()
+    """A row-ordered lse ``[B, N, H]`` at the rows of ``c``, as a kernel's ``[B', h, n]``."""
+    return to_kernel_shape(branch_view(lse_rows, c), 0).transpose(1, 2).contiguous()
 
 
 def gather(c: KernelCall, tensors, kv=None, pool: MemoryPool | None = None):
-    """The rows of ``c`` of each tensor, in kernel layout. ``kv[i]`` marks kv tensors (GQA calls
+    """The rows of ``c`` of each tensor, in kernel shape. ``kv[i]`` marks kv tensors (GQA calls
     select their kv heads). Returns ``(gathered, buffers)``; the buffers came from ``pool``."""
     if c.mode == "view" or c.in_place:
         views = [kernel_view(x, c) for x in tensors]
-        return [kernel_layout(branch_view(x, c)) if v is None else v for x, v in zip(tensors, views)], []
+        return [to_kernel_shape(branch_view(x, c)) if v is None else v for x, v in zip(tensors, views)], []
     select = [bool(is_kv) and c.kv_heads is not None for is_kv in (kv or [False] * len(tensors))]
     views = [branch_view(x, c, heads=False).index_select(3, c.kv_heads) if sel else branch_view(x, c)
              for x, sel in zip(tensors, select)]
     # an index_select already made its copy: it is the buffer unless the pool provides one
     bufs = [pool.acquire(v.shape, v.dtype, v.device) if pool else
             v if sel else torch.empty(v.shape, dtype=v.dtype, device=v.device) for v, sel in zip(views, select)]
-    dense = [kernel_layout(buf) for buf in bufs]
+    dense = [to_kernel_shape(buf) for buf in bufs]
     fast = []
     if triton_enabled(tensors[0].device):
         fast = [i for i, (x, sel) in enumerate(zip(tensors, select))

@@ -1,4 +1,4 @@
-"""Gather and combine (dilated.layout): the Triton kernels against the torch path.
+"""Gather and combine (dilated.rows): the Triton kernels against the torch path.
 
 On a CPU machine the Triton kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, read
 when the kernel is defined, hence the subprocesses); skipped where Triton is not installed.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dilated.layout import _combine_torch, branch_view, combine, gather, kernel_layout
+from dilated.rows import _combine_torch, branch_view, combine, gather, to_kernel_shape
 from dilated.plan import KernelCall, build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def check_plans():
         for c in plan:
             got = gather(c, [x, y.to(torch.bfloat16)])[0]
             for g, t in zip(got, (x, y.to(torch.bfloat16))):
-                assert torch.equal(g, kernel_layout(branch_view(t, c)))
+                assert torch.equal(g, to_kernel_shape(branch_view(t, c)))
         parts = [gather(c, [x])[0][0].clone() * (i + 1) for i, c in enumerate(plan)]
         lses = [torch.randn(p.shape[0], p.shape[2], p.shape[1], generator=gen) for p in parts]
         for c in plan:  # in-place calls are views of x, not copies
@@ -83,7 +83,7 @@ def check_plans():
 
 @needs_triton
 def test_triton_combine_equals_torch_path():
-    run = _interpreted(["-c", "import test_layout; test_layout.check_plans()"])
+    run = _interpreted(["-c", "import test_rows; test_rows.check_plans()"])
     assert run.returncode == 0 and "plans ok" in run.stdout, run.stdout + run.stderr
 
 
@@ -109,7 +109,7 @@ def test_combine_writes_in_place_over_the_full_view_part():
 
 def test_in_place_calls_of_a_branch_are_one_combine_call():
     """The r in-place calls of a branch (one per head offset) are read by one call body of the kernel."""
-    from dilated.layout import _call_groups
+    from dilated.rows import _call_groups
 
     plan = build_plan(64, 4, 4, [8, 16], [1, 2], "cpu", in_place_tiles=0)
     x = torch.randn(1, 64, 4, 8)
