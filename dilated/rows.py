@@ -174,8 +174,14 @@ def _aligned(c: KernelCall) -> int:
     return int(c.start % c.r == 0 and c.length % c.r == 0)
 
 
+#: The kernels read a call's compile-time constants as a plain tuple, by position (built per step:
+#: plain tuples cost the host least): (start, count, length, r, diag, head offset or -1, first row,
+#: aligned), and for the combine two more, (index of its first part, number of parts).
+START, COUNT, LENGTH, R, DIAG, OFFSET, FIRST, ALIGNED, PART, SIZE = range(10)
+
+
 def _call_constants(c: KernelCall) -> tuple:
-    """(start, count, length, r, diag, head offset or -1, first row, aligned)."""
+    """A call's constants in the order of :data:`START` ... :data:`ALIGNED`."""
     aligned = _aligned(c)
     if c.mode == "offset":
         return (c.start, c.count, c.length, c.r, 0, c.offset, c.first_row, aligned)
@@ -263,8 +269,8 @@ def _alias(calls, parts, out) -> int:
     place), or -1. Rows no other call covers then already hold their result: the kernel writes
     only their lse (with the nested head offsets of LongNet's schedule, half the rows)."""
     for i, g in enumerate(calls):
-        part = parts[g[8]]
-        if g[9] == 1 and g[3] == 1 and part.data_ptr() == out.data_ptr() and part.numel() == out.numel() \
+        part = parts[g[PART]]
+        if g[SIZE] == 1 and g[R] == 1 and part.data_ptr() == out.data_ptr() and part.numel() == out.numel() \
                 and part.is_contiguous() and out.is_contiguous():
             return i
     return -1

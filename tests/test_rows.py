@@ -109,12 +109,12 @@ def test_combine_writes_in_place_over_the_full_view_part():
 
 def test_in_place_calls_of_a_branch_are_one_combine_call():
     """The r in-place calls of a branch (one per head offset) are read by one call body of the kernel."""
-    from dilated.rows import _call_groups
+    from dilated.rows import PART, SIZE, _call_groups
 
     plan = build_plan(64, 4, 4, [8, 16], [1, 2], "cpu", in_place_tiles=0)
     x = torch.randn(1, 64, 4, 8)
     parts = [gather(c, [x])[0][0].contiguous() for c in plan]
     assert [c.in_place for c in plan] == [False, True, True]
     groups = _call_groups(plan, parts, None, period=2)
-    assert [(g[-2], g[-1]) for g in groups] == [(0, 1), (1, 2)]
-    assert [(g[-2], g[-1]) for g in _call_groups(plan, parts, None, period=1)] == [(0, 1), (1, 1), (2, 1)]
+    assert [(g[PART], g[SIZE]) for g in groups] == [(0, 1), (1, 2)]
+    assert [(g[PART], g[SIZE]) for g in _call_groups(plan, parts, None, period=1)] == [(0, 1), (1, 1), (2, 1)]
