@@ -197,48 +197,37 @@ def test_cpu_allocation_failure_is_an_oom_row():
         del IMPLEMENTATIONS["huge_for_test"]
 
 
-def test_time_budget_bounds_a_row_whose_one_call_is_longer(tmp_path):
+def _row_of_calls_taking(seconds: float, opts: RunOptions):
+    """A row of an implementation whose every call sleeps ``seconds``: (row, calls made, wall time)."""
     calls = []
 
     def build(case, backend):
         def fn(q, k, v):
             calls.append(1)
-            time.sleep(0.4)
+            time.sleep(seconds)
             return q * 1.0
         return fn
 
-    impl = register_implementation(Implementation("slow_for_test", "dense", build))
+    impl = register_implementation(Implementation("sleeps_for_test", "dense", build))
     try:
         case = Case(batch=1, seq_len=8, num_heads=1, head_dim=4, dtype="float32")
         t = time.perf_counter()
-        row = run_sweep([(impl, case, "manual")], RunOptions(reps=10, warmup=3, budget_s=0.1, check=False), None, "t",
-                        progress=False)[0]
-        assert time.perf_counter() - t < 1.5 and len(calls) == 1
-        assert row["status"] == "ok" and row["time_ms"]["n"] == 1 and "exceeded --time-budget" in row["time_note"]
+        row = run_sweep([(impl, case, "manual")], opts, None, "t", progress=False)[0]
+        return row, len(calls), time.perf_counter() - t
     finally:
-        del IMPLEMENTATIONS["slow_for_test"]
+        del IMPLEMENTATIONS["sleeps_for_test"]
+
+
+def test_time_budget_bounds_a_row_whose_one_call_is_longer():
+    row, calls, wall = _row_of_calls_taking(0.4, RunOptions(reps=10, warmup=3, budget_s=0.1, check=False))
+    assert wall < 1.5 and calls == 1
+    assert row["status"] == "ok" and row["time_ms"]["n"] == 1 and "exceeded --time-budget" in row["time_note"]
 
 
 def test_time_budget_bounds_a_row_of_calls_shorter_than_it():
-    calls = []
-
-    def build(case, backend):
-        def fn(q, k, v):
-            calls.append(1)
-            time.sleep(0.1)
-            return q * 1.0
-        return fn
-
-    impl = register_implementation(Implementation("slowish_for_test", "dense", build))
-    try:
-        case = Case(batch=1, seq_len=8, num_heads=1, head_dim=4, dtype="float32")
-        t = time.perf_counter()
-        row = run_sweep([(impl, case, "manual")], RunOptions(reps=50, warmup=10, budget_s=0.35, check=False), None,
-                        "t", progress=False)[0]
-        # the first (probe) call, then warm-up up to a quarter of the budget and timed calls up to all of it
-        assert time.perf_counter() - t < 1.0 and len(calls) <= 8 and 1 <= row["time_ms"]["n"] <= 5, len(calls)
-    finally:
-        del IMPLEMENTATIONS["slowish_for_test"]
+    row, calls, wall = _row_of_calls_taking(0.1, RunOptions(reps=50, warmup=10, budget_s=0.35, check=False))
+    # the first (probe) call, then warm-up up to a quarter of the budget and timed calls up to all of it
+    assert wall < 1.0 and calls <= 8 and 1 <= row["time_ms"]["n"] <= 5, calls
 
 
 # -- results files -----------------------------------------------------------------------------
