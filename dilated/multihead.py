@@ -58,11 +58,20 @@ class MultiheadDilatedAttention(nn.Module):
         if key.shape != query.shape or value.shape != query.shape:
             raise ValueError(f"key and value must match query's shape {tuple(query.shape)}, "
                              f"got key {tuple(key.shape)}, value {tuple(value.shape)}")
+        return self.output(self.attention(*self.project(query, key, value)))
+
+    def project(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None):
+        """The attention's q ``[B, N, num_heads, head_dim]`` and k, v ``[B, N, num_kv_heads, head_dim]``."""
+        key = query if key is None else key
+        value = key if value is None else value
         b, n, _ = query.shape
-        q = self.q_proj(query).view(b, n, self.num_heads, self.head_dim)
-        k = self.k_proj(key).view(b, n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(value).view(b, n, self.num_kv_heads, self.head_dim)
-        x = self.attention(q, k, v).reshape(b, n, self.embed_dim)
+        return (self.q_proj(query).view(b, n, self.num_heads, self.head_dim),
+                self.k_proj(key).view(b, n, self.num_kv_heads, self.head_dim),
+                self.v_proj(value).view(b, n, self.num_kv_heads, self.head_dim))
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output ``[B, N, embed_dim]`` from the attention's ``[B, N, num_heads, head_dim]``."""
+        x = attn.reshape(*attn.shape[:2], self.embed_dim)
         if self.norm is not None:
             x = layer_norm_rows(self.norm, x)
         return self.out_proj(x)

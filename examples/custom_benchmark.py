@@ -17,7 +17,7 @@ class MyAttention(torch.nn.Module):  # yours here: [batch, seq, heads, head_dim]
         return out.transpose(1, 2)
 
 
-# kind="dense": checked against exact attention and counted as 4*B*H*N^2*D FLOPs
+# problem "dense": checked against exact attention and counted as 4*B*H*N^2*D FLOPs
 register_implementation(Implementation("mine", "dense", lambda case, backend: MyAttention(), "my SDPA wrapper"))
 
 gpu = torch.cuda.is_available()

@@ -349,3 +349,49 @@ def test_dense_rows_say_what_the_score_matrix_would_take():
     row = run_sweep([(IMPLEMENTATIONS["dense"], case, "manual")], RunOptions(reps=2, warmup=1), None, "t",
                     progress=False)[0]
     assert row["memory"]["score_matrix_mib"] == 2 * 4 * 64 * 64 * 4 / (1 << 20)
+
+
+def test_a_new_problem_is_a_class_the_harness_asks_not_a_branch():
+    """A problem of its own (sliding-window attention here) makes its inputs, counts its FLOPs and
+    checks against its own reference; a dense attention registered as that problem fails its check."""
+    from dilated.bench.problems import DenseAttention
+    from dilated.reference import dense_reference
+
+    window = 4
+
+    class SlidingWindow(DenseAttention):
+        name = "sliding_window_for_test"
+
+        def flops(self, case, mode):
+            return 4.0 * case.batch * case.num_heads * case.nq * window * case.head_dim
+
+        def reference(self, case, inputs, model, dtype=torch.float64):
+            q, k, v = (t.to(dtype) for t in inputs)
+            i = torch.arange(case.seq_len)
+            bias = torch.where((i[:, None] - i[None, :]).abs() < window, 0.0, float("-inf")).to(dtype)
+            return dense_reference(q, k, v, bias=bias, dtype=dtype)[0]
+
+    def windowed(case, backend):
+        i = torch.arange(case.seq_len)
+        allowed = (i[:, None] - i[None, :]).abs() < window
+        return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed).transpose(1, 2)
+
+    problem = SlidingWindow()
+    right = register_implementation(Implementation("window_for_test", problem, windowed))
+    wrong = register_implementation(Implementation("window_as_dense_for_test", problem,
+                                                   IMPLEMENTATIONS["dense"].build))
+    try:
+        case = Case(batch=1, seq_len=32, num_heads=2, head_dim=8, dtype="float32", mode="fwd_bwd")
+        rows = run_sweep([(right, case, "manual"), (wrong, case, "manual")], RunOptions(reps=2, warmup=1), None,
+                         "test", progress=False)
+        assert [r["check"]["passed"] for r in rows] == [True, False]
+        assert rows[0]["flops"] == 4.0 * 2 * 32 * window * 8
+        assert rows[0]["memory"]["score_matrix_mib"] == pytest.approx(2 * 32 * 32 * 4 / (1 << 20))
+    finally:
+        del IMPLEMENTATIONS["window_for_test"], IMPLEMENTATIONS["window_as_dense_for_test"]
+
+
+def test_an_unknown_problem_name_is_refused():
+    with pytest.raises(ValueError, match="unknown problem 'sparse'.*dense, dilated, module"):
+        Implementation("x", "sparse", lambda c, b: None)

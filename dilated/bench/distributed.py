@@ -163,6 +163,7 @@ class DistributedImplementation(Implementation):
     factory: object = None  # factory(case, backend, group) -> module
 
     def __post_init__(self):
+        super().__post_init__()
         self.build = lambda case, backend: self.factory(case, backend, self.group)
 
     def on(self, group) -> "DistributedImplementation":
@@ -236,8 +237,8 @@ def _distributed_dilated(case, backend, group):
                                                backend=backend, group=group)
 
 
-def _make(name, kind, layout, factory, description):
-    return DistributedImplementation(name, kind, None, description, layout=layout, factory=factory)
+def _make(name, problem, layout, factory, description):
+    return DistributedImplementation(name, problem, None, description, layout=layout, factory=factory)
 
 
 RING_IMPLEMENTATIONS = {
@@ -260,7 +261,7 @@ RING_IMPLEMENTATIONS = {
 for _impl in RING_IMPLEMENTATIONS.values():
     register_implementation(_impl)
 
-#: the single-device implementation each distributed one is compared with
+#: the single-device implementation each distributed one is compared with, by problem
 BASELINE_OF = {"dense": "dense", "dilated": "improved"}
 
 
@@ -272,7 +273,7 @@ def run_scaling_sweep(impls, baseline_impls, cases_for, baseline_case, world_siz
     ``cases_for(P, impl)`` gives the global cases (strong scaling: the same N for every P; weak:
     N = P x tokens per rank); ``baseline_case(case, P)`` the single-device case it is compared with
     (strong: the same; weak: the tokens of one rank); ``baseline_impls`` maps an implementation's
-    kind to its single-device baseline. Rows go to ``writer`` on rank 0, each with ``world_size``,
+    problem name to its single-device baseline. Rows go to ``writer`` on rank 0, each with ``world_size``,
     ``per_rank_tflops``, ``efficiency`` and ``comm``.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -285,10 +286,10 @@ def run_scaling_sweep(impls, baseline_impls, cases_for, baseline_case, world_siz
         for impl in impls:
             for case in cases_for(p, impl):
                 bcase = baseline_case(case, p)
-                bkey = (impl.kind, repr(bcase))
+                bkey = (impl.problem.name, repr(bcase))
                 if bkey not in baseline_ms:
                     baseline_ms[bkey] = {}
-                    jobs += [(OnEveryRank.of(baseline_impls[impl.kind]), bcase, b, "baseline", bkey) for b in backends]
+                    jobs += [(OnEveryRank.of(baseline_impls[impl.problem.name]), bcase, b, "baseline", bkey) for b in backends]
                 jobs += [(impl.on(group), case, b, "distributed", bkey) for b in backends]
         for impl, case, backend, role, bkey in jobs:
             row = None

@@ -4,25 +4,15 @@ Register your own with :func:`register_implementation` (see ``examples/custom_be
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 
 import dilated
-from dilated.reference import dense_reference, dilated_bias, sampled_reference
-
-from . import flops as F
+from .problems import device_generator, problem_named  # noqa: F401  (device_generator: re-exported)
 
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
-
-
-def device_generator(gen: torch.Generator, device) -> torch.Generator:
-    """A generator on ``device`` seeded from ``gen``: inputs are made where they live (a 4M-token
-    q in float32 would be 32 GB of host memory), reproducibly for a given seed and device type."""
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass(frozen=True)
@@ -72,54 +62,36 @@ class Case:
 
 @dataclass
 class Implementation:
-    """How the harness benchmarks one thing. ``build(case, backend)`` returns a callable on ``inputs``."""
+    """How the harness benchmarks one thing: ``build(case, backend)`` returns a callable on the
+    inputs that ``problem`` (a :mod:`~dilated.bench.problems` problem, or its name) makes, and the
+    problem counts its FLOPs and computes its reference."""
 
     name: str
-    kind: str  # "dense", "dilated" or "module" (takes a [B, N, E] input)
+    problem: object  # a Problem, or "dense", "dilated" or "module"
     build: callable
     description: str = ""
     options: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        self.problem = problem_named(self.problem)
+
     def inputs(self, case: Case, device, gen: torch.Generator, requires_grad: bool, captured: dict | None = None):
         """Seeded random inputs, or ``captured`` tensors (see :mod:`dilated.bench.captured`) moved to ``device``."""
-        if captured is not None:
-            keys = ("x",) if self.kind == "module" else ("q", "k", "v")
-            if not set(keys) <= captured.keys():
-                raise NotImplementedError(f"captured inputs hold {sorted(captured)}; a {self.kind} implementation "
-                                          f"needs {', '.join(keys)}")
-            return tuple(captured[k].detach().to(device=device, dtype=case.torch_dtype).requires_grad_(requires_grad)
-                         for k in keys)
-
-        dev_gen = device_generator(gen, device)
-
-        def r(*shape):
-            return torch.randn(*shape, generator=dev_gen, device=device, dtype=case.torch_dtype)
-
-        s = case.input_scale
-        if self.kind == "module":
-            x = r(case.batch, case.seq_len, case.num_heads * case.head_dim) * s
-            return (x.requires_grad_(requires_grad),)
-        q = r(case.batch, case.nq, case.num_heads, case.head_dim) * s
-        k = r(case.batch, case.seq_len, case.kv_heads, case.head_dim) * s
-        v = r(case.batch, case.seq_len, case.kv_heads, case.dv)
-        return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+        return self.problem.inputs(case, device, gen, requires_grad, captured)
 
     def flops(self, case: Case, mode: str) -> float:
-        if self.kind == "dense":
-            return F.dense_flops(case.batch, case.num_heads, case.nq, case.seq_len, case.head_dim, case.causal, mode,
-                                 case.dv)
-        attn = F.dilated_flops(case.batch, case.num_heads, case.seq_len, case.head_dim, case.segment_lengths,
-                               case.dilation_rates, case.causal, mode)
-        if self.kind == "module":
-            e, kv = case.num_heads * case.head_dim, case.kv_heads * case.head_dim
-            linear_factor = {"fwd": 1.0, "bwd": 2.0, "fwd_bwd": 3.0}[mode]  # dX and dW in backward
-            attn += 2.0 * case.batch * case.seq_len * e * (2 * e + 2 * kv) * linear_factor
-        return attn
+        return self.problem.flops(case, mode)
 
     def min_bytes(self, case: Case, mode: str) -> float:
-        elem = torch.empty((), dtype=case.torch_dtype).element_size()
-        return F.min_bytes(case.batch, case.nq, case.seq_len, case.num_heads, case.kv_heads, case.head_dim, elem, mode,
-                           case.dv)
+        return self.problem.min_bytes(case, mode)
+
+    def reference(self, case: Case, inputs, model, dtype=torch.float64):
+        """Full reference output (differentiable in ``inputs`` when they require grad)."""
+        return self.problem.reference(case, inputs, model, dtype)
+
+    def sampled_reference(self, case: Case, inputs, model, rows):
+        """Reference output at query ``rows`` only, streaming over keys (for long sequences)."""
+        return self.problem.sampled_reference(case, inputs, model, rows)
 
     # -- hooks for implementations spread over ranks (see dilated.bench.distributed) ---------
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -141,50 +113,6 @@ class Implementation:
     def comm_metrics(self, model, step, seconds_per_call: float = 0.0) -> dict | None:
         """Communication per call of ``step`` (bytes, messages, exposed wait), or None."""
         return None
-
-    # -- references -----------------------------------------------------------------------
-    def _qkv_for_reference(self, case, inputs, model):
-        if self.kind != "module":
-            return inputs
-        (x,) = inputs
-        b, n = x.shape[:2]
-        return (model.q_proj(x).view(b, n, case.num_heads, case.head_dim),
-                model.k_proj(x).view(b, n, case.kv_heads, case.head_dim),
-                model.v_proj(x).view(b, n, case.kv_heads, case.head_dim))
-
-    def reference(self, case: Case, inputs, model, dtype=torch.float64):
-        """Full reference output (differentiable in ``inputs`` when they require grad)."""
-        if self.kind == "module":
-            model = copy.deepcopy(model).to(dtype)
-            inputs = tuple(t.to(dtype) for t in inputs)
-        q, k, v = (t.to(dtype) for t in self._qkv_for_reference(case, inputs, model))
-        if self.kind == "dense":
-            return dense_reference(q, k, v, causal=case.causal, dtype=dtype)[0]
-        bias = dilated_bias(case.seq_len, case.num_heads, case.segment_lengths, case.dilation_rates, case.causal,
-                            q.device, dtype)
-        out = dense_reference(q, k, v, bias=bias, dtype=dtype)[0]
-        if self.kind == "module":
-            b, n = out.shape[:2]
-            out = out.reshape(b, n, -1)
-            if model.norm is not None:
-                out = model.norm(out)
-            out = model.out_proj(out)
-        return out
-
-    def sampled_reference(self, case: Case, inputs, model, rows):
-        """Reference output at query ``rows`` only, streaming over keys (for long sequences)."""
-        with torch.no_grad():
-            q, k, v = self._qkv_for_reference(case, inputs, model)
-            segs = case.segment_lengths if self.kind != "dense" else None
-            out = sampled_reference(q, k, v, rows, causal=case.causal, segment_lengths=segs,
-                                    dilation_rates=case.dilation_rates if segs else None)
-            if self.kind == "module":
-                b = out.shape[0]
-                out = out.reshape(b, len(rows), -1).to(inputs[0].dtype)
-                if model.norm is not None:
-                    out = model.norm(out)
-                out = model.out_proj(out).float()
-            return out
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {}

@@ -15,7 +15,8 @@ from . import env as envmod
 from .flops import peak_tflops
 from .rank_failures import FailedOnRanks, OverBudget, RankFailures, outcome
 from .memory import PeakMemory, free_memory, large_allocations_tracked
-from .registry import Case, Implementation, device_generator
+from .problems import device_generator
+from .registry import Case, Implementation
 from .results import ResultWriter
 from .timing import measure_side_by_side, summarize
 
@@ -170,12 +171,11 @@ class _RowRun:
             first_ms = self.impl.reduce_max([(time.perf_counter() - t0) * 1e3])[0]
         if mem.peak_total_mib is not None:
             mem.peak_above_mib, mem.peak_total_mib = self.impl.reduce_max([mem.peak_above_mib, mem.peak_total_mib])
-        elem = torch.empty((), dtype=case.torch_dtype).element_size()
+        score_bytes = self.impl.problem.score_matrix_bytes(case)
         self.row["memory"] = {
             "peak_above_inputs_mib": mem.peak_above_mib, "peak_total_mib": mem.peak_total_mib,
             # dense: what materialising the scores would take (how much a fused kernel avoids)
-            "score_matrix_mib": (case.batch * case.num_heads * case.nq * case.seq_len * elem / (1 << 20)
-                                 if self.impl.kind == "dense" else None),
+            "score_matrix_mib": (None if score_bytes is None else score_bytes / (1 << 20)),
             "min_theoretical_mib": self.impl.min_bytes(case, case.mode) / (1 << 20),
             "measure": "cuda allocator" if device.type == "cuda" else
             "process peak RSS" + ("" if large_allocations_tracked() else
@@ -197,11 +197,10 @@ class _RowRun:
         # the first call was the first warm-up call; with --floor the kernel floor is timed in turns
         # with the step (dilated.bench.floor), so that the ratio is not the machine's drift
         timed = [(ranks.guard(self.step), timed_setup)]
-        if opts.floor and impl.kind == "dilated" and not self.spread:
-            from .floor import kernel_floor_step
-
-            timed.append((kernel_floor_step(*self.inputs, self.case.segment_lengths, self.case.dilation_rates,
-                                            self.case.causal, self.backend, self.case.mode), None))
+        floor = impl.problem.kernel_floor(self.inputs, self.case, self.backend) if opts.floor and not self.spread \
+            else None
+        if floor is not None:
+            timed.append((floor, None))
         if opts.settle_s > 0:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -71,7 +71,7 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
         out = []
         for n in args.seq_lengths:
             big_n = n * p_ if args.scaling == "weak" else n
-            segs, dils = schedule(big_n) if impl.kind == "dilated" else (None, None)
+            segs, dils = schedule(big_n) if impl.problem.needs_schedule else (None, None)
             out += [Case(batch=args.batch_size, seq_len=big_n, num_heads=args.num_heads, head_dim=args.head_dim,
                          num_kv_heads=args.num_kv_heads, dtype=dtype, causal=args.causal, mode=m,
                          segment_lengths=segs, dilation_rates=dils, input_scale=s)
@@ -83,7 +83,7 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
         segs, dils = schedule(n) if case.segment_lengths else (None, None)
         return dataclasses.replace(case, seq_len=n, segment_lengths=segs, dilation_rates=dils)
 
-    baselines = {kind: get_implementation(name) for kind, name in BASELINE_OF.items()}
+    baselines = {problem: get_implementation(name) for problem, name in BASELINE_OF.items()}
     writer = open_writer(script, args) if rank == 0 else None
     if rank == 0:
         print(f"{script}: world {world} ({device.type}), P in {sizes}, {args.scaling} scaling, "
