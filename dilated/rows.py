@@ -277,6 +277,7 @@ def _alias(calls, parts, out) -> int:
 
 
 if triton is not None:
+    from .merge import merge_finish, merge_step
 
     @triton.jit
     def _call_rows(p, pmask, hh, b, start: tl.constexpr, count: tl.constexpr, length: tl.constexpr,
@@ -361,8 +362,8 @@ if triton is not None:
              CALLS: tl.constexpr, N_CALLS: tl.constexpr, PERIOD: tl.constexpr, HAS_LSE: tl.constexpr,
              STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         """out = sum over the calls of exp(lse_c - L) o_c, L = logsumexp_c lse_c (or the sum of the
-        o_c), and L at ``lse_at`` (``STORE_LSE``), in one pass over the calls with a running max (as
-        flash attention's softmax): each call's rows and lse are loaded together, once."""
+        o_c), and L at ``lse_at`` (``STORE_LSE``), in one pass over the calls (the streaming merge of
+        :mod:`dilated.merge`): each call's rows and lse are loaded together, once."""
         acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
         m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
         s_i = tl.zeros([BLOCK_P], tl.float32)
@@ -380,21 +381,13 @@ if triton is not None:
                 o = tl.load(part + (bi * strides[3 * k] + ni * strides[3 * k + 1] + hi * strides[3 * k + 2])[:, None]
                             + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 if HAS_LSE:
-                    lse = _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi)
-                    m_new = tl.maximum(m_i, lse)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp(m_i - m_safe)
-                    w = tl.exp(lse - m_safe)
-                    s_i = s_i * alpha + w
-                    acc = acc * alpha[:, None] + o * w[:, None]
-                    m_i = m_new
+                    m_i, s_i, acc = merge_step(m_i, s_i, acc, o, _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi))
                 else:
                     acc += o
         if HAS_LSE:
-            seen = s_i > 0  # rows no call covers stay 0 (a NaN lse makes acc NaN through w: it stays NaN)
-            acc = acc * tl.where(seen, 1.0 / tl.where(seen, s_i, 1.0), 0.0)[:, None]
+            acc, lse = merge_finish(m_i, s_i, acc)
             if STORE_LSE:
-                tl.store(lse_at, tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf")), mask=pmask)
+                tl.store(lse_at, lse, mask=pmask)
         tl.store(out_ptr + (b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh)[:, None]
                  + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & dmask[None, :])
 
