@@ -4,6 +4,7 @@ Tensors are ``[batch, seq, heads, head_dim]`` throughout.
 """
 from .backends import BackendUnavailableError, available_backends, register_backend
 from .functional import attention
+from . import ops  # noqa: F401,E402  (registers the custom ops torch.compile traces)
 
 __version__ = "0.1.0"
 

@@ -77,8 +77,9 @@ class UncoveredRowsWarning(UserWarning):
     """A dilated schedule leaves some (position, head) rows to no branch: they output 0."""
 
 
-def check_schedule(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Validate a LongNet schedule; return it as tuples of ints."""
+def check_schedule(segment_lengths, dilation_rates, warn: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validate a LongNet schedule; return it as tuples of ints (``warn``: an
+    :class:`UncoveredRowsWarning` where no rate is 1)."""
     seg = tuple(segment_lengths) if segment_lengths is not None else ()
     dil = tuple(dilation_rates) if dilation_rates is not None else ()
     if not seg:
@@ -102,7 +103,7 @@ def check_schedule(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tu
                 f"dilation rate {r} is larger than its segment length {w} in dilation_rates; "
                 "a dilation must not exceed its segment"
             )
-    if 1 not in dil:
+    if warn and 1 not in dil:
         warnings.warn(
             f"dilation_rates {list(dil)} has no rate 1: in every segment, positions whose offset mod r differs "
             "from the head index mod r are selected by no branch and output 0 (e.g. position 1 of head 0). "

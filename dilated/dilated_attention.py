@@ -29,7 +29,7 @@ from .functional import attention, default_scale
 from .plan import segment_blocks
 
 
-def check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal=False):
+def check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal=False, warn=True):
     check_qkv(q, k, v)
     check_causal(causal)
     if k.shape[1] != q.shape[1]:
@@ -37,7 +37,7 @@ def check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal=False)
     if v.shape[3] != q.shape[3]:
         raise ValueError(f"dilated attention needs v's head_dim ({v.shape[3]}) equal to q's ({q.shape[3]}); "
                          "dilated.attention takes another value head_dim on the manual and sdpa_math backends")
-    return check_schedule(segment_lengths, dilation_rates)
+    return check_schedule(segment_lengths, dilation_rates, warn)
 
 
 def branch_attention(q, k, v, w: int, r: int, *, causal: bool, scale: float, backend: str):
@@ -75,7 +75,9 @@ def mix_branches(outs, lses, dtype):
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto"):
     """Exact LongNet dilated attention (see the module docstring); returns ``[B, N, H, D]``."""
-    segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal)
+    # dynamo cannot trace a warning: under torch.compile only the module's constructor warns of uncovered rows
+    segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal,
+                                      warn=not torch.compiler.is_compiling())
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     scale = default_scale(q.shape[-1], scale)
     groups = q.shape[2] // k.shape[2]

@@ -130,11 +130,15 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
     (causal is then bottom-right aligned); v may have another head_dim than q and k where the
     backend takes it (``manual``, ``sdpa_math``; the output then has v's). Any strides are accepted. Returns ``out`` (q's dtype), or
     ``(out, lse)`` with lse ``[batch, heads, seq_q]`` in float32 (float64 for float64 inputs).
-    Gradients flow through ``out`` and ``lse``.
+    Gradients flow through ``out`` and ``lse``. Under ``torch.compile`` the call is one custom op
+    (:mod:`dilated.ops`).
     """
     check_qkv(q, k, v)
     check_causal(causal)
     scale = default_scale(q.shape[-1], scale)
+    if torch.compiler.is_compiling():  # one custom op (dilated.ops): dynamo traces no backend code
+        out, lse = torch.ops.dilated.attention_forward(q, k, v, causal, scale, backend)
+        return (out, lse) if return_lse else out
     impl = get_backend(backend, q, k, causal, v=v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = AttentionFunction.apply(q, k, v, impl, causal, scale)

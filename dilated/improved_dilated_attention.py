@@ -29,6 +29,7 @@ from .backends import get_backend
 from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
 from .rows import combine, gather, merged_lse_for
+from .ops import dilated_forward_op
 from .memory_pool import MemoryPool
 from .pattern_cache import PatternCache
 from .plan import AttentionSpec, plan_for
@@ -104,14 +105,15 @@ class _ImprovedDilatedFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                               backend="auto", pattern_cache: PatternCache | None = None,
-                               memory_pool: MemoryPool | None = None):
-    """Fast exact dilated attention; the same function as :func:`dilated.dilated_attention`.
+def _handle(obj) -> int:
+    return 0 if obj is None else obj.handle
 
-    With a ``pattern_cache``, what the inputs' signature determines (validation, backend, plan)
-    is worked out once per signature: at short sequences the host time before the first kernel
-    launch is part of the step."""
+
+def resolve_dilated(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
+                    pattern_cache: PatternCache | None = None) -> tuple[AttentionSpec, list]:
+    """Validate the inputs and work out the spec and the plan of kernel calls; with a
+    ``pattern_cache``, once per input signature (at short sequences the host time before the
+    first kernel launch is part of the step)."""
 
     def resolve():
         segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal)
@@ -124,9 +126,27 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
                tuple(segment_lengths), tuple(dilation_rates), causal, scale, backend)
     except (AttributeError, TypeError):  # not tensors / not sequences: resolve() says what is wrong
         key = None
-    spec, plan = resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
+    return resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
+
+
+def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
+                               backend="auto", pattern_cache: PatternCache | None = None,
+                               memory_pool: MemoryPool | None = None):
+    """Fast exact dilated attention; the same function as :func:`dilated.dilated_attention`.
+
+    ``pattern_cache``: works out what the inputs' signature determines (validation, backend, plan)
+    once per signature. Under ``torch.compile`` the computation is one custom op
+    (:mod:`dilated.ops`)."""
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
+    if torch.compiler.is_compiling():
+        # errors at trace time; the op warns of uncovered rows when it runs (dynamo cannot trace a warning)
+        segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal, warn=False)
+        check_scale(scale)
+        return dilated_forward_op(q, k, v, list(segs), list(dils), causal, scale, backend, _handle(pattern_cache),
+                                  _handle(memory_pool), needs_grad)[0]
+    spec, plan = resolve_dilated(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, pattern_cache)
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if needs_grad:
         return _ImprovedDilatedFunction.apply(q, k, v, plan, spec, memory_pool)
     return forward_calls((q, k, v), plan, spec, pool=memory_pool, with_lse=False)[0]
 

@@ -12,6 +12,8 @@ from collections import defaultdict
 
 import torch
 
+from .handles import handle_of
+
 
 class MemoryPool:
     def __init__(self, max_bytes: int = 8 << 30):
@@ -21,6 +23,7 @@ class MemoryPool:
         self.hits = 0
         self.misses = 0
         self.outstanding = 0
+        self.handle = handle_of(self)  # how a custom op finds it (dilated.ops)
 
     def acquire(self, shape, dtype, device) -> torch.Tensor:
         key = (tuple(shape), dtype, str(device))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .handles import handle_of
+
 
 class PatternCache:
     """LRU of what a call's input signature determines (its plan, or all an entry point resolves
@@ -14,6 +16,7 @@ class PatternCache:
         self._plans: OrderedDict = OrderedDict()
         self.hits = 0
         self.misses = 0
+        self.handle = handle_of(self)  # how a custom op finds it (dilated.ops)
 
     def get(self, key, build):
         """The entry for ``key`` (hashable), made by ``build()`` on a miss."""

@@ -1,0 +1,135 @@
+"""The kernel boundary as ``torch.library`` custom ops, so that ``torch.compile(fullgraph=True)``
+traces :func:`dilated.attention`, :class:`~dilated.DilatedAttention`,
+:class:`~dilated.ImprovedDilatedAttention` and :class:`~dilated.MultiheadDilatedAttention` without
+graph breaks (as flash-attention registers its kernels).
+
+* ``dilated::attention_forward`` / ``attention_backward``: one exact attention (any backend, by
+  name), its lse, and the gradients of both.
+* ``dilated::dilated_forward`` / ``dilated_backward``: the whole fast dilated computation of
+  :func:`~dilated.improved_dilated_attention` (plan, gathers, kernel calls, combine).
+
+Each has a fake implementation (shapes and dtypes only) and the forward ops have autograd
+formulas that call the backward ops. The ops take what a graph can carry: tensors, numbers,
+strings, lists of ints, and integer handles (:mod:`dilated.handles`) for a module's pattern cache
+and memory pool. Eager calls go straight to the same functions, without the dispatcher.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._checks import acc_dtype, dense_rows
+from .backends import get_backend
+from .functional import attention_backward, attention_forward
+from .handles import object_of
+
+# -- one exact attention -------------------------------------------------------------------
+
+
+@torch.library.custom_op("dilated::attention_forward", mutates_args=())
+def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                         backend: str) -> tuple[Tensor, Tensor]:
+    """``(out [B, Nq, H, Dv], lse [B, H, Nq])`` of :func:`dilated.attention` on ``backend``."""
+    out, lse = attention_forward(get_backend(backend, q, k, causal, v=v), q, k, v, causal, scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, causal, scale, backend):
+    b, nq, h, _ = q.shape
+    return q.new_empty(b, nq, h, v.shape[3]), q.new_empty(b, h, nq, dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("dilated::attention_backward", mutates_args=())
+def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          dlse: Optional[Tensor], causal: bool, scale: float,
+                          backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` of the attention whose output and lse are ``out``, ``lse`` (``dlse``: lse's gradient)."""
+    grads = attention_backward(get_backend(backend, q, k, causal, v=v), dout.contiguous(), q, k, v, out, lse,
+                               causal, scale, dlse)
+    return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v)))
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, causal, scale, backend):
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, ctx.causal, ctx.scale, ctx.backend = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _attention_grad(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale, ctx.backend)
+    return dq, dk, dv, None, None, None
+
+
+attention_forward_op.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+# -- the fast dilated computation ----------------------------------------------------------
+
+
+def _resolved(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache):
+    from .improved_dilated_attention import resolve_dilated  # the module imports this one
+
+    return resolve_dilated(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, object_of(cache))
+
+
+@torch.library.custom_op("dilated::dilated_forward", mutates_args=())
+def dilated_forward_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int], dilation_rates: list[int],
+                       causal: bool, scale: Optional[float], backend: str, cache: int, pool: int,
+                       with_lse: bool) -> tuple[Tensor, Tensor]:
+    """``(out [B, N, H, D], lse [B, N, H])`` of :func:`dilated.improved_dilated_attention` (lse empty
+    unless ``with_lse``); ``cache``, ``pool``: handles of a pattern cache and a memory pool, or 0."""
+    from .improved_dilated_attention import forward_calls
+
+    spec, plan = _resolved(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache)
+    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
+    out, lse = forward_calls((q, k, v), plan, spec, pool=object_of(pool), with_lse=with_lse)
+    return out, (lse if with_lse else q.new_empty(0, dtype=acc_dtype(q.dtype)))
+
+
+@dilated_forward_op.register_fake
+def _(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache, pool, with_lse):
+    lse_shape = q.shape[:3] if with_lse else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("dilated::dilated_backward", mutates_args=())
+def dilated_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        segment_lengths: list[int], dilation_rates: list[int], causal: bool,
+                        scale: Optional[float], backend: str, cache: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` of :func:`dilated_forward_op` given its ``out`` and ``lse``."""
+    from .improved_dilated_attention import backward_calls
+
+    spec, plan = _resolved(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache)
+    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
+    return backward_calls((q, k, v), plan, spec, out, lse, dout.contiguous())
+
+
+@dilated_backward_op.register_fake
+def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, backend, cache):
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+
+def _dilated_setup(ctx, inputs, output):
+    q, k, v, *ctx.args = inputs  # segment_lengths ... with_lse
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _dilated_grad(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    segs, dils, causal, scale, backend, cache, _pool, with_lse = ctx.args
+    if not with_lse:
+        raise RuntimeError("dilated::dilated_forward was called with with_lse=False, which keeps no lse for a "
+                           "backward; call it with with_lse=True where gradients are needed")
+    dq, dk, dv = dilated_backward_op(dout, q, k, v, out, lse, segs, dils, causal, scale, backend, cache)
+    return dq, dk, dv, *([None] * 8)
+
+
+dilated_forward_op.register_autograd(_dilated_grad, setup_context=_dilated_setup)

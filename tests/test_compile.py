@@ -1,0 +1,149 @@
+"""``torch.compile(fullgraph=True)`` of the public attention entry points: no graph break, the
+float64 reference's numbers forward and backward, with the eager and (where a C++ compiler is
+present) inductor backends; and the custom ops of :mod:`dilated.ops` pass ``torch.library.opcheck``."""
+import functools
+
+import pytest
+import torch
+
+import dilated
+from dilated.reference import dense_reference, dilated_reference
+
+from conftest import TOL, rand, rel_err
+
+SEGS, DILS = [8, 16], [1, 2]
+
+
+@functools.cache
+def _inductor_reason() -> str | None:
+    try:
+        torch.compile(lambda x: x.sin() + 1, backend="inductor", fullgraph=True)(torch.randn(4))
+        return None
+    except Exception as e:  # no C++ toolchain here
+        return f"inductor does not compile on this machine: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.fixture(params=["eager", "inductor"])
+def compiler(request):
+    if request.param == "inductor" and _inductor_reason():
+        pytest.skip(_inductor_reason())
+    torch._dynamo.reset()
+    # compiled graphs cached on disk by an earlier run would hide a change in an autograd formula
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield functools.partial(torch.compile, backend=request.param, fullgraph=True)
+    torch._dynamo.reset()
+
+
+def _qkv(gen, n=32, h=4, hkv=2, d=16, dtype=torch.float32):
+    return (rand(2, n, h, d, gen=gen, dtype=dtype, requires_grad=True),
+            rand(2, n, hkv, d, gen=gen, dtype=dtype, requires_grad=True),
+            rand(2, n, hkv, d, gen=gen, dtype=dtype, requires_grad=True))
+
+
+def _check(out, ref, inputs, ref_inputs, gen, dtype=torch.float32):
+    assert rel_err(out, ref) < TOL[dtype]
+    dout = rand(*out.shape, gen=gen, dtype=out.dtype)
+    grads = torch.autograd.grad(out, inputs, dout)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, dout.double())
+    for i, (g, rg) in enumerate(zip(grads, ref_grads)):
+        assert rel_err(g, rg) < 2 * TOL[dtype], f"gradient of input {i}"
+
+
+def _double(*ts):
+    return tuple(t.detach().double().requires_grad_() for t in ts)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_attention_and_its_lse(compiler, causal, gen):
+    q, k, v = _qkv(gen)
+    q = q.detach()[:, :24].requires_grad_()  # 24 queries on 32 keys: causal is bottom-right aligned
+
+    @compiler
+    def f(q, k, v):
+        out, lse = dilated.attention(q, k, v, causal=causal, return_lse=True)
+        return out * 1.0, lse  # the lse's gradient flows too
+
+    out, lse = f(q, k, v)
+    qd, kd, vd = _double(q, k, v)
+    ref, ref_lse = dense_reference(qd, kd, vd, causal=causal)
+    assert rel_err(lse, ref_lse) < TOL[torch.float32]
+    assert rel_err(out, ref) < TOL[torch.float32]
+    dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
+    for g, rg in zip(grads, ref_grads):
+        assert rel_err(g, rg) < 2 * TOL[torch.float32]
+
+
+@pytest.mark.parametrize("module", ["improved", "dilated"])
+def test_compiled_dilated_modules(compiler, module, gen):
+    cls = dilated.ImprovedDilatedAttention if module == "improved" else dilated.DilatedAttention
+    m = cls(SEGS, DILS, causal=True)
+    q, k, v = _qkv(gen, n=30)  # 30: a clipped last segment
+    out = compiler(m)(q, k, v)
+    ref_in = _double(q, k, v)
+    _check(out, dilated_reference(*ref_in, SEGS, DILS, True), (q, k, v), ref_in, gen)
+
+
+def test_compiled_multihead_layer(compiler, gen):
+    layer = dilated.MultiheadDilatedAttention(64, 4, SEGS, DILS, num_kv_heads=2, causal=True)
+    x = rand(2, 32, 64, gen=gen, requires_grad=True)
+    out = compiler(layer)(x)
+    ref_layer = dilated.MultiheadDilatedAttention(64, 4, SEGS, DILS, num_kv_heads=2, causal=True,
+                                                  dtype=torch.float64)
+    ref_layer.load_state_dict(layer.state_dict())
+    xd = x.detach().double().requires_grad_()
+    q, k, v = ref_layer.project(xd)
+    ref = ref_layer.output(dilated_reference(q, k, v, SEGS, DILS, True))
+    _check(out, ref, (x,), (xd,), gen)
+
+
+def test_compiled_inference_uses_the_memory_pool_and_does_not_recompile(compiler, gen):
+    pool = dilated.MemoryPool()
+    m = compiler(dilated.ImprovedDilatedAttention([8, 16], [2, 4], memory_pool=pool))
+    with torch.no_grad():
+        for _ in range(2):
+            q, k, v = (t.detach() for t in _qkv(gen))
+            out = m(q, k, v)
+    assert rel_err(out, dilated_reference(*(t.double() for t in (q, k, v)), [8, 16], [2, 4])) < TOL[torch.float32]
+    assert pool.stats()["hits"] > 0  # the second call reused the first call's gather buffers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_custom_ops_pass_opcheck(dtype, gen):
+    q, k, v = _qkv(gen, n=16, dtype=dtype)
+    ops = torch.ops.dilated
+    for causal in (False, True):
+        torch.library.opcheck(ops.attention_forward, (q, k, v, causal, 0.25, "manual"))
+        qd, kd, vd = (t.detach() for t in (q, k, v))  # the backward ops have no backward of their own
+        out, lse = ops.attention_forward(qd, kd, vd, causal, 0.25, "manual")
+        dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
+        torch.library.opcheck(ops.attention_backward, (dout, qd, kd, vd, out, lse, dlse, causal, 0.25, "manual"))
+        args = ([4, 8], [1, 2], causal, None, "manual", 0, 0, True)
+        torch.library.opcheck(ops.dilated_forward, (q, k, v, *args))
+        out, lse = ops.dilated_forward(qd, kd, vd, *args)
+        torch.library.opcheck(ops.dilated_backward, (dout, qd, kd, vd, out, lse, [4, 8], [1, 2], causal, None,
+                                                     "manual", 0))
+
+
+def test_new_lengths_reuse_one_symbolic_graph(gen):
+    """The custom ops take any length: after the first call's graph, one graph with a symbolic
+    length serves every other length (torch's automatic dynamic shapes)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    m = dilated.ImprovedDilatedAttention(SEGS, DILS, causal=True)
+    compiled = torch.compile(m, fullgraph=True, backend=counting)
+    for n in (32, 48, 40, 72, 100):
+        q, k, v = (rand(1, n, 2, 8, gen=gen) for _ in range(3))
+        assert rel_err(compiled(q, k, v), dilated_reference(q.double(), k.double(), v.double(), SEGS, DILS, True)) \
+            < TOL[torch.float32]
+    assert len(graphs) == 2
+    torch._dynamo.reset()
