@@ -395,3 +395,32 @@ def test_a_new_problem_is_a_class_the_harness_asks_not_a_branch():
 def test_an_unknown_problem_name_is_refused():
     with pytest.raises(ValueError, match="unknown problem 'sparse'.*dense, dilated, module"):
         Implementation("x", "sparse", lambda c, b: None)
+
+
+def test_a_run_on_cpu_and_gpu_reports_the_gpu_speed_up_per_configuration():
+    from dilated.bench.report import format_tables
+
+    def row(impl, device, ms, host="h", failed=False):
+        return {"implementation": impl, "backend": "auto", "mode": "fwd", "status": "ok", "device": device,
+                "check_failed": failed, "env": {"hostname": host}, "time_ms": {"median": ms, "p10": ms, "p90": ms},
+                "config": Case(batch=1, seq_len=256, num_heads=2, head_dim=8, dtype="float32").config()}
+
+    rows = [row("a", "cpu", 50.0), row("b", "cpu", 80.0), row("a", "cuda:0", 2.0), row("b", "cuda:0", 4.0),
+            row("c", "cpu", 9.0), row("c", "cuda:0", 1.0, host="other"),  # another host: no pair
+            row("d", "cpu", 9.0), row("d", "cuda:0", 1.0, failed=True)]   # a failed check: no pair
+    text = format_tables(rows)
+    assert "GPU over CPU" in text
+    assert "cpu 50.000 ms, cuda 2.000 ms: 25.0x" in text and "cpu 80.000 ms, cuda 4.000 ms: 20.0x" in text
+    assert "c/auto" not in text.split("GPU over CPU")[1] and "d/auto" not in text.split("GPU over CPU")[1]
+    assert "non-causal fwd on cpu" in text and "non-causal fwd on cuda" in text  # one table per device
+    assert "prefill fwd cpu" in text and "prefill fwd cuda" in text  # the fastest per device
+    assert "timed more than once" not in text  # a CPU and a GPU row are not repeats
+
+
+@pytest.mark.parametrize("devices, says", [("cpu,cpu:0", "one device named twice"),
+                                            ("cpu,cuda:7", "no such CUDA device"), ("cpu,tpu", "not a device")])
+def test_several_devices_are_checked_before_any_work(devices, says, tmp_path):
+    out = tmp_path / "r.jsonl"
+    run = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--quick", "--device",
+                          devices, "--output", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and says in run.stderr and not out.exists()

@@ -106,7 +106,10 @@ def _number(text, kind, ok, what):
 
 
 class BenchParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line on stderr and exit status 2."""
+    """An argument parser whose usage errors are one line on stderr and exit status 2.
+    ``several_devices``: the script runs each configuration on each of a list of ``--device``."""
+
+    several_devices = False
 
     def error(self, message):  # noqa: D102 - argparse's hook
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -178,7 +181,10 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
                         "before (clocks, temperature) recovers; each row records the GPU's state around its timing")
     t.add_argument("--memory-budget-mib", type=positive_float, default=None, help="record rows above this peak as oom")
     t.add_argument("--seed", type=nonnegative_int, default=0)
-    t.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    t.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:1 (default: cuda if available); benchmark_implementations and "
+                        "benchmark_backends take several (cpu,cuda): each configuration on each, and the report "
+                        "gives the GPU's speed-up over the CPU")
     o = p.add_argument_group("output")
     o.add_argument("--config", default=None, help="YAML file of argument values (safe-loaded)")
     o.add_argument("--quick", action="store_true", help="a small preset that finishes fast")
@@ -282,17 +288,7 @@ def check_args(p: argparse.ArgumentParser, args, implementations: list[str] | No
         if d not in DTYPES:
             usage_error(p, f"--dtypes: unknown dtype {d!r} (choose from {', '.join(DTYPES)})")
     if getattr(args, "device", None) is not None:
-        import torch
-
-        try:
-            dev = torch.device(args.device)
-        except (RuntimeError, TypeError):
-            usage_error(p, f"--device: not a device: {args.device!r} (use cpu, cuda or cuda:N)")
-        if dev.type not in ("cpu", "cuda"):
-            usage_error(p, f"--device: {args.device!r}: the harness runs on cpu or cuda")
-        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
-            usage_error(p, f"--device {args.device}: no such CUDA device here "
-                           f"({torch.cuda.device_count()} visible); use --device cpu")
+        _check_devices(p, args.device)
     heads, kv = getattr(args, "num_heads", None), getattr(args, "num_kv_heads", None)
     if heads and kv and heads % kv:
         usage_error(p, f"--num-kv-heads {kv} must divide --num-heads {heads}")
@@ -312,6 +308,33 @@ def check_args(p: argparse.ArgumentParser, args, implementations: list[str] | No
         usage_error(p, f"--output {output}: results are JSON lines; name the file *.jsonl")
 
 
+def _check_devices(p, text: str) -> None:
+    import torch
+
+    names = text.split(",")
+    if len(names) > 1 and not getattr(p, "several_devices", False):
+        usage_error(p, f"--device {text}: this script runs on one device; give one (cpu, cuda or cuda:N)")
+    seen = set()
+    for name in names:
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, TypeError):
+            usage_error(p, f"--device: not a device: {name!r} (use cpu, cuda or cuda:N)")
+        if (dev.type, dev.index or 0) in seen:
+            usage_error(p, f"--device {text}: one device named twice")
+        seen.add((dev.type, dev.index or 0))
+        if dev.type not in ("cpu", "cuda"):
+            usage_error(p, f"--device: {name!r}: the harness runs on cpu or cuda")
+        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+            usage_error(p, f"--device {name}: no such CUDA device here "
+                           f"({torch.cuda.device_count()} visible); use --device cpu")
+
+
+def devices_of(args) -> list:
+    """The devices of ``--device``, in order (``[None]``: the default one)."""
+    return args.device.split(",") if args.device else [None]
+
+
 def apply_quick(args, **preset) -> None:
     """``--quick``: the preset values for the options the user did not set."""
     if getattr(args, "quick", False):
@@ -320,10 +343,11 @@ def apply_quick(args, **preset) -> None:
                 setattr(args, dest, value)
 
 
-def run_options(args) -> RunOptions:
+def run_options(args, device: str | None = None) -> RunOptions:
+    """The measurement options of ``args`` (on ``device``, default ``--device``'s one device)."""
     return RunOptions(warmup=args.warmup, reps=args.reps, budget_s=args.time_budget, check=not args.no_check,
                       cuda_graph=args.cuda_graph, flush_l2=not args.no_l2_flush,
-                      memory_budget_mib=args.memory_budget_mib, seed=args.seed, device=args.device,
+                      memory_budget_mib=args.memory_budget_mib, seed=args.seed, device=device or args.device,
                       floor=args.floor, settle_s=args.settle_s, warmup_s=args.warmup_s,
                       rep_s=args.rep_s, check_determinism=args.check_determinism, profile_dir=args.profile)
 
@@ -333,5 +357,6 @@ def default_dtype(args) -> str:
 
     if args.dtype:
         return args.dtype
-    gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    return "bfloat16" if gpu else "float32"
+    devices = [d or ("cuda" if torch.cuda.is_available() else "cpu") for d in devices_of(args)]
+    # float32 when any device is a CPU: rows of one configuration on each device compare
+    return "bfloat16" if all(d.startswith("cuda") for d in devices) else "float32"

@@ -17,6 +17,15 @@ def _key(row, with_seq=True):
     return json.dumps(cfg, sort_keys=True)
 
 
+def _device_kind(row) -> str:
+    return str(row.get("device", "")).split(":")[0]
+
+
+def _table_key(row, several_devices: bool):
+    """The configuration of ``row`` (and its device, in a run over several)."""
+    return (_device_kind(row) if several_devices else "", _key(row))
+
+
 def _fmt_time(t):
     if not t:
         return "-"
@@ -44,14 +53,15 @@ def _cfg_title(cfg):
 def format_tables(rows: list[dict], baseline: str | None = None) -> str:
     """A table per config: the fastest marked *, speed-up against ``baseline`` (implementation or
     implementation/backend)."""
+    several = len({_device_kind(r) for r in rows}) > 1
     groups = defaultdict(list)
     for r in rows:
-        groups[_key(r)].append(r)
+        groups[_table_key(r, several)].append(r)
     out = []
     head = f"{'implementation':<22}{'backend':<15}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
     for key, grp in groups.items():
         out.append("")
-        out.append(_cfg_title(grp[0]["config"]))
+        out.append(_cfg_title(grp[0]["config"]) + (f" on {_device_kind(grp[0])}" if several else ""))
         out.append(head)
         ok = [r for r in grp if r["status"] == "ok"]
         passed = [r for r in ok if not r.get("check_failed")]  # a wrong result is never the fastest
@@ -85,21 +95,27 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             mib = f"{mem:.1f}" if mem is not None else "-"
             out.append(f"{mark}{r['implementation']:<21}{r['backend']:<15}{_fmt_time(t):<30}"
                        f"{tok:>12}{tfl:>9}{pct:>7}{mib:>10}{err:>9}  {speed:>8}  {status}")
-    return "\n".join(out + format_winners(rows) + format_repeats(rows))
+    return "\n".join(out + format_winners(rows) + format_device_speedups(rows) + format_repeats(rows))
 
 
 def format_winners(rows: list[dict]) -> list[str]:
     """Per scenario (prefill or decode, and mode): which implementation/backend was fastest among
     the rows that ran and passed their check, in how many of its configurations, and by how much
     over the runner-up (median of the per-configuration ratios)."""
+    several = len({_device_kind(r) for r in rows}) > 1
     scenarios = defaultdict(lambda: defaultdict(list))
     for r in rows:
         if r["status"] == "ok" and not r.get("check_failed"):
             c = r["config"]
             scenario = (("decode" if c.get("q_len") else "prefill"), c["mode"])
+            if several:
+                scenario += (_device_kind(r),)
             scenarios[scenario][_key(r)].append(r)
     out = []
-    for (kind, mode), configs in sorted(scenarios.items()):
+    for scenario, configs in sorted(scenarios.items()):
+        kind, mode = scenario[:2]
+        if several:
+            mode = f"{mode} {scenario[2]}"
         wins, margins, total = defaultdict(int), defaultdict(list), 0
         for grp in configs.values():
             names = {f"{r['implementation']}/{r['backend']}" for r in grp}
@@ -121,15 +137,34 @@ def format_winners(rows: list[dict]) -> list[str]:
     return out
 
 
+def format_device_speedups(rows: list[dict]) -> list[str]:
+    """Where one configuration ran on a CPU and a GPU of one host (same implementation and
+    backend, both passed their check): the GPU's speed-up over the CPU (median over median)."""
+    by = defaultdict(dict)
+    for r in rows:
+        if r["status"] == "ok" and not r.get("check_failed"):
+            host = (r.get("env") or {}).get("hostname")
+            by[(host, r["implementation"], r["backend"], _key(r))][_device_kind(r)] = r
+    out = []
+    for (_, impl, backend, _), pair in by.items():
+        if "cpu" in pair and "cuda" in pair:
+            cpu, gpu = pair["cpu"]["time_ms"]["median"], pair["cuda"]["time_ms"]["median"]
+            if not out:
+                out += ["", "GPU over CPU (one host, the same configuration; medians):"]
+            out.append(f"  {impl + '/' + backend:<36}{_cfg_title(pair['cpu']['config']):<60} "
+                       f"cpu {cpu:.3f} ms, cuda {gpu:.3f} ms: {cpu / gpu:.1f}x")
+    return out
+
+
 def format_repeats(rows: list[dict], tolerance: float = 0.02) -> list[str]:
     """Lines for the configs timed more than once in one run: their medians and how far apart
     (largest over smallest, minus one), flagged beyond ``tolerance``: the run's own noise."""
     groups = defaultdict(list)
     for r in rows:
         if r["status"] == "ok":
-            groups[_match_key(r)].append(r)
+            groups[(*_match_key(r), _device_kind(r))].append(r)  # a CPU and a GPU row are no repeat
     out = []
-    for (impl, backend, _), grp in groups.items():
+    for (impl, backend, _, _), grp in groups.items():
         if len(grp) < 2:
             continue
         meds = [r["time_ms"]["median"] for r in grp]

@@ -5,8 +5,8 @@ import torch
 
 import dilated
 
-from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, int_list, parse_with_config,
-                   positive_int, run_options, size_list, str_list, usage_error)
+from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, devices_of, int_list,
+                   parse_with_config, positive_int, run_options, size_list, str_list, usage_error)
 from ..output import finish, open_writer, script_main
 from ..registry import Case, get_implementation
 from ..runner import run_sweep
@@ -17,6 +17,7 @@ from .common import jobs_of
 def backends_main(argv=None) -> int:
     p = BenchParser(description="Every attention backend on dense attention: prefill and decode, "
                                 "causal or not, GQA ratios, head dims, dtypes; plus torch.compile'd variants.")
+    p.several_devices = True
     gpu = torch.cuda.is_available()
     add_common_args(p, seq_lengths="4096,16384" if gpu else "512", batch=1 if gpu else 1,
                     heads=16 if gpu else 4, head_dim=128 if gpu else 64)
@@ -52,8 +53,19 @@ def backends_main(argv=None) -> int:
     batches = args.decode_batches or ([1, 8] if gpu else [1, 4])
     head_dims = args.head_dims or [args.head_dim]
     dtypes = args.dtypes or [default_dtype(args)]
-    report = dilated.available_backends(args.device)
-    print("backends on this device:")
+    args.baseline = "dense/sdpa"
+    writer = open_writer("benchmark_backends", args)
+    rows = []
+    for device in devices_of(args):
+        jobs = _jobs_on(device, args, kv_lengths, batches, head_dims, dtypes)
+        rows += run_sweep(jobs, run_options(args, device), writer, "benchmark_backends", not args.no_progress)
+    return finish(rows, writer, args)
+
+
+def _jobs_on(device, args, kv_lengths, batches, head_dims, dtypes) -> list:
+    """The rows to run on ``device``: each available (or chosen) backend on each scenario."""
+    report = dilated.available_backends(device)
+    print(f"backends on {device or 'this device'}:")
     for name, reason in report.items():
         print(f"  {name:<15} {'available' if reason is None else 'unavailable: ' + reason}")
     chosen = args.backends or (args.backend if "backend" in args.given else None)
@@ -82,7 +94,4 @@ def backends_main(argv=None) -> int:
                         jobs += [(impl, case, "sdpa" if impl.name == "dense_compiled" else "manual") for impl in compiled]
     if args.inputs:  # captured tensors replace the generated scenarios
         jobs = jobs_of(args, [dense], names, None, args.mode)
-    args.baseline = "dense/sdpa"
-    writer = open_writer("benchmark_backends", args)
-    rows = run_sweep(jobs, run_options(args), writer, "benchmark_backends", not args.no_progress)
-    return finish(rows, writer, args)
+    return jobs

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cli import BenchParser, add_common_args, apply_quick, parse_with_config, run_options, str_list
+from ..cli import BenchParser, add_common_args, apply_quick, devices_of, parse_with_config, run_options, str_list
 from ..output import finish, open_writer, script_main
 from ..registry import get_implementation, implementation_names
 from ..runner import run_sweep
@@ -18,6 +18,7 @@ def implementations_main(argv=None) -> int:
     p = BenchParser(description="DilatedAttention, ImprovedDilatedAttention (pattern cache and "
                                 "memory pool on/off), MultiheadDilatedAttention (improved on/off) and dense "
                                 "attention as the baseline, through the dilated.bench harness.")
+    p.several_devices = True
     gpu = torch.cuda.is_available()
     add_common_args(p, seq_lengths="8192" if gpu else "1024")
     p.add_argument("--implementations", type=str_list, default=IMPLEMENTATION_SET)
@@ -27,5 +28,7 @@ def implementations_main(argv=None) -> int:
     args.baseline = args.baseline or "dense"
     jobs = jobs_of(args, impls, args.backend, args.seq_lengths, args.mode)
     writer = open_writer("benchmark_implementations", args)
-    rows = run_sweep(jobs, run_options(args), writer, "benchmark_implementations", not args.no_progress)
+    rows = []
+    for device in devices_of(args):
+        rows += run_sweep(jobs, run_options(args, device), writer, "benchmark_implementations", not args.no_progress)
     return finish(rows, writer, args)
