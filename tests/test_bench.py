@@ -9,7 +9,8 @@ import torch
 from dilated.bench import Case, Implementation, RunOptions, read_jsonl, register_implementation, run_sweep
 from dilated.bench.flops import dense_flops, dilated_flops, visible_pairs
 from dilated.bench.registry import IMPLEMENTATIONS
-from dilated.bench.report import compare, plot
+from dilated.bench.plots import plot
+from dilated.bench.report import compare
 from dilated.bench.results import ResultWriter
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -312,7 +313,7 @@ def test_rep_seconds_extend_the_timed_calls_and_repeats_are_reported():
 
 
 def test_plot_lines_are_one_configuration_each():
-    from dilated.bench.report import scaling_efficiency, series_of
+    from dilated.bench.plots import scaling_efficiency, series_of
 
     def row(n, q_len=None, d=64, status="ok"):
         return {"implementation": "dense", "backend": "sdpa", "mode": "fwd", "status": status,

@@ -71,7 +71,7 @@ def test_distributed_benchmark_under_torchrun_strong_scaling(tmp_path):
     assert ring["comm"]["p2p_messages"] > 0 and ring["comm"]["bytes_sent_per_rank"] > 0
     assert ring["comm"]["exposed_comm_ms"] is not None and "exposed_comm_fraction" in ring
     assert by[("distributed_dilated", 2)]["comm"]["collectives"] > 0  # its last segment spans both ranks
-    from dilated.bench.report import plot
+    from dilated.bench.plots import plot
 
     assert any(p.endswith("_scaling.png") for p in plot(str(tmp_path / "benchmark_distributed.jsonl")))
 

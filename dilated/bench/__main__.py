@@ -4,7 +4,8 @@ from __future__ import annotations
 import sys
 
 from .cli import BenchParser
-from .report import compare, plot
+from .plots import plot
+from .report import compare
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,8 @@ import os
 import sys
 
 from . import env as envmod
-from .report import format_tables, plot
+from .plots import plot
+from .report import format_tables
 from .results import ResultWriter, ResultsWriteError, write_csv
 
 

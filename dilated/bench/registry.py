@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 import dilated
-from .problems import device_generator, problem_named  # noqa: F401  (device_generator: re-exported)
+from .problems import problem_named
 
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}

@@ -160,7 +160,7 @@ class _ExtremeSweep:
 
     def report(self, rows) -> int:
         """The tables and exit status of the sweep, and each implementation's scaling exponents."""
-        from ..report import fit_exponent
+        from ..plots import fit_exponent
 
         args = self.args
         want_plot, args.plot = args.plot, False  # plotted at the end, with the --find-max rows
@@ -239,7 +239,7 @@ class _ExtremeSweep:
         """Plots (with the --find-max rows), where the results are, and the process group ended."""
         if self.lead:
             if self.args.plot and self.writer.rows:
-                from ..report import plot
+                from ..plots import plot
 
                 print("plots: " + ", ".join(plot(self.writer.path)))
             print(f"\nresults are in {self.writer.path}"
