@@ -1,21 +1,53 @@
-"""Call a third-party function whose positional signature changed across releases, by name."""
+"""Call a third-party kernel function by parameter name: positional signatures of flash-attn's
+private functions changed across releases, and since flash-attn 2.7 (and the hopper interface
+since mid 2025) they are ``torch.library`` custom ops, whose Python signature is only
+``(*args, **kwargs)``; their parameter names are in the op's schema."""
 from __future__ import annotations
 
 import inspect
 
+import torch
 
-def call_by_name(fn, values: dict):
-    """Call ``fn`` with the entries of ``values`` that its signature names.
+
+def _schema(fn):
+    """The ``torch._C.FunctionSchema`` of a custom op, an op overload or an overload packet, or None."""
+    for obj in (getattr(fn, "_opoverload", None), fn, getattr(fn, "default", None)):
+        schema = getattr(obj, "_schema", None)
+        if isinstance(schema, torch._C.FunctionSchema):
+            return schema
+    return None
+
+
+def parameters(fn) -> dict[str, bool]:
+    """``fn``'s parameter names, each with whether it has a default (from the op schema where
+    ``fn`` is a ``torch.library`` op, else from its Python signature; ``*args``/``**kwargs`` skipped)."""
+    schema = _schema(fn)
+    if schema is not None:
+        return {a.name: a.has_default_value() for a in schema.arguments}
+    return {name: p.default is not inspect.Parameter.empty
+            for name, p in inspect.signature(fn).parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def call_by_name(fn, values: dict, required=()):
+    """Call ``fn`` with the entries of ``values`` that it names.
 
     Parameters it has but ``values`` lacks keep their defaults, or get None when they have none
-    (the varlen arguments of the flash-attn backward functions, for example).
+    (the varlen arguments of the flash-attn backward functions, for example). ``required``: names
+    (or tuples of alternative names, such as ``("causal", "is_causal")``) of which ``fn`` must take
+    one; a function that takes none of them raises TypeError instead of being called without it
+    (a causal flag silently dropped would make causal attention non-causal).
     """
+    params = parameters(fn)
+    for need in required:
+        names = (need,) if isinstance(need, str) else tuple(need)
+        if not any(n in params for n in names):
+            raise TypeError(f"{getattr(fn, '__name__', fn)} takes no parameter named {' or '.join(names)} (it takes "
+                            f"{', '.join(params)}): its interface changed; this adapter cannot call it correctly")
     kwargs = {}
-    for name, p in inspect.signature(fn).parameters.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
+    for name, has_default in params.items():
         if name in values:
             kwargs[name] = values[name]
-        elif p.default is inspect.Parameter.empty:
+        elif not has_default:
             kwargs[name] = None
     return fn(**kwargs)

@@ -3,12 +3,14 @@
 The log-sum-exp comes from the public API (``flash_attn_func(..., return_attn_probs=True)``
 returns ``out, softmax_lse, S_dmask``). Backward calls
 ``flash_attn.flash_attn_interface._flash_attn_backward`` with the (merged) ``out`` and
-``softmax_lse``, by keyword, because its positional signature changed across 2.x releases. GQA is
-native. Causal in flash-attn >= 2.1 is bottom-right aligned; we only pass square causal problems.
+``softmax_lse``, by keyword (:func:`~dilated.backends._signature.call_by_name`): its positional
+signature changed across 2.x releases, and since 2.7 it is a ``torch.library`` custom op
+(``flashattn::_flash_attn_backward``, filling ``dq``, ``dk``, ``dv`` in place) whose parameter
+names come from the op schema. GQA is native. Causal in flash-attn >= 2.1 is bottom-right aligned;
+only square causal problems are passed.
 
-Written against flash-attn's published API; not yet run against an installed flash-attn 2 (no
-wheel for torch 2.11 was available to test with). Where it is not installed it reports itself
-unavailable.
+Tested on CPU against stand-ins registered with the real signatures (``tests/test_backends.py``);
+not run against an installed flash-attn 2. Where it is not installed it reports itself unavailable.
 """
 from __future__ import annotations
 
@@ -56,5 +58,6 @@ class FlashAttn2Backend(Backend):
             dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(), softmax_lse=lse.contiguous(),
             dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
             window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
-            alibi_slopes=None, deterministic=False, rng_state=None))
+            alibi_slopes=None, deterministic=False, rng_state=None),
+            required=("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "softmax_scale", "causal"))
         return dq, dk, dv

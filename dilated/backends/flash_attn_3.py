@@ -3,15 +3,15 @@
 
 The log-sum-exp comes from the public API: ``flash_attn_func`` returns ``(out, softmax_lse)``
 (older betas always; newer releases with ``return_attn_probs=True``). Backward calls
-``flash_attn_interface._flash_attn_backward`` with the (merged) ``out`` and ``softmax_lse`` by
-keyword (its varlen arguments are None for dense batches). GQA is native.
+``flash_attn_interface._flash_attn_backward`` (a ``torch.library`` custom op,
+``flash_attn_3::_flash_attn_backward``, filling ``dq``, ``dk``, ``dv`` in place) with the (merged)
+``out`` and ``softmax_lse`` by keyword, names from the op schema (its varlen arguments are None
+for dense batches; its causal flag is named ``is_causal``, older builds ``causal``). GQA is native.
 
-Written against the published hopper interface; not yet run against an installed FA3 build.
-Where it is not installed it reports itself unavailable.
+Tested on CPU against stand-ins registered with the real signatures (``tests/test_backends.py``);
+not run against an installed FA3 build. Where it is not installed it reports itself unavailable.
 """
 from __future__ import annotations
-
-import inspect
 
 import torch
 
@@ -47,10 +47,9 @@ class FlashAttn3Backend(Backend):
 
     def forward(self, q, k, v, causal, scale):
         fa3 = _import()
-        kwargs = dict(softmax_scale=scale, causal=causal)
-        if "return_attn_probs" in inspect.signature(fa3.flash_attn_func).parameters:
-            kwargs["return_attn_probs"] = True
-        out, lse = fa3.flash_attn_func(q, k, v, **kwargs)[:2]
+        out, lse = call_by_name(fa3.flash_attn_func, dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal,
+                                                          return_attn_probs=True),
+                                required=("q", "k", "v", "softmax_scale", "causal"))[:2]
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
@@ -58,6 +57,8 @@ class FlashAttn3Backend(Backend):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         call_by_name(fa3._flash_attn_backward, dict(
             dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(), softmax_lse=lse.contiguous(),
-            dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal, window_size=(-1, -1),
-            window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0))
+            dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal, is_causal=causal, window_size=(-1, -1),
+            window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0),
+            required=("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "softmax_scale",
+                      ("causal", "is_causal")))
         return dq, dk, dv

@@ -2,7 +2,8 @@
 
 ``flash_attn.cute.interface._flash_attn_fwd(..., return_lse=True)`` returns ``(out, lse)``;
 backward is ``_flash_attn_bwd(q, k, v, out, dout, lse, ...)`` with the (merged) ``out`` and
-``lse``. Both are called by keyword. GQA is native.
+``lse``. Both are called by keyword. GQA is native. Its backward asserts that q, out and dout
+share a dtype: out and dout are passed in q's.
 
 Written against the published CuTe interface; where flash-attn 4 is not installed it reports
 itself unavailable.
@@ -38,12 +39,14 @@ class FlashAttn4Backend(Backend):
     def forward(self, q, k, v, causal, scale):
         fa4 = _import()
         out, lse = call_by_name(fa4._flash_attn_fwd, dict(
-            q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True))[:2]
+            q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True),
+            required=("q", "k", "v", "softmax_scale", "causal", "return_lse"))[:2]
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         fa4 = _import()
         dq, dk, dv = call_by_name(fa4._flash_attn_bwd, dict(
-            q=q, k=k, v=v, out=out.contiguous(), dout=dout.contiguous(), lse=lse.contiguous(),
-            softmax_scale=scale, causal=causal))[:3]
+            q=q, k=k, v=v, out=out.to(q.dtype).contiguous(), dout=dout.to(q.dtype).contiguous(),
+            lse=lse.contiguous(), softmax_scale=scale, causal=causal),
+            required=("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal"))[:3]
         return dq, dk, dv

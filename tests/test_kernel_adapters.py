@@ -1,0 +1,179 @@
+"""The flash-attn 2, 3 and 4 adapters against CPU stand-ins with the real interfaces.
+
+Each stand-in has the signature of the published function it replaces (flash-attn 2.8's
+``flash_attn_interface``, the hopper ``flash_attn_interface`` of 2025, flash-attn 4's
+``flash_attn.cute.interface``); the backward functions of flash-attn 2 and 3 are
+``torch.library`` custom ops that fill ``dq``, ``dk``, ``dv`` in place, as there. The stand-ins
+compute with plain float64 math and take causality only from the flag the real function names
+(``causal``, or ``is_causal`` in the hopper backward), so an adapter that drops or misnames an
+argument gets a wrong gradient. Outputs and gradients are checked against a float64 reference.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+from torch import Tensor
+
+from dilated.backends import flash_attn as fa2_mod
+from dilated.backends import flash_attn_3 as fa3_mod
+from dilated.backends import flash_attn_4 as fa4_mod
+from dilated.backends._signature import call_by_name, parameters
+from dilated.reference import dense_reference
+
+from conftest import rand, rel_err
+
+
+def _forward(q, k, v, scale, causal):
+    """(out in q's dtype, lse [B, H, N] float32), GQA by repeating kv heads."""
+    out, lse = dense_reference(q, k, v, causal=causal, scale=scale)
+    return out.to(q.dtype), lse.float()
+
+
+def _grads(dout, q, k, v, out, lse, scale, causal):
+    """dq, dk, dv from the saved out and lse (the flash backward's contract), in float64."""
+    b, n, h, d = q.shape
+    g = h // k.shape[2]
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(g, 2), vd.repeat_interleave(g, 2)
+    s = torch.einsum("bnhd,bmhd->bhnm", qd, kd) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(n, k.shape[1], dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(s - lse.double().unsqueeze(-1))
+    do = dout.double()
+    dv = torch.einsum("bhnm,bnhd->bmhd", p, do)
+    dp = torch.einsum("bnhd,bmhd->bhnm", do, vd)
+    delta = (do * out.double()).sum(-1).transpose(1, 2).unsqueeze(-1)
+    ds = p * (dp - delta) * scale
+    dq = torch.einsum("bhnm,bmhd->bnhd", ds, kd)
+    dk = torch.einsum("bhnm,bnhd->bmhd", ds, qd)
+    hk = k.shape[2]
+    return dq, dk.view(b, -1, hk, g, d).sum(3), dv.view(b, -1, hk, g, d).sum(3)
+
+
+# -- flash-attn 2 (flash_attn/flash_attn_interface.py, 2.7+) ---------------------------------
+
+def fa2_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    out, lse = _forward(q, k, v, softmax_scale, causal)
+    return (out, lse, torch.empty(0)) if return_attn_probs else out
+
+
+@torch.library.custom_op("dilated_standin_fa2::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+def fa2_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                 dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor], dropout_p: float,
+                 softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+                 alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor] = None) -> Tensor:
+    for dst, g in zip((dq, dk, dv), _grads(dout, q, k, v, out, softmax_lse, softmax_scale, causal)):
+        dst.copy_(g)
+    return softmax_lse.clone()  # softmax_d in the real op
+
+
+# -- flash-attn 3 (hopper/flash_attn_interface.py) --------------------------------------------
+
+def fa3_flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                        v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                        pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    out, lse = _forward(q, k, v, softmax_scale, causal)
+    return (out, lse) if return_attn_probs else out
+
+
+@torch.library.custom_op("dilated_standin_fa3::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+def fa3_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                 cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                 sequed_q: Optional[Tensor] = None, sequed_k: Optional[Tensor] = None,
+                 max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, dq: Optional[Tensor] = None,
+                 dk: Optional[Tensor] = None, dv: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
+                 is_causal: bool = False, window_size_left: int = -1, window_size_right: int = -1,
+                 softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0) -> Tensor:
+    assert cu_seqlens_q is None and sequed_k is None  # dense batches only
+    for dst, g in zip((dq, dk, dv), _grads(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal)):
+        dst.copy_(g)
+    return softmax_lse.clone()
+
+
+class _FA3Module:
+    flash_attn_func = staticmethod(fa3_flash_attn_func)
+    _flash_attn_backward = fa3_backward
+
+
+# -- flash-attn 4 (flash_attn/cute/interface.py) ----------------------------------------------
+
+class _FA4Module:
+    @staticmethod
+    def _flash_attn_fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                        page_table=None, softmax_scale=None, causal=False, softcap=None, window_size_left=None,
+                        window_size_right=None, learnable_sink=None, m_block_size=128, n_block_size=128,
+                        num_threads=384, pack_gqa=None, return_lse=False, out=None, lse=None):
+        o, l = _forward(q, k, v, softmax_scale, causal)
+        return o, (l if return_lse else None)
+
+    @staticmethod
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+                        m_block_size=64, n_block_size=128, num_threads=256, pack_gqa=False, num_stages_Q=2,
+                        num_stages_dO=2, SdP_swapAB=False, dKV_swapAB=False, dQ_swapAB=False, AtomLayoutMSdP=2,
+                        AtomLayoutNdKV=2, AtomLayoutMdQ=2, V_in_regs=False):
+        assert q.dtype == out.dtype == dout.dtype, "flash-attn 4 asserts q, out and dout share a dtype"
+        return tuple(g.to(t.dtype) for g, t in zip(_grads(dout, q, k, v, out, lse, softmax_scale, causal), (q, k, v)))
+
+
+ADAPTERS = {
+    "flash_attn": (fa2_mod, "FlashAttn2Backend", lambda: (fa2_flash_attn_func, fa2_backward)),
+    "flash_attn_3": (fa3_mod, "FlashAttn3Backend", lambda: _FA3Module),
+    "flash_attn_4": (fa4_mod, "FlashAttn4Backend", lambda: _FA4Module),
+}
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_adapter_forward_and_backward_against_float64(name, causal, hkv, monkeypatch, gen):
+    module, cls, standin = ADAPTERS[name]
+    monkeypatch.setattr(module, "_import", standin)
+    backend = getattr(module, cls)()
+    q = rand(2, 24, 4, 16, gen=gen)
+    k, v = rand(2, 24, hkv, 16, gen=gen), rand(2, 24, hkv, 16, gen=gen)
+    scale = 0.3
+    out, lse = backend.forward(q, k, v, causal, scale)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = dense_reference(qd, kd, vd, causal=causal, scale=scale)
+    assert rel_err(out, ref) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
+    dout = rand(*out.shape, gen=gen)
+    grads = backend.backward(dout, q, k, v, out, lse, causal, scale)
+    for g, rg, x in zip(grads, torch.autograd.grad(ref, (qd, kd, vd), dout.double()), "qkv"):
+        assert rel_err(g, rg) < 1e-4, f"d{x}"
+
+
+def test_flash_attn_4_gets_out_and_dout_in_q_dtype(monkeypatch, gen):
+    monkeypatch.setattr(fa4_mod, "_import", lambda: _FA4Module)
+    q, k, v = (rand(1, 16, 2, 8, gen=gen) for _ in range(3))
+    out, lse = fa4_mod.FlashAttn4Backend().forward(q, k, v, True, 0.35)
+    dq, _, _ = fa4_mod.FlashAttn4Backend().backward(rand(1, 16, 2, 8, gen=gen, dtype=torch.float64), q, k, v,
+                                                    out.double(), lse, True, 0.35)  # a merged float64 out
+    assert dq.dtype == q.dtype
+
+
+def test_parameter_names_come_from_the_schema_of_a_custom_op():
+    import inspect
+
+    assert str(inspect.signature(fa3_backward)) == "(*args, **kwargs)"  # what a custom op shows Python
+    names = parameters(fa3_backward)
+    assert "is_causal" in names and "causal" not in names and names["dq"] and not names["dout"]
+    assert list(parameters(torch.ops.dilated_standin_fa2._flash_attn_backward))[:6] == \
+        ["dout", "q", "k", "v", "out", "softmax_lse"]
+
+
+def test_a_function_without_a_required_flag_is_refused_not_called():
+    calls = []
+
+    def renamed(q, k, v, softmax_scale=None, mask_kind="none"):
+        calls.append(1)
+
+    with pytest.raises(TypeError, match="no parameter named causal or is_causal"):
+        call_by_name(renamed, dict(q=1, k=2, v=3, softmax_scale=0.5, causal=True, is_causal=True),
+                     required=("q", ("causal", "is_causal")))
+    assert not calls
+    assert math.isclose(call_by_name(lambda softmax_scale, extra=7: softmax_scale * extra, dict(softmax_scale=0.5)),
+                        3.5)
