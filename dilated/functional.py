@@ -20,6 +20,7 @@ import torch
 
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .backends import Backend, get_backend
+from .backends.kernel_log import note_kernel
 from .merge import empty_accumulators, merge_
 
 
@@ -53,6 +54,7 @@ def _kv_for(backend: Backend, q, k, v):
 
 def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float):
     """``(out, lse)`` without autograd; bottom-right causal, GQA and strided head_dim handled here."""
+    note_kernel(backend.name)
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     k, v, _ = _kv_for(backend, q, k, v)
     pieces = causal_pieces(q.shape[1], k.shape[1], causal)
@@ -67,6 +69,7 @@ def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float):
 
 def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, scale: float, dlse=None):
     """``dq, dk, dv`` of the attention whose (merged) output and lse are ``out`` and ``lse``."""
+    note_kernel(backend.name)
     dout, q, k, v, out = (dense_rows(t) for t in (dout, q, k, v, out))
     k_e, v_e, groups = _kv_for(backend, q, k, v)
     pieces = causal_pieces(q.shape[1], k.shape[1], causal)

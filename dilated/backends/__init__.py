@@ -4,10 +4,12 @@ Every backend implements :class:`~dilated.backends.base.Backend`. Whether one *w
 is decided by a tiny real forward+backward call there (cached per device), not by an import:
 a wheel can import and still fail every call.
 
-``auto`` takes the first backend in the preference order below that works on the device and
-accepts the inputs (dtype, head_dim). On CUDA the order follows measured forward throughput on
-Hopper (bf16, D=128, N=16K: cuDNN SDPA 612 TFLOP/s, flex 490, SDPA flash 352, SDPA efficient 174),
-with flash-attn 3/4 first where installed:
+``auto`` takes, among the backends that work on the device and accept the inputs (dtype,
+head_dim), the fastest for the inputs' shape class on CUDA, found by a short measurement cached
+per process and on disk (:mod:`dilated.backends.auto`), and the first in the order below on CPU
+(or with ``DILATED_AUTO=order``). On CUDA the order follows measured forward throughput on Hopper
+(bf16, D=128, N=16K: cuDNN SDPA 612 TFLOP/s, flex 490, SDPA flash 352, SDPA efficient 174), with
+flash-attn 3/4 first where installed:
 
     CUDA: flash_attn_3, flash_attn_4, sdpa_cudnn, flash_attn, flex, sdpa_flash,
           sdpa_efficient, xformers, sdpa, sdpa_math, manual
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from . import auto
 from .base import Backend
 from .flash_attn import FlashAttn2Backend
 from .flash_attn_3 import FlashAttn3Backend
@@ -127,10 +130,11 @@ def get_backend(name: str, q: torch.Tensor | None = None, k: torch.Tensor | None
     device = _device(q.device if q is not None else device)
     if name == "auto":
         order = AUTO_ORDER.get(device.type, AUTO_ORDER["cpu"])
-        for n in order:
-            if backend_reason(n, device) is None and (q is None or _input_reason(_REGISTRY[n], q, k, v, causal) is None):
-                return _REGISTRY[n]
-        raise BackendUnavailableError(f"backend 'auto': no backend works on {device} for these inputs")
+        candidates = [_REGISTRY[n] for n in order if backend_reason(n, device) is None
+                      and (q is None or _input_reason(_REGISTRY[n], q, k, v, causal) is None)]
+        if not candidates:
+            raise BackendUnavailableError(f"backend 'auto': no backend works on {device} for these inputs")
+        return candidates[0] if q is None else auto.fastest(candidates, q, k, v, causal)
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(backend_names())}")
     reason = backend_reason(name, device)
@@ -143,5 +147,7 @@ def get_backend(name: str, q: torch.Tensor | None = None, k: torch.Tensor | None
     return _REGISTRY[name]
 
 
+from .kernel_log import record_kernels  # noqa: E402
+
 __all__ = ["Backend", "BackendUnavailableError", "available_backends", "get_backend",
-           "register_backend", "backend_names", "backend_reason", "AUTO_ORDER"]
+           "register_backend", "backend_names", "backend_reason", "AUTO_ORDER", "record_kernels"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import functools
 import importlib
+import importlib.metadata
 import os
 import platform
 import socket
@@ -18,6 +19,14 @@ def _version(module: str) -> str | None:
         return getattr(importlib.import_module(module), "__version__", "unknown")
     except Exception as e:  # a broken optional extension is recorded, not fatal
         return None if isinstance(e, ImportError) else f"broken: {type(e).__name__}"
+
+
+def _distribution_version(name: str) -> str | None:
+    """An installed distribution's version (for packages without a ``__version__``), or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,6 +55,8 @@ def environment() -> dict:
         "flash_attn": _version("flash_attn"),
         "flash_attn_3": _version("flash_attn_interface"),
         "xformers": _version("xformers"),
+        "flash_attn_4": _distribution_version("flash-attn-4"),
+        "sageattention": _distribution_version("sageattention"),
         "git_commit": _git_commit(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),

@@ -25,6 +25,14 @@ def _table_key(row, several_devices: bool):
     return (_device_kind(row) if several_devices else "", _key(row))
 
 
+def _backend_ran(row) -> str:
+    """The backend asked for, and what ``auto`` ran (``auto=sdpa_cudnn``)."""
+    ran = row.get("kernels")
+    if row["backend"] == "auto" and ran:
+        return f"auto={'+'.join(ran)}"
+    return row["backend"]
+
+
 def _fmt_time(t):
     if not t:
         return "-"
@@ -57,7 +65,7 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
     for r in rows:
         groups[_table_key(r, several)].append(r)
     out = []
-    head = f"{'implementation':<22}{'backend':<15}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
+    head = f"{'implementation':<22}{'backend':<24}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
     for key, grp in groups.items():
         out.append("")
         out.append(_cfg_title(grp[0]["config"]) + (f" on {_device_kind(grp[0])}" if several else ""))
@@ -92,7 +100,7 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             tok = f"{r['tokens_per_s']:.3g}" if r.get("tokens_per_s") else "-"
             tfl = f"{r['tflops']:.2f}" if r.get("tflops") else "-"
             mib = f"{mem:.1f}" if mem is not None else "-"
-            out.append(f"{mark}{r['implementation']:<21}{r['backend']:<15}{_fmt_time(t):<30}"
+            out.append(f"{mark}{r['implementation']:<21}{_backend_ran(r):<24}{_fmt_time(t):<30}"
                        f"{tok:>12}{tfl:>9}{pct:>7}{mib:>10}{err:>9}  {speed:>8}  {status}")
     return "\n".join(out + format_winners(rows) + format_device_speedups(rows) + format_repeats(rows))
 
@@ -179,7 +187,8 @@ def _match_key(r):
     return (r["implementation"], r["backend"], _key(r))
 
 
-_ENV_FIELDS = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "flash_attn", "flash_attn_3", "xformers")
+_ENV_FIELDS = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "flash_attn", "flash_attn_3", "flash_attn_4", "xformers",
+               "sageattention")
 
 
 def _rows_for_compare(path: str, problems: list[str]) -> list[dict]:

@@ -15,6 +15,8 @@ from . import env as envmod
 from .flops import peak_tflops
 from .rank_failures import FailedOnRanks, OverBudget, RankFailures, outcome
 from .memory import PeakMemory, free_memory, large_allocations_tracked
+from dilated.backends import record_kernels
+
 from .problems import device_generator
 from .registry import Case, Implementation
 from .results import ResultWriter
@@ -160,7 +162,7 @@ class _RowRun:
         """The first call, under peak-memory tracking: records ``memory``; returns its time (ms),
         the same on every rank."""
         case, device = self.case, self.device
-        with PeakMemory(device) as mem:
+        with PeakMemory(device) as mem, record_kernels() as ran:
             if self.setup:
                 self.ranks.guard(self.setup)()
             t0 = time.perf_counter()
@@ -169,6 +171,9 @@ class _RowRun:
                 torch.cuda.synchronize(device)
             self.ranks.settle("first call done")
             first_ms = self.impl.reduce_max([(time.perf_counter() - t0) * 1e3])[0]
+        # the kernels that ran (what "auto" resolved to); None: not through dilated's backends
+        self.row["kernels"] = sorted(ran) or None
+        self.row["first_call_ms"] = first_ms  # compilation, plans and probes included
         if mem.peak_total_mib is not None:
             mem.peak_above_mib, mem.peak_total_mib = self.impl.reduce_max([mem.peak_above_mib, mem.peak_total_mib])
         score_bytes = self.impl.problem.score_matrix_bytes(case)

@@ -1,0 +1,102 @@
+"""``auto`` by measurement (dilated.backends.auto) and the kernels a row records."""
+import json
+import time
+
+import pytest
+import torch
+
+import dilated
+from dilated.backends import auto, get_backend, register_backend
+from dilated.backends.base import Backend
+from dilated.backends import _REGISTRY, AUTO_ORDER
+
+from conftest import rand
+
+
+class _Timed(Backend):
+    """The manual kernel, slowed by ``delay_s`` per call; counts its calls."""
+
+    def __init__(self, name, delay_s):
+        self.name, self.delay_s, self.calls = name, delay_s, 0
+
+    def forward(self, q, k, v, causal, scale):
+        self.calls += 1
+        time.sleep(self.delay_s)
+        return _REGISTRY["manual"].forward(q, k, v, causal, scale)
+
+    def backward(self, *args):
+        time.sleep(self.delay_s)
+        return _REGISTRY["manual"].backward(*args)
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    """Measuring on CPU, a fresh disk cache; two registered backends, the slow one first in the order."""
+    monkeypatch.setattr(auto, "MEASURED_DEVICES", {"cpu"})
+    monkeypatch.setenv("DILATED_AUTO_CACHE", str(tmp_path / "auto.json"))
+    monkeypatch.delenv("DILATED_AUTO", raising=False)
+    slow, fast = register_backend(_Timed("slow_for_test", 0.004)), register_backend(_Timed("fast_for_test", 0.0))
+    monkeypatch.setitem(AUTO_ORDER, "cpu", ["slow_for_test", "fast_for_test"])
+    auto.clear()
+    yield slow, fast, tmp_path / "auto.json"
+    auto.clear()
+    del _REGISTRY["slow_for_test"], _REGISTRY["fast_for_test"]
+
+
+def test_auto_takes_the_fastest_not_the_first_and_remembers_it(measured, gen):
+    slow, fast, cache = measured
+    q, k, v = (rand(1, 64, 2, 16, gen=gen) for _ in range(3))
+    assert get_backend("auto", q, k, False, v=v) is fast
+    calls = slow.calls
+    assert get_backend("auto", q, k, False, v=v) is fast and slow.calls == calls  # no second measurement
+    out = dilated.attention(q, k, v)  # and it computes the right thing through the chosen kernel
+    assert torch.allclose(out, dilated.attention(q, k, v, backend="manual"))
+    entries = json.loads(cache.read_text())
+    assert list(entries.values()) == ["fast_for_test"]
+    key = json.loads(next(iter(entries)))
+    assert key[1] == ["slow_for_test", "fast_for_test"] and key[2]["nq"] == 64 and key[2]["causal"] is False
+
+
+def test_the_disk_cache_answers_a_new_process(measured, gen):
+    slow, fast, cache = measured
+    q, k, v = (rand(1, 100, 2, 16, gen=gen) for _ in range(3))
+    get_backend("auto", q, k, True, v=v)
+    auto.clear()  # as a new process: only the disk remembers
+    data = json.loads(cache.read_text())
+    cache.write_text(json.dumps({key: "slow_for_test" for key in data}))  # the file's answer is used as is
+    calls = slow.calls + fast.calls
+    assert get_backend("auto", q, k, True, v=v) is slow and slow.calls + fast.calls == calls
+
+
+def test_shape_classes_are_measured_apart(measured, gen):
+    q = rand(1, 3000, 2, 16, gen=gen)
+    other = rand(1, 5000, 2, 16, gen=gen)
+    assert auto.shape_class(q, q, q, False)["nq"] == 4096 == auto.shape_class(other, other, other, False)["nq"]
+    assert auto.shape_class(q[:, :1], q, q, False)["nq"] == 1  # decode is its own class
+    assert auto.shape_class(q, q, q, True) != auto.shape_class(q, q, q, False)
+    qg = q.clone().requires_grad_()
+    assert auto.shape_class(qg, q, q, False)["grad"] and not auto.shape_class(q, q, q, False)["grad"]
+
+
+def test_fixed_order_when_asked(measured, monkeypatch, gen):
+    slow, fast, _ = measured
+    monkeypatch.setenv("DILATED_AUTO", "order")
+    q = rand(1, 32, 2, 16, gen=gen)
+    assert get_backend("auto", q, q, False, v=q) is slow
+
+
+def test_rows_record_the_kernel_that_ran_and_the_first_call():
+    from dilated.bench import Case, Implementation, RunOptions, run_sweep
+    from dilated.bench.registry import IMPLEMENTATIONS
+
+    case = Case(batch=1, seq_len=64, num_heads=2, head_dim=8, dtype="float32", segment_lengths=(16, 32),
+                dilation_rates=(1, 2), mode="fwd_bwd")
+    plain = Implementation("plain_sdpa_for_test", "dense", lambda c, b: lambda q, k, v: torch.nn.functional
+                           .scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                         v.transpose(1, 2)).transpose(1, 2))
+    jobs = [(IMPLEMENTATIONS["improved"], case, "manual"), (IMPLEMENTATIONS["dense"], case, "auto"), (plain, case, "x")]
+    rows = run_sweep(jobs, RunOptions(reps=2, warmup=1), None, "test", progress=False)
+    assert rows[0]["kernels"] == ["manual"]
+    assert rows[1]["kernels"] == [dilated.backends.AUTO_ORDER["cpu"][0]]  # auto on CPU: the first that works
+    assert rows[2]["kernels"] is None  # not through dilated's backends: nothing to say
+    assert all(r["first_call_ms"] > 0 for r in rows)
