@@ -425,3 +425,16 @@ def test_several_devices_are_checked_before_any_work(devices, says, tmp_path):
     run = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--quick", "--device",
                           devices, "--output", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 2 and says in run.stderr and not out.exists()
+
+
+def test_varied_lengths_scenario_reports_each_first_call(tmp_path):
+    out = tmp_path / "r.jsonl"
+    run = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--varied-lengths", "--quick",
+                          "--implementations", "improved", "--output", str(out)], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["config"]["seq_len"] for r in rows] == [500, 600, 700, 1000]
+    assert all(r["first_call_ms"] > 0 and r["kernels"] for r in rows)
+    table = run.stdout.split("first call at each new length")[1]
+    assert all(f" {n} " in table for n in (500, 600, 700, 1000))

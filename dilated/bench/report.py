@@ -163,6 +163,20 @@ def format_device_speedups(rows: list[dict]) -> list[str]:
     return out
 
 
+def format_first_calls(rows: list[dict]) -> str:
+    """Each row's first call against its steady median, in the order run: what a length never
+    seen before costs (the first row of a process also pays its one-time set-up)."""
+    out = ["", "first call at each new length (in the order run; the first row also pays the process's set-up):",
+           f"{'implementation':<22}{'backend':<24}{'mode':<9}{'N':>9}{'first ms':>12}{'steady ms':>12}{'extra ms':>11}"]
+    for r in rows:
+        first, t = r.get("first_call_ms"), (r.get("time_ms") or {}).get("median")
+        if first is None or t is None:
+            continue
+        out.append(f"{r['implementation']:<22}{_backend_ran(r):<24}{r['config']['mode']:<9}{r['config']['seq_len']:>9}"
+                   f"{first:>12.3f}{t:>12.3f}{first - t:>11.3f}")
+    return "\n".join(out)
+
+
 def format_repeats(rows: list[dict], tolerance: float = 0.02) -> list[str]:
     """Lines for the configs timed more than once in one run: their medians and how far apart
     (largest over smallest, minus one), flagged beyond ``tolerance``: the run's own noise."""
