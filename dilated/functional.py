@@ -52,17 +52,29 @@ def _kv_for(backend: Backend, q, k, v):
     return k, v, 1
 
 
-def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float):
-    """``(out, lse)`` without autograd; bottom-right causal, GQA and strided head_dim handled here."""
+def _no_lse(backend: Backend) -> ValueError:
+    return ValueError(f"backend {backend.name!r} returns no log-sum-exp here: it serves dense attention forward "
+                      "(dilated.attention without return_lse, seq_q == seq_k or non-causal) only; dilated, ring and "
+                      "return_lse=True need a backend that gives one")
+
+
+def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float, need_lse: bool = True):
+    """``(out, lse)`` without autograd; bottom-right causal, GQA and strided head_dim handled here.
+    ``need_lse=False``: a backend without a log-sum-exp may return None for it."""
     note_kernel(backend.name)
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     k, v, _ = _kv_for(backend, q, k, v)
     pieces = causal_pieces(q.shape[1], k.shape[1], causal)
     if len(pieces) == 1 and pieces[0][0] == 0:
-        return backend.forward(q, k, v, pieces[0][4], scale)
+        out, lse = backend.forward(q, k, v, pieces[0][4], scale)
+        if lse is None and need_lse:
+            raise _no_lse(backend)
+        return out, lse
     acc, acc_lse = empty_accumulators(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q.device, acc_dtype(q.dtype))
     for q0, q1, k0, k1, c in pieces:
         o, l = backend.forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], c, scale)
+        if l is None:  # pieces merge by their log-sum-exp
+            raise _no_lse(backend)
         merge_(acc[:, q0:q1], acc_lse[:, q0:q1], o, l.transpose(1, 2))
     return acc.to(q.dtype), acc_lse.transpose(1, 2).contiguous()
 
@@ -146,5 +158,5 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = AttentionFunction.apply(q, k, v, impl, causal, scale)
     else:
-        out, lse = attention_forward(impl, q, k, v, causal, scale)
+        out, lse = attention_forward(impl, q, k, v, causal, scale, need_lse=return_lse)
     return (out, lse) if return_lse else out

@@ -177,3 +177,50 @@ def test_a_function_without_a_required_flag_is_refused_not_called():
     assert not calls
     assert math.isclose(call_by_name(lambda softmax_scale, extra=7: softmax_scale * extra, dict(softmax_scale=0.5)),
                         3.5)
+
+
+# -- SageAttention (sageattention/core.py: 1.0.6 has no return_lse, 2.x has) ------------------
+
+def sage1_sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=True, **kwargs):
+    assert tensor_layout == "NHD"  # [B, N, H, D], as dilated passes it
+    return _forward(q, k, v, sm_scale, is_causal)[0]
+
+
+def sage2_sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kwargs):
+    out, lse = _forward(q, k, v, sm_scale, is_causal)
+    return (out, lse) if return_lse else out
+
+
+@pytest.mark.parametrize("version", ["1.0.6", "2.x"])
+def test_sageattention_serves_dense_forward_and_says_when_it_cannot(version, monkeypatch, gen):
+    import dilated
+    from dilated.backends import sageattention as sage_mod
+    from dilated.functional import attention_forward
+
+    monkeypatch.setattr(sage_mod, "_import", lambda: sage1_sageattn if version == "1.0.6" else sage2_sageattn)
+    backend = sage_mod.SageAttentionBackend()
+    q, k, v = (rand(1, 32, 2, 64, gen=gen) for _ in range(3))
+    for causal in (False, True):
+        out, _ = attention_forward(backend, q, k, v, causal, 0.125, need_lse=False)
+        assert rel_err(out, dense_reference(q, k, v, causal=causal, scale=0.125)[0]) < 1e-5
+    if version == "1.0.6":  # no log-sum-exp: what needs one is refused with the reason
+        with pytest.raises(ValueError, match="returns no log-sum-exp"):
+            attention_forward(backend, q, k, v, False, 0.125)
+        with pytest.raises(ValueError, match="returns no log-sum-exp"):  # causal pieces of seq_q != seq_k merge
+            attention_forward(backend, q[:, :8], k, v, True, 0.125, need_lse=False)
+    else:
+        out, lse = attention_forward(backend, q[:, :8], k, v, True, 0.125)
+        ref, ref_lse = dense_reference(q[:, :8], k, v, causal=True, scale=0.125)
+        assert rel_err(out, ref) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
+    assert backend.input_reason(q.half(), k, False) is None and "head_dim" in backend.input_reason(q[..., :32], k, False)
+    with pytest.raises(dilated.BackendUnavailableError):  # on CPU it says why (a CUDA device)
+        dilated.attention(q, k, v, backend="sageattention")
+
+
+def test_a_forward_only_backend_is_refused_for_inputs_that_need_gradients(monkeypatch, gen):
+    from dilated.backends import _input_reason, sageattention as sage_mod
+
+    q = rand(1, 16, 2, 64, gen=gen, dtype=torch.bfloat16, requires_grad=True)
+    assert "no backward" in _input_reason(sage_mod.SageAttentionBackend(), q, q, q, False)
+    with torch.no_grad():
+        assert _input_reason(sage_mod.SageAttentionBackend(), q, q, q, False) is None

@@ -26,6 +26,7 @@ from .flash_attn_3 import FlashAttn3Backend
 from .flash_attn_4 import FlashAttn4Backend
 from .flex import FlexBackend
 from .manual import ManualBackend
+from .sageattention import SageAttentionBackend
 from .sdpa import BACKENDS as _SDPA_BACKENDS
 from .xformers import XFormersBackend
 
@@ -50,7 +51,7 @@ def register_backend(backend: Backend) -> Backend:
 
 
 for _b in [*_SDPA_BACKENDS, FlexBackend(), FlashAttn2Backend(), FlashAttn3Backend(),
-           FlashAttn4Backend(), XFormersBackend(), ManualBackend()]:
+           FlashAttn4Backend(), XFormersBackend(), SageAttentionBackend(), ManualBackend()]:
     register_backend(_b)
 
 
@@ -87,7 +88,7 @@ def _probe(backend: Backend, device: torch.device) -> str | None:
             grads = backend.backward(torch.randn_like(out), q, k, v, out, lse, True, scale)
             if not all(torch.isfinite(g).all() for g in grads):
                 return "probe backward gave non-finite gradients"
-        if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
+        if not (torch.isfinite(out).all() and (lse is None or torch.isfinite(lse).all())):
             return "probe forward gave non-finite output"
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -117,6 +118,9 @@ def available_backends(device=None) -> dict[str, str | None]:
 
 
 def _input_reason(backend: Backend, q, k, v, causal) -> str | None:
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
+    if needs_grad and not backend.supports_backward:
+        return f"{backend.name} has no backward (forward only); the inputs require grad"
     reason = backend.input_reason(q, k, causal)
     if reason is None and v is not None:
         reason = backend.value_head_dim_reason(q, v)

@@ -14,6 +14,7 @@ from .common import jobs_of
 
 HOPPER_CLASS = ["flash_attn_3", "flash_attn_4", "sdpa_cudnn", "flex"]
 PREVIOUS_CLASS = ["flash_attn", "sdpa_flash", "manual"]
+QUANTIZED = ["sageattention"]  # forward only, not exact: its error against float64 is in each row
 
 
 @script_main
@@ -30,7 +31,7 @@ def hopper_main(argv=None) -> int:
     p.add_argument("--causal-modes", type=str_list, default="false,true",
                    help="false,true: both (--causal alone: true only)")
     p.add_argument("--implementations", type=str_list, default="dense,improved")
-    p.add_argument("--backends", type=str_list, default=HOPPER_CLASS + PREVIOUS_CLASS,
+    p.add_argument("--backends", type=str_list, default=HOPPER_CLASS + PREVIOUS_CLASS + QUANTIZED,
                    help="kernels to compare (--backend works too)")
     args = parse_with_config(p, argv, implementation_names(distributed=False),
                              rejected={"baseline": "this script compares the Hopper class with the previous one"})
@@ -55,7 +56,7 @@ def hopper_main(argv=None) -> int:
     print("kernels on this device:")
     for name in args.backends:
         reason = report.get(name, "unknown backend")
-        cls = "Hopper class" if name in HOPPER_CLASS else "previous class"
+        cls = "Hopper class" if name in HOPPER_CLASS else "quantized" if name in QUANTIZED else "previous class"
         print(f"  {name:<15} {cls:<15} {'available' if reason is None else 'unavailable: ' + reason}")
     names = [n for n in args.backends if report.get(n) is None]
     impls = [get_implementation(n) for n in args.implementations]

@@ -1,0 +1,52 @@
+"""``sageattention``: SageAttention (``pip install sageattention``; 1.0.6 is Triton, INT8 Q·K with
+per-block scales, fp16 P·V), a quantized kernel: forward only, and not exact (its error against
+float64 is in every benchmark row). Never chosen by ``auto``; name it to use it.
+
+``sageattn(q, k, v, tensor_layout="NHD", is_causal=..., sm_scale=...)`` takes ``[B, N, H, D]`` as
+is. SageAttention 2 returns the log-sum-exp with ``return_lse=True``; 1.x has no such argument and
+returns the output alone, so with 1.x this backend serves dense attention whose lse nobody needs
+(``dilated.attention`` without ``return_lse``, no merge): dilated, ring and causal pieces of
+``seq_q != seq_k`` need the lse and say so. Tested on CPU against a stand-in with the real
+signature (``tests/test_kernel_adapters.py``); not run against an install here.
+"""
+from __future__ import annotations
+
+from ._signature import call_by_name, parameters
+from .base import Backend, needs_half
+
+
+def _import():
+    from sageattention import sageattn
+
+    return sageattn
+
+
+class SageAttentionBackend(Backend):
+    name = "sageattention"
+    native_gqa = False
+    supports_backward = False
+
+    def unavailable_reason(self, device):
+        if device.type != "cuda":
+            return f"SageAttention needs a CUDA device (this is {device.type})"
+        try:
+            _import()
+        except Exception as e:
+            return f"sageattention not importable: {type(e).__name__}: {e}"
+        return None
+
+    def input_reason(self, q, k, causal):
+        if q.shape[-1] not in (64, 96, 128):
+            return f"SageAttention takes head_dim 64, 96 or 128, got {q.shape[-1]}"
+        return needs_half(q, "SageAttention")
+
+    def forward(self, q, k, v, causal, scale):
+        sageattn = _import()
+        gives_lse = "return_lse" in parameters(sageattn)
+        result = call_by_name(sageattn, dict(q=q, k=k, v=v, tensor_layout="NHD", is_causal=causal, sm_scale=scale,
+                                             return_lse=gives_lse),
+                              required=("q", "k", "v", "tensor_layout", "is_causal", "sm_scale"))
+        if gives_lse:
+            out, lse = result
+            return out, lse.float()
+        return result, None  # no log-sum-exp from SageAttention 1.x
