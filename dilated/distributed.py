@@ -142,3 +142,67 @@ def unshard(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: 
     halves = [t.chunk(2, dim) for t in parts]
     ordered = [halves[i][0] for i in range(p)] + [halves[i][1] for i in reversed(range(p))]
     return torch.cat(ordered, dim)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """All-to-all: ``[B, N/P, H, D]`` (this rank's positions, every head) to ``[B, N, H/P, D]``
+    (every position, this rank's heads, head group ``rank``); backward is the inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group, stats):
+        ctx.group, ctx.stats = group, stats
+        return _seq_to_heads(x, group, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad.contiguous(), ctx.group, ctx.stats), None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """The inverse of :class:`_SequenceToHeads`."""
+
+    @staticmethod
+    def forward(ctx, x, group, stats):
+        ctx.group, ctx.stats = group, stats
+        return _heads_to_seq(x, group, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), ctx.group, ctx.stats), None, None
+
+
+def _all_to_all(x: torch.Tensor, group, stats) -> torch.Tensor:
+    """``x`` ``[P, ...]``: block i goes to rank i; returns block j from rank j, ``[P, ...]``."""
+    x = x.contiguous()
+    out = torch.empty_like(x)  # after contiguous(): empty_like keeps a permuted tensor's strides
+    dist.all_to_all_single(out, x, group=group)
+    if stats is not None:
+        stats.sent(x.numel() * x.element_size() * (x.shape[0] - 1) // x.shape[0], collective=True)
+    return out
+
+
+def _seq_to_heads(x, group, stats):
+    _, p = _world(group)
+    b, n, h, d = x.shape
+    blocks = x.reshape(b, n, p, h // p, d).permute(2, 0, 1, 3, 4)       # [P, B, n, H/P, D]: heads group i to rank i
+    got = _all_to_all(blocks, group, stats)                                # [P, B, n, H/P, D]: positions of rank j
+    return got.permute(1, 0, 2, 3, 4).reshape(b, p * n, h // p, d)
+
+
+def _heads_to_seq(x, group, stats):
+    _, p = _world(group)
+    b, big_n, hp, d = x.shape
+    blocks = x.reshape(b, p, big_n // p, hp, d).permute(1, 0, 2, 3, 4)    # [P, B, n, H/P, D]: positions of rank i
+    got = _all_to_all(blocks, group, stats)                                # [P, B, n, H/P, D]: head group j
+    return got.permute(1, 2, 0, 3, 4).reshape(b, big_n // p, p * hp, d)
+
+
+def sequence_to_heads(x: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
+    """``[B, N/P, H, D]`` shards of the sequence to ``[B, N, H/P, D]`` shards of the heads (rank r
+    gets heads ``r*H/P .. (r+1)*H/P - 1``); differentiable. H must be divisible by P."""
+    return _SequenceToHeads.apply(x, group, stats)
+
+
+def heads_to_sequence(x: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
+    """The inverse of :func:`sequence_to_heads`; differentiable."""
+    return _HeadsToSequence.apply(x, group, stats)

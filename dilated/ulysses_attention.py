@@ -1,0 +1,93 @@
+"""Ulysses attention (DeepSpeed-Ulysses): exact dense attention over a sequence sharded across
+ranks by trading the sequence split for a head split.
+
+Each rank holds a contiguous shard ``[B, N/P, H, D]``. One all-to-all gives every rank the whole
+sequence for ``H/P`` heads (:func:`dilated.distributed.sequence_to_heads`), one local attention
+runs over it (any backend; causal is plain causal over the whole sequence, so no load balancing
+is needed), and one all-to-all brings the output back to sequence shards. Backward is the same
+three steps reversed (the all-to-alls are their own adjoints' inverses). Per rank and call it
+moves ``(P-1)/P`` of its q, k, v and out shards, independent of the number of ranks' positions:
+what it pays for needing ``H`` divisible by ``P``.
+
+GQA: kv heads are split like q heads when ``H_kv`` is divisible by ``P``; else each kv head is
+repeated to the smallest count that ``P`` divides and that divides ``H`` (so every q head still
+reads its own kv head), which costs kv traffic but no extra attention work.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._checks import check_causal, check_qkv, check_scale, dense_rows
+from .agreement import signature, validate_on_all_ranks
+from .distributed import CommStats, _world, heads_to_sequence, sequence_to_heads
+from .functional import attention, default_scale
+from .backends import get_backend
+
+
+def kv_heads_for(num_heads: int, num_kv_heads: int, p: int) -> int:
+    """How many kv heads Ulysses spreads over ``p`` ranks: ``num_kv_heads`` if ``p`` divides it,
+    else the smallest multiple of it that ``p`` divides and that divides ``num_heads``."""
+    if num_kv_heads % p == 0:
+        return num_kv_heads
+    m = math.lcm(num_kv_heads, p)
+    if num_heads % m:
+        raise ValueError(f"UlyssesAttention on {p} ranks: {num_kv_heads} kv heads cannot be spread over the ranks "
+                         f"with {num_heads} q heads ({num_heads} must be divisible by lcm(kv heads, ranks) = {m}); "
+                         "use a world size that divides the number of heads, or RingAttention")
+    return m
+
+
+class UlyssesAttention(nn.Module):
+    """Exact dense attention over the global sequence; ``forward(q, k, v)`` on this rank's
+    contiguous shards ``[B, N/P, H, D]`` (see :meth:`shard`); heads must be divisible by P.
+
+    ``self.stats`` (a :class:`dilated.distributed.CommStats`) counts the all-to-alls and bytes sent.
+    """
+
+    def __init__(self, *, causal=False, scale=None, backend="auto", group=None, measure_comm: bool = False):
+        super().__init__()
+        check_causal(causal)
+        check_scale(scale)
+        self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
+        self._agreed: set = set()
+        self.stats = CommStats(measure_comm)
+
+    def _validate(self, q, k, v):
+        check_qkv(q, k, v)
+        _, p = _world(self.group)
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
+        if q.shape[2] % p:
+            raise ValueError(f"UlyssesAttention splits heads over the {p} ranks: num_heads {q.shape[2]} must be "
+                             f"divisible by {p}; use a world size that divides the heads, or RingAttention")
+        hkv = kv_heads_for(q.shape[2], k.shape[2], p)
+        scale = default_scale(q.shape[-1], self.scale)
+        get_backend(self.backend, q[:, :, :q.shape[2] // p], k[:, :, :hkv // p], self.causal, v=v[:, :, :hkv // p])
+        return (hkv, scale), signature(q, k, v, causal=self.causal, scale=scale, algorithm="ulysses")
+
+    def forward(self, q, k, v):
+        if not dist.is_initialized():
+            raise RuntimeError("UlyssesAttention needs torch.distributed initialised (see dilated.init_distributed)")
+        hkv, scale = validate_on_all_ranks(self.group, self._agreed, "UlyssesAttention",
+                                           lambda: self._validate(q, k, v))
+        if hkv != k.shape[2]:
+            k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
+        q, k, v = (sequence_to_heads(dense_rows(x), self.group, self.stats) for x in (q, k, v))
+        out = attention(q, k, v, causal=self.causal, scale=scale, backend=self.backend)
+        return heads_to_sequence(out, self.group, self.stats)
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor (contiguous)."""
+        from .distributed import shard
+
+        return shard(x, group=self.group, layout="contiguous")
+
+    def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every rank's part (an all-gather)."""
+        from .distributed import unshard
+
+        return unshard(x_local, group=self.group, layout="contiguous")

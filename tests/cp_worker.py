@@ -1,0 +1,56 @@
+"""Workers for tests/test_context_parallel.py: Ulysses and the Ulysses x ring hybrid on real gloo
+process groups, against a float64 dense reference of the whole sequence."""
+import torch
+
+import dilated
+from dilated.reference import dense_reference
+
+from dist_worker import init
+
+
+def _full(seed, n, h, hkv, d=8, b=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n, hh, d, generator=g, dtype=torch.float64) for hh in (h, hkv, hkv)]
+
+
+def _rel(got, ref):
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def check_module(module, q, k, v, causal, name, tol=1e-9):
+    """``module`` on this rank's shards (its own ``shard``) against the dense reference of the
+    whole sequence, forward and gradients (gathered with its own ``unshard``)."""
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(99), dtype=q.dtype)  # same on every rank
+    ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
+    out = module(ql, kl, vl)
+    out.backward(module.shard(dout))
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = dense_reference(qf, kf, vf, causal=causal)[0]
+    ref.backward(dout)
+    errs = {"out": _rel(module.unshard(out.detach()), ref.detach())}
+    for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
+        errs[f"d{t}"] = _rel(module.unshard(local.grad), full.grad)
+    bad = {k_: e for k_, e in errs.items() if not e < tol}
+    assert not bad, f"{name}: {bad}"
+
+
+def ulysses(rank, world, port):
+    init(rank, world, port)
+    h = 12  # divisible by 2, 3 and 4
+    for causal in (False, True):
+        for hkv in (12, 4, 2, 1):  # split (12, 4 on 2 and 4), replicated (4 on 3; 2 and 1 mostly)
+            q, k, v = _full(7 + hkv, 6 * world, h, hkv)
+            module = dilated.UlyssesAttention(causal=causal, backend="manual")
+            check_module(module, q, k, v, causal, f"ulysses P={world} causal={causal} H={h}/{hkv}")
+            module.stats.reset()
+            module(*(module.shard(t) for t in (q, k, v)))
+            assert module.stats.collectives == 4, module.stats.as_dict()  # q, k, v in, out back
+    # heads not divisible by the ranks: a clear error on every rank, naming the fix
+    q, k, v = _full(1, 4 * world, 5 if world != 5 else 7, 1)
+    module = dilated.UlyssesAttention(backend="manual")
+    try:
+        module(*(module.shard(t) for t in (q, k, v)))
+    except ValueError as e:
+        assert "num_heads 5 must be divisible by" in str(e) and "RingAttention" in str(e), str(e)
+    else:
+        raise AssertionError("heads not divisible by the world size ran")

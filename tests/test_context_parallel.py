@@ -1,0 +1,19 @@
+"""Context-parallel strategies beside the ring: Ulysses and the Ulysses x ring hybrid, on real gloo
+process groups, exact against a float64 reference forward and backward."""
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+import cp_worker
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_is_exact_forward_and_backward(world):
+    mp.spawn(cp_worker.ulysses, args=(world, _port()), nprocs=world, join=True)
