@@ -24,8 +24,9 @@ from .distributed import init_distributed, shard, unshard  # noqa: E402
 from .distributed_dilated_attention import DistributedDilatedAttention  # noqa: E402
 from .ring_attention import RingAttention, ring_attention  # noqa: E402
 from .ulysses_attention import UlyssesAttention  # noqa: E402
+from .hybrid_attention import HybridAttention  # noqa: E402
 
-__all__ += ["RingAttention", "ring_attention", "UlyssesAttention", "DistributedDilatedAttention", "shard", "unshard", "init_distributed"]
+__all__ += ["RingAttention", "ring_attention", "UlyssesAttention", "HybridAttention", "DistributedDilatedAttention", "shard", "unshard", "init_distributed"]
 from ._checks import UncoveredRowsWarning  # noqa: E402
 from .agreement import RankMismatchError  # noqa: E402
 

@@ -54,3 +54,23 @@ def ulysses(rank, world, port):
         assert "num_heads 5 must be divisible by" in str(e) and "RingAttention" in str(e), str(e)
     else:
         raise AssertionError("heads not divisible by the world size ran")
+
+
+def hybrid(rank, world, port, grids):
+    init(rank, world, port)
+    h = 12  # divisible by every ulysses_size below
+    for ulysses_size, ring_size in grids:
+        for layout in ("zigzag", "contiguous"):
+            for causal in (False, True):
+                for hkv in (12, 3, 1):
+                    q, k, v = _full(3 + hkv, 4 * world, h, hkv)
+                    module = dilated.HybridAttention(ulysses_size, ring_size, causal=causal, layout=layout,
+                                                     backend="manual")
+                    check_module(module, q, k, v, causal,
+                                 f"hybrid {ring_size}x{ulysses_size} {layout} causal={causal} H={h}/{hkv}")
+    try:
+        dilated.HybridAttention(world, 2)
+    except ValueError as e:
+        assert f"must equal the group's size {world}" in str(e), str(e)
+    else:
+        raise AssertionError("a grid larger than the world was accepted")

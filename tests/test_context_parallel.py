@@ -17,3 +17,8 @@ def _port():
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ulysses_is_exact_forward_and_backward(world):
     mp.spawn(cp_worker.ulysses, args=(world, _port()), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world, grids", [(4, [(2, 2), (4, 1), (1, 4)]), (6, [(2, 3), (3, 2)])])
+def test_hybrid_grids_are_exact_forward_and_backward(world, grids):
+    mp.spawn(cp_worker.hybrid, args=(world, _port(), grids), nprocs=world, join=True)

@@ -1,0 +1,104 @@
+"""Ulysses x ring (USP): exact dense attention over ranks arranged as a ``ring_size x ulysses_size``
+grid. Within a row of the grid (``ulysses_size`` consecutive ranks: the GPUs of one node, by
+default) an all-to-all trades the sequence split for a head split, as in
+:class:`~dilated.UlyssesAttention`; across rows, :class:`~dilated.RingAttention` passes K/V
+blocks around for those heads. The all-to-all traffic stays on the fast intra-node links and the
+ring's steps are ``ring_size``, not the world size; heads need only be divisible by
+``ulysses_size``.
+
+Layout (:meth:`HybridAttention.shard`): the global sequence is cut into ``ring_size`` ring shards
+in ``layout`` (``zigzag`` balances causal work over the ring), and each ring shard into
+``ulysses_size`` contiguous parts, one per rank of its grid row. Construct it on every rank of the
+default process group (it creates the row and column groups, a collective).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._checks import check_causal, check_qkv, check_scale, dense_rows
+from .agreement import signature, validate_on_all_ranks
+from .distributed import LAYOUTS, CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
+from .functional import default_scale
+from .ring_attention import RingAttention
+from .ulysses_attention import kv_heads_for
+
+
+class HybridAttention(nn.Module):
+    """Exact dense attention over the global sequence on a ``ring_size x ulysses_size`` grid of
+    ranks; ``forward(q, k, v)`` on this rank's part ``[B, N/P, H, D]`` (see :meth:`shard`).
+
+    ``self.stats`` counts the all-to-alls (bytes and collectives) and ``self.ring.stats`` the
+    ring's messages.
+    """
+
+    def __init__(self, ulysses_size: int, ring_size: int, *, causal=False, scale=None, layout="zigzag", group=None,
+                 backend="auto", transport: str = "auto", measure_comm: bool = False):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("HybridAttention needs torch.distributed initialised (see dilated.init_distributed)")
+        for name, size in (("ulysses_size", ulysses_size), ("ring_size", ring_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive integer, got {size!r}")
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if ulysses_size * ring_size != len(ranks):
+            raise ValueError(f"ulysses_size x ring_size = {ulysses_size} x {ring_size} = {ulysses_size * ring_size} "
+                             f"must equal the group's size {len(ranks)}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        check_causal(causal)
+        check_scale(scale)
+        self.ulysses_size, self.ring_size, self.layout, self.group = ulysses_size, ring_size, layout, group
+        self.causal, self.scale, self.backend = causal, scale, backend
+        me = ranks.index(dist.get_rank())
+        self.ring_rank, self.ulysses_rank = divmod(me, ulysses_size)
+        self.ulysses_group = self.ring_group = None
+        for r in range(ring_size):  # every rank creates every group, in one order (dist.new_group)
+            g = dist.new_group([ranks[r * ulysses_size + u] for u in range(ulysses_size)])
+            if r == self.ring_rank:
+                self.ulysses_group = g
+        for u in range(ulysses_size):
+            g = dist.new_group([ranks[r * ulysses_size + u] for r in range(ring_size)])
+            if u == self.ulysses_rank:
+                self.ring_group = g
+        self.ring = RingAttention(causal=causal, scale=scale, backend=backend, layout=layout, group=self.ring_group,
+                                  transport=transport, measure_comm=measure_comm)
+        self.stats = CommStats(measure_comm)
+        self._agreed: set = set()
+
+    def _validate(self, q, k, v):
+        check_qkv(q, k, v)
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"q and k/v parts must have one length, got {q.shape[1]} and {k.shape[1]}")
+        if q.shape[2] % self.ulysses_size:
+            raise ValueError(f"HybridAttention splits heads over ulysses_size={self.ulysses_size} ranks: num_heads "
+                             f"{q.shape[2]} must be divisible by it; choose a ulysses_size that divides the heads")
+        if self.layout == "zigzag" and (q.shape[1] * self.ulysses_size) % 2:
+            raise ValueError(f"zigzag ring shards hold two chunks: the part length {q.shape[1]} x ulysses_size "
+                             f"{self.ulysses_size} must be even (global N divisible by 2 x world size)")
+        hkv = kv_heads_for(q.shape[2], k.shape[2], self.ulysses_size)
+        scale = default_scale(q.shape[-1], self.scale)
+        return hkv, signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, algorithm="hybrid",
+                              grid=[self.ring_size, self.ulysses_size])
+
+    def forward(self, q, k, v):
+        # every rank of the grid agrees before any row or column communicates (a row that stopped
+        # alone would leave the ring of the others waiting)
+        hkv = validate_on_all_ranks(self.group, self._agreed, "HybridAttention", lambda: self._validate(q, k, v))
+        if hkv != k.shape[2]:
+            k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
+        q, k, v = (sequence_to_heads(dense_rows(x), self.ulysses_group, self.stats) for x in (q, k, v))
+        out = self.ring(q, k, v)  # ring shards in self.layout, this row's heads
+        return heads_to_sequence(out, self.ulysses_group, self.stats)
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor: its ring shard
+        (in ``layout`` over ``ring_size``), then its contiguous part of that (over ``ulysses_size``)."""
+        ring_part = shard(x, group=self.ring_group, layout=self.layout)
+        return shard(ring_part, group=self.ulysses_group, layout="contiguous")
+
+    def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every rank's part (all-gathers along the row, then the column)."""
+        ring_part = unshard(x_local, group=self.ulysses_group, layout="contiguous")
+        return unshard(ring_part, group=self.ring_group, layout=self.layout)
