@@ -265,6 +265,18 @@ class DistributedDilatedAttention(nn.Module):
     ``measure_comm=True`` also times the compute stream's waits on them.
     """
 
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor."""
+        from .distributed import shard
+
+        return shard(x, group=self.group, layout="contiguous")
+
+    def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every rank's part (an all-gather)."""
+        from .distributed import unshard
+
+        return unshard(x_local, group=self.group, layout="contiguous")
+
     def __init__(self, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto", group=None,
                  measure_comm: bool = False):
         super().__init__()

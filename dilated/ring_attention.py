@@ -282,6 +282,18 @@ class RingAttention(nn.Module):
         return _RingFunction.apply(q, k, v, impl, self.causal, scale, self.layout, self.group, self.stats,
                                    self.overlap, self.transport_used)
 
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor, in this module's layout."""
+        from .distributed import shard
+
+        return shard(x, group=self.group, layout=self.layout)
+
+    def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every rank's part (an all-gather), in sequence order."""
+        from .distributed import unshard
+
+        return unshard(x_local, group=self.group, layout=self.layout)
+
 
 _MODULES: dict = {}  # (group, settings) -> RingAttention: the agreed input signatures are kept per module
 

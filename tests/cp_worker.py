@@ -74,3 +74,20 @@ def hybrid(rank, world, port, grids):
         assert f"must equal the group's size {world}" in str(e), str(e)
     else:
         raise AssertionError("a grid larger than the world was accepted")
+
+
+def shard_methods(rank, world, port):
+    """Every sequence-parallel module maps a global tensor to this rank's part in its own layout and
+    back; the ring's part is the free function's for its layout; a wrong part is caught by an exact
+    forward (ring zigzag causal, distributed dilated)."""
+    init(rank, world, port)
+    x = torch.randn(2, 8 * world, 4, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    modules = [dilated.RingAttention(layout="zigzag", backend="manual"), dilated.RingAttention(backend="manual"),
+               dilated.UlyssesAttention(backend="manual"),
+               dilated.DistributedDilatedAttention([4, 8 * world], [1, 2], backend="manual")]
+    for m in modules:
+        assert torch.equal(m.unshard(m.shard(x)), x), type(m).__name__
+        assert m.shard(x).shape[1] == 8
+    assert torch.equal(modules[0].shard(x), dilated.shard(x, layout="zigzag"))
+    q, k, v = _full(11, 8 * world, 4, 2)
+    check_module(dilated.RingAttention(layout="zigzag", causal=True, backend="manual"), q, k, v, True, "ring zigzag")

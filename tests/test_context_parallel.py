@@ -22,3 +22,7 @@ def test_ulysses_is_exact_forward_and_backward(world):
 @pytest.mark.parametrize("world, grids", [(4, [(2, 2), (4, 1), (1, 4)]), (6, [(2, 3), (3, 2)])])
 def test_hybrid_grids_are_exact_forward_and_backward(world, grids):
     mp.spawn(cp_worker.hybrid, args=(world, _port(), grids), nprocs=world, join=True)
+
+
+def test_every_sequence_parallel_module_shards_and_unshards_in_its_layout():
+    mp.spawn(cp_worker.shard_methods, args=(2, _port()), nprocs=2, join=True)
