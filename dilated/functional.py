@@ -138,7 +138,7 @@ def default_scale(head_dim: int, scale: float | None) -> float:
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, backend: str = "auto",
-              return_lse: bool = False):
+              return_lse: bool = False, cu_seqlens: torch.Tensor | None = None):
     """Exact softmax attention on ``[batch, seq, heads, head_dim]`` tensors.
 
     k/v may have fewer heads than q (GQA: heads divisible by kv heads) and another length than q
@@ -147,10 +147,23 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
     ``(out, lse)`` with lse ``[batch, heads, seq_q]`` in float32 (float64 for float64 inputs).
     Gradients flow through ``out`` and ``lse``. Under ``torch.compile`` the call is one custom op
     (:mod:`dilated.ops`).
+
+    ``cu_seqlens``: packed documents (int32 cumulative lengths ``[0, ..., N]``, the same for every
+    batch row; q and k/v of one length): attention stays within each document, causal applies
+    within each (see :mod:`dilated.packed`).
     """
     check_qkv(q, k, v)
     check_causal(causal)
     scale = default_scale(q.shape[-1], scale)
+    if cu_seqlens is not None:
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"cu_seqlens packs q and k/v alike: they need one length, got {q.shape[1]} and "
+                             f"{k.shape[1]}")
+        from .packed import packed_attention
+
+        out, lse = packed_attention(q, k, v, cu_seqlens, lambda a, b_, c: attention(
+            a, b_, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # one custom op (dilated.ops): dynamo traces no backend code
         out, lse = torch.ops.dilated.attention_forward(q, k, v, causal, scale, backend)
         return (out, lse) if return_lse else out
