@@ -7,7 +7,8 @@ runs over it (any backend; causal is plain causal over the whole sequence, so no
 is needed), and one all-to-all brings the output back to sequence shards. Backward is the same
 three steps reversed (the all-to-alls are their own adjoints' inverses). Per rank and call it
 moves ``(P-1)/P`` of its q, k, v and out shards, independent of the number of ranks' positions:
-what it pays for needing ``H`` divisible by ``P``.
+what it pays for needing ``H`` divisible by ``P``. Packed documents (``cu_seqlens`` of the global
+sequence) cost nothing extra: the local attention sees the whole sequence and its documents.
 
 GQA: kv heads are split like q heads when ``H_kv`` is divisible by ``P``; else each kv head is
 repeated to the smallest count that ``P`` divides and that divides ``H`` (so every q head still
@@ -25,6 +26,7 @@ from ._checks import check_causal, check_qkv, check_scale, dense_rows
 from .agreement import signature, validate_on_all_ranks
 from .distributed import CommStats, _world, heads_to_sequence, sequence_to_heads
 from .functional import attention, default_scale
+from .packed import check_cu_seqlens
 from .backends import get_backend
 
 
@@ -56,9 +58,10 @@ class UlyssesAttention(nn.Module):
         self._agreed: set = set()
         self.stats = CommStats(measure_comm)
 
-    def _validate(self, q, k, v):
+    def _validate(self, q, k, v, cu_seqlens):
         check_qkv(q, k, v)
         _, p = _world(self.group)
+        docs = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q.shape[1] * p)
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
         if q.shape[2] % p:
@@ -67,17 +70,19 @@ class UlyssesAttention(nn.Module):
         hkv = kv_heads_for(q.shape[2], k.shape[2], p)
         scale = default_scale(q.shape[-1], self.scale)
         get_backend(self.backend, q[:, :, :q.shape[2] // p], k[:, :, :hkv // p], self.causal, v=v[:, :, :hkv // p])
-        return (hkv, scale), signature(q, k, v, causal=self.causal, scale=scale, algorithm="ulysses")
+        return (hkv, scale), signature(q, k, v, causal=self.causal, scale=scale, algorithm="ulysses", documents=docs)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
+        """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
+        ``[0, ..., N]``, the same on every rank); attention stays within each document."""
         if not dist.is_initialized():
             raise RuntimeError("UlyssesAttention needs torch.distributed initialised (see dilated.init_distributed)")
         hkv, scale = validate_on_all_ranks(self.group, self._agreed, "UlyssesAttention",
-                                           lambda: self._validate(q, k, v))
+                                           lambda: self._validate(q, k, v, cu_seqlens))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
         q, k, v = (sequence_to_heads(dense_rows(x), self.group, self.stats) for x in (q, k, v))
-        out = attention(q, k, v, causal=self.causal, scale=scale, backend=self.backend)
+        out = attention(q, k, v, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_seqlens)
         return heads_to_sequence(out, self.group, self.stats)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:

@@ -91,3 +91,32 @@ def shard_methods(rank, world, port):
     assert torch.equal(modules[0].shard(x), dilated.shard(x, layout="zigzag"))
     q, k, v = _full(11, 8 * world, 4, 2)
     check_module(dilated.RingAttention(layout="zigzag", causal=True, backend="manual"), q, k, v, True, "ring zigzag")
+
+
+def ulysses_documents(rank, world, port):
+    init(rank, world, port)
+    n = 12 * world
+    cu = [0, 5, 6, 17, n - 3, n]
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    for causal in (False, True):
+        q, k, v = _full(21, n, 4 * world, 2)
+        module = dilated.UlyssesAttention(causal=causal, backend="manual")
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
+        ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
+        out = module(ql, kl, vl, cu_seqlens=cu_t)
+        out.backward(module.shard(dout))
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = torch.cat([dense_reference(qf[:, a:b], kf[:, a:b], vf[:, a:b], causal=causal)[0]
+                         for a, b in zip(cu, cu[1:])], 1)
+        ref.backward(dout)
+        assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9
+        for local, full in ((ql, qf), (kl, kf), (vl, vf)):
+            assert _rel(module.unshard(local.grad), full.grad) < 1e-9
+    # documents that disagree across ranks: an error on every rank, before any all-to-all
+    mine = torch.tensor([0, 5 + rank, n], dtype=torch.int32)
+    try:
+        module(*(module.shard(t) for t in (q, k, v)), cu_seqlens=mine)
+    except (ValueError, dilated.RankMismatchError) as e:
+        assert "documents" in str(e), str(e)
+    else:
+        raise AssertionError("ranks with different documents ran")

@@ -26,3 +26,7 @@ def test_hybrid_grids_are_exact_forward_and_backward(world, grids):
 
 def test_every_sequence_parallel_module_shards_and_unshards_in_its_layout():
     mp.spawn(cp_worker.shard_methods, args=(2, _port()), nprocs=2, join=True)
+
+
+def test_ulysses_keeps_attention_within_packed_documents():
+    mp.spawn(cp_worker.ulysses_documents, args=(2, _port()), nprocs=2, join=True)
