@@ -21,6 +21,7 @@ from ._checks import check_causal, check_qkv, check_scale, dense_rows
 from .agreement import signature, validate_on_all_ranks
 from .distributed import LAYOUTS, CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
 from .functional import default_scale
+from .packed import check_cu_seqlens
 from .ring_attention import RingAttention
 from .ulysses_attention import kv_heads_for
 
@@ -67,7 +68,7 @@ class HybridAttention(nn.Module):
         self.stats = CommStats(measure_comm)
         self._agreed: set = set()
 
-    def _validate(self, q, k, v):
+    def _validate(self, q, k, v, cu_seqlens):
         check_qkv(q, k, v)
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"q and k/v parts must have one length, got {q.shape[1]} and {k.shape[1]}")
@@ -79,17 +80,22 @@ class HybridAttention(nn.Module):
                              f"{self.ulysses_size} must be even (global N divisible by 2 x world size)")
         hkv = kv_heads_for(q.shape[2], k.shape[2], self.ulysses_size)
         scale = default_scale(q.shape[-1], self.scale)
+        docs = None if cu_seqlens is None else check_cu_seqlens(
+            cu_seqlens, q.shape[1] * self.ulysses_size * self.ring_size)
         return hkv, signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, algorithm="hybrid",
-                              grid=[self.ring_size, self.ulysses_size])
+                              grid=[self.ring_size, self.ulysses_size], documents=docs)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
+        """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths,
+        the same on every rank); attention stays within each document."""
         # every rank of the grid agrees before any row or column communicates (a row that stopped
         # alone would leave the ring of the others waiting)
-        hkv = validate_on_all_ranks(self.group, self._agreed, "HybridAttention", lambda: self._validate(q, k, v))
+        hkv = validate_on_all_ranks(self.group, self._agreed, "HybridAttention",
+                                    lambda: self._validate(q, k, v, cu_seqlens))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
         q, k, v = (sequence_to_heads(dense_rows(x), self.ulysses_group, self.stats) for x in (q, k, v))
-        out = self.ring(q, k, v)  # ring shards in self.layout, this row's heads
+        out = self.ring(q, k, v, cu_seqlens=cu_seqlens)  # ring shards in self.layout, this row's heads
         return heads_to_sequence(out, self.ulysses_group, self.stats)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:

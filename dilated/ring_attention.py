@@ -30,6 +30,8 @@ harness does) can stop them all together.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,6 +43,8 @@ from .agreement import signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import empty_accumulators, merge_
+from .packed import check_cu_seqlens
+from .plan import AttentionSpec
 
 
 TRANSPORTS = ("auto", "copy_engine", "p2p")
@@ -102,6 +106,39 @@ def _plan(step_src: int, rank: int, n: int, causal: bool, layout: str):
     return slice(half, n), full, False
 
 
+def _chunks(owner: int, p: int, n: int, layout: str):
+    """``(local start, global start, length)`` of the chunks of rank ``owner``'s shard of ``n``."""
+    if layout == "contiguous":
+        return [(0, owner * n, n)]
+    half = n // 2
+    return [(0, owner * half, half), (half, (2 * p - 1 - owner) * half, half)]
+
+
+def _pieces(plan, src: int, rank: int, p: int, n: int, layout: str, cu):
+    """The kernel calls ``(q slice, kv slice, causal)`` of one step: ``plan`` itself, or with packed
+    documents (``cu``: global cumulative lengths) one call per document and pair of chunks it
+    meets. Chunks are the ring's causal unit (a chunk pair is all visible, square causal or not
+    visible), so a document's part of a pair is all visible or square causal the same way."""
+    if plan is None:
+        return []
+    if cu is None:
+        return [plan]
+    qs, ks, causal = plan
+    out = []
+    for ql, qg, qn in _chunks(rank, p, n, layout):
+        for kl, kg, kn in _chunks(src, p, n, layout):
+            if not (qs.start <= ql and ql + qn <= qs.stop and ks.start <= kl and kl + kn <= ks.stop):
+                continue  # this chunk pair is not part of the step
+            if causal and kg > qg:
+                continue  # keys after the queries
+            square = causal and kg == qg
+            for a, b in zip(cu, cu[1:]):  # documents meeting both chunks
+                q0, q1, k0, k1 = max(a, qg), min(b, qg + qn), max(a, kg), min(b, kg + kn)
+                if q0 < q1 and k0 < k1:
+                    out.append((slice(ql + q0 - qg, ql + q1 - qg), slice(kl + k0 - kg, kl + k1 - kg), square))
+    return out
+
+
 def _ring_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: bool):
     """Yield ``(k_block, v_block, plan)`` for each ring step; the next block is in flight meanwhile
     (or, with ``overlap=False``, received before the current one is computed)."""
@@ -112,7 +149,8 @@ def _ring_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: 
         if pending is not None and not overlap:
             kv_next, pending = ring.wait(pending), None
         kb, vb = _unpack(kv, (k, v))
-        yield kb, vb, _plan((rank - step) % p, rank, n, causal, layout)
+        src = (rank - step) % p
+        yield kb, vb, _plan(src, rank, n, causal, layout), src
         if pending is not None:
             kv_next = ring.wait(pending)
         if step < p - 1:
@@ -141,7 +179,7 @@ def _pulled_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap
         return dst, done
 
     pending = pull(1) if overlap else None
-    yield k, v, plans[0]
+    yield k, v, plans[0], rank
     ring.stats.steps += 1
     for step in range(1, p):
         got = pending if overlap else pull(step)
@@ -150,7 +188,7 @@ def _pulled_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap
                 cur.wait_event(got[1])
         if overlap:
             pending = pull(step + 1)  # its slot was last read by step - 1, already enqueued
-        yield (*got[0], plans[step]) if got is not None else (None, None, None)
+        yield (*got[0], plans[step], (rank - step) % p) if got is not None else (None, None, None, None)
         ring.stats.steps += 1
     cur.wait_stream(side)
 
@@ -160,66 +198,87 @@ def _blocks(transport: str, ring: _Ring, k, v, n, causal, layout, overlap):
     return fn(ring, k, v, n, causal, layout, overlap)
 
 
+@dataclass(frozen=True)
+class RingCall:
+    """What one ring attention call needs besides its tensors: the kernel spec (backend, causal,
+    scale), the ring (layout, group, transport, overlap, stats) and packed documents (``cu``,
+    global cumulative lengths, or None)."""
+
+    spec: AttentionSpec
+    layout: str
+    group: object
+    stats: CommStats
+    overlap: bool
+    transport: str
+    cu: tuple | None = None
+
+    def steps(self, ring: _Ring, k, v, n: int):
+        """``(k block, v block, kernel calls)`` per ring step."""
+        for kb, vb, plan, src in _blocks(self.transport, ring, k, v, n, self.spec.causal, self.layout, self.overlap):
+            yield kb, vb, _pieces(plan, src, ring.rank, ring.size, n, self.layout, self.cu)
+
+
 class _RingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, backend, causal, scale, layout, group, stats, overlap, transport):
-        ring = _Ring(group, stats)
-        n = q.shape[1]
+    def forward(ctx, q, k, v, call: RingCall):
+        spec, ring, n = call.spec, _Ring(call.group, call.stats), q.shape[1]
         acc, acc_lse = empty_accumulators(*q.shape[:3], v.shape[3], q.device, acc_dtype(q.dtype))
         failure = None
-        for kb, vb, plan in _blocks(transport, ring, k, v, n, causal, layout, overlap):
-            if plan is not None and failure is None:
-                qs, ks, c = plan
+        for kb, vb, pieces in call.steps(ring, k, v, n):
+            for qs, ks, c in pieces if failure is None else ():
                 try:
-                    o, lse = attention_forward(backend, q[:, qs], kb[:, ks], vb[:, ks], c, scale)
+                    o, lse = attention_forward(spec.backend, q[:, qs], kb[:, ks], vb[:, ks], c, spec.scale)
                     merge_(acc[:, qs], acc_lse[:, qs], o, lse.transpose(1, 2))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
                     failure = e
+                    break
         if failure is not None:  # the other ranks got every block they wait for; now this one fails
             raise failure
         out = acc.to(q.dtype)
         lse = acc_lse.transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (backend, causal, scale, layout, group, stats, overlap, transport)
+        ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        backend, causal, scale, layout, group, stats, overlap, transport = ctx.cfg
-        ring = _Ring(group, stats)
+        call = ctx.call
+        spec, ring = call.spec, _Ring(call.group, call.stats)
         p, n = ring.size, q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
         pending_d, failure = None, None
-        for kb, vb, plan in _blocks(transport, ring, k, v, n, causal, layout, overlap):
-            g = None
-            if plan is not None and failure is None:
-                qs, ks, c = plan
+        for kb, vb, pieces in call.steps(ring, k, v, n):
+            grads = []  # (kv slice, dk, dv) of this step's calls
+            for qs, ks, c in pieces if failure is None else ():
                 try:
-                    g = attention_backward(backend, dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
-                                           lse[:, :, qs].contiguous(), c, scale)
+                    g = attention_backward(spec.backend, dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
+                                           lse[:, :, qs].contiguous(), c, spec.scale)
                     dq[:, qs] += g[0]
+                    grads.append((ks, g[1], g[2]))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
-                    failure, g = e, None
-            # this block's accumulator from the previous ranks (received while the kernel ran), to
+                    failure, grads = e, []
+                    break
+            # this block's accumulator from the previous ranks (received while the kernels ran), to
             # which this rank's part is added in place: one pass over it per step
             if pending_d is not None:
                 local = ring.wait(pending_d)
             else:
                 local = torch.zeros(k.numel() + v.numel(), device=k.device, dtype=dq.dtype)
-            if g is not None:
+            if grads:
                 dk_l, dv_l = _unpack(local, (k, v))
-                dk_l[:, ks] += g[1]
-                dv_l[:, ks] += g[2]
-                del g
+                for ks, dk_piece, dv_piece in grads:
+                    dk_l[:, ks] += dk_piece
+                    dv_l[:, ks] += dv_piece
+                del grads
             if p > 1:  # pass this block's dK/dV on (after the last step: to its owner)
                 pending_d = ring.start(local, tag=1)
         dkv = ring.wait(pending_d) if p > 1 else local
         if failure is not None:
             raise failure
         dk, dv = _unpack(dkv, (k, v))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 class RingAttention(nn.Module):
@@ -259,7 +318,7 @@ class RingAttention(nn.Module):
             raise ValueError(f"transport='copy_engine' is unavailable here: {why}; use transport='p2p' or 'auto'")
         return "p2p"
 
-    def _validate(self, q, k, v):
+    def _validate(self, q, k, v, cu_seqlens):
         check_qkv(q, k, v)
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
@@ -268,19 +327,24 @@ class RingAttention(nn.Module):
                              "(global N divisible by 2 x world size)")
         scale = default_scale(q.shape[-1], self.scale)
         impl = get_backend(self.backend, q, k, self.causal, v=v)
+        docs = None if cu_seqlens is None else tuple(check_cu_seqlens(cu_seqlens, q.shape[1] * dist.get_world_size(
+            self.group)))
         fields = signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, transport=self.transport,
-                           overlap=self.overlap)
-        return (impl, scale), fields
+                           overlap=self.overlap, documents=docs)
+        return (AttentionSpec(impl, self.causal, scale), docs), fields
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
+        """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
+        ``[0, ..., N]`` in sequence order, the same on every rank); attention stays within each
+        document (one kernel call per document and pair of chunks it meets in a step)."""
         if not dist.is_initialized():
             raise RuntimeError("RingAttention needs torch.distributed initialised (see dilated.init_distributed)")
-        impl, scale = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
-                                            lambda: self._validate(q, k, v))
+        spec, docs = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
+                                           lambda: self._validate(q, k, v, cu_seqlens))
         q, k, v = dense_rows(q), k.contiguous(), v.contiguous()
         self.transport_used = self._resolve_transport(k, v)
-        return _RingFunction.apply(q, k, v, impl, self.causal, scale, self.layout, self.group, self.stats,
-                                   self.overlap, self.transport_used)
+        call = RingCall(spec, self.layout, self.group, self.stats, self.overlap, self.transport_used, docs)
+        return _RingFunction.apply(q, k, v, call)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor, in this module's layout."""
@@ -299,7 +363,8 @@ _MODULES: dict = {}  # (group, settings) -> RingAttention: the agreed input sign
 
 
 def ring_attention(q, k, v, *, causal: bool = False, scale: float | None = None, backend: str = "auto",
-                   layout: str = "contiguous", group=None, transport: str = "auto"):
+                   layout: str = "contiguous", group=None, transport: str = "auto",
+                   cu_seqlens: torch.Tensor | None = None):
     """Functional form of :class:`RingAttention`: exact attention over the global sequence from
     this rank's shards ``[B, N/P, H, D]`` in ``layout`` (see :func:`dilated.shard`); differentiable.
     Calls with the same settings on the same group share one module, so the ranks compare their
@@ -309,4 +374,4 @@ def ring_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     if module is None:
         module = _MODULES[key] = RingAttention(causal=causal, scale=scale, backend=backend, layout=layout,
                                                group=group, transport=transport)
-    return module(q, k, v)
+    return module(q, k, v, cu_seqlens=cu_seqlens)

@@ -30,3 +30,8 @@ def test_every_sequence_parallel_module_shards_and_unshards_in_its_layout():
 
 def test_ulysses_keeps_attention_within_packed_documents():
     mp.spawn(cp_worker.ulysses_documents, args=(2, _port()), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_and_hybrid_keep_attention_within_packed_documents(world):
+    mp.spawn(cp_worker.ring_documents, args=(world, _port()), nprocs=world, join=True)
