@@ -175,9 +175,12 @@ def _all_to_all(x: torch.Tensor, group, stats) -> torch.Tensor:
     """``x`` ``[P, ...]``: block i goes to rank i; returns block j from rank j, ``[P, ...]``."""
     x = x.contiguous()
     out = torch.empty_like(x)  # after contiguous(): empty_like keeps a permuted tensor's strides
-    dist.all_to_all_single(out, x, group=group)
-    if stats is not None:
-        stats.sent(x.numel() * x.element_size() * (x.shape[0] - 1) // x.shape[0], collective=True)
+    if stats is None:
+        dist.all_to_all_single(out, x, group=group)
+        return out
+    with stats.waiting(x.device):  # nothing overlaps it: the whole exchange is exposed
+        dist.all_to_all_single(out, x, group=group)
+    stats.sent(x.numel() * x.element_size() * (x.shape[0] - 1) // x.shape[0], collective=True)
     return out
 
 

@@ -30,8 +30,7 @@ class HybridAttention(nn.Module):
     """Exact dense attention over the global sequence on a ``ring_size x ulysses_size`` grid of
     ranks; ``forward(q, k, v)`` on this rank's part ``[B, N/P, H, D]`` (see :meth:`shard`).
 
-    ``self.stats`` counts the all-to-alls (bytes and collectives) and ``self.ring.stats`` the
-    ring's messages.
+    ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """
 
     def __init__(self, ulysses_size: int, ring_size: int, *, causal=False, scale=None, layout="zigzag", group=None,
@@ -65,7 +64,7 @@ class HybridAttention(nn.Module):
                 self.ring_group = g
         self.ring = RingAttention(causal=causal, scale=scale, backend=backend, layout=layout, group=self.ring_group,
                                   transport=transport, measure_comm=measure_comm)
-        self.stats = CommStats(measure_comm)
+        self.stats = self.ring.stats = CommStats(measure_comm)  # the all-to-alls and the ring's steps together
         self._agreed: set = set()
 
     def _validate(self, q, k, v, cu_seqlens):

@@ -35,3 +35,45 @@ def test_ulysses_keeps_attention_within_packed_documents():
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_and_hybrid_keep_attention_within_packed_documents(world):
     mp.spawn(cp_worker.ring_documents, args=(world, _port()), nprocs=world, join=True)
+
+
+def test_every_strategy_on_one_document_workload_under_torchrun(tmp_path):
+    """The ring script on 4 CPU ranks: ring, zigzag, Ulysses and the hybrid on one packed-document
+    problem with GQA, every row checked against each document alone, with its work imbalance."""
+    from test_distributed import _torchrun
+
+    rows, stdout = _torchrun("benchmarks/specialized/benchmark_ring_attention.py", 4, tmp_path, "--seq-lengths",
+                             "256", "--causal", "--doc-lengths", "lognormal:32,1.0", "--num-heads", "8",
+                             "--num-kv-heads", "2", "--implementations", "ring,ring_zigzag,ulysses,hybrid,torch_cp")
+    by = {r["implementation"]: r for r in rows if r.get("role") != "baseline"}
+    for name in ("ring", "ring_zigzag", "ulysses", "hybrid"):
+        assert by[name]["status"] == "ok" and by[name]["check"]["passed"], by[name]
+        assert by[name]["config"]["documents"] == "lognormal:32,1.0"
+    assert by["ulysses"]["work_imbalance"] == 1.0 and by["ring"]["work_imbalance"] > 1.0
+    assert by["torch_cp"]["status"] == "unsupported" and "documents" in by["torch_cp"]["reason"]
+    base = next(r for r in rows if r.get("role") == "baseline")
+    assert base["config"]["documents"] == "lognormal:32,1.0" and base["check"]["passed"]
+    assert "imbalance" in stdout
+
+
+def test_document_workloads_by_hand():
+    from dilated.bench.distributed import _work_per_rank, imbalance
+    from dilated.bench.documents import attended_pairs, cu_seqlens_of, parse_spec
+    from dilated.bench.problems import DenseAttention
+    from dilated.bench.registry import Case
+
+    assert cu_seqlens_of("fixed:3", 8) == (0, 3, 6, 8)  # the last document cut at N
+    cu = cu_seqlens_of("lognormal:100,1.5", 4096)
+    assert cu == cu_seqlens_of("lognormal:100,1.5", 4096) and cu[-1] == 4096 and len(cu) > 10  # seeded
+    assert cu_seqlens_of("uniform:10-20", 1000)[1] in range(10, 21)
+    assert attended_pairs((0, 3, 8), causal=True) == 6 + 15 and attended_pairs((0, 3, 8), causal=False) == 9 + 25
+    case = Case(batch=2, seq_len=8, num_heads=4, head_dim=16, causal=True, documents="fixed:4")
+    assert DenseAttention().flops(case, "fwd") == 2 * 2 * 4 * (10 + 10) * 32
+    # causal, one document: contiguous shards of 4 queries see 1..4 / 5..8 keys; zigzag balances
+    one = Case(batch=1, seq_len=8, num_heads=1, head_dim=8, causal=True)
+    assert _work_per_rank(one, 2, "contiguous") == [10.0, 26.0]
+    assert _work_per_rank(one, 2, "zigzag") == [1 + 2 + 7 + 8, 3 + 4 + 5 + 6]
+    assert imbalance([10.0, 26.0]) == 26 / 18
+    for bad in ("fixed", "uniform:9-3", "lognormal:100", "lognormal:100,-1", "zipf:3"):
+        with pytest.raises(ValueError, match="fixed:LEN, uniform:MIN-MAX or lognormal:MEAN,SIGMA"):
+            parse_spec(bad)

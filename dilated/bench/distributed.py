@@ -161,10 +161,22 @@ class DistributedImplementation(Implementation):
     layout: str = "contiguous"
     group: object = None
     factory: object = None  # factory(case, backend, group) -> module
+    takes_documents: bool = False  # forward(q, k, v, cu_seqlens=...)
+    splits_heads: bool = False  # each rank computes every query for a share of the heads (Ulysses)
 
     def __post_init__(self):
         super().__post_init__()
-        self.build = lambda case, backend: self.factory(case, backend, self.group)
+        self.build = self._build
+        self._model = None
+
+    def _build(self, case, backend):
+        if case.documents and not self.takes_documents:
+            raise NotImplementedError(f"{self.name} does not take packed documents (cu_seqlens)")
+        model = self.factory(case, backend, self.group)
+        if case.documents:
+            model = WithDocuments(model, case.documents, case.seq_len)
+        self._model = model  # gathers results through its own unshard (its layout)
+        return model
 
     def on(self, group) -> "DistributedImplementation":
         """This implementation on ``group`` (None: the default group)."""
@@ -176,7 +188,7 @@ class DistributedImplementation(Implementation):
         if not dist.is_initialized():
             raise NotImplementedError(f"{self.name} needs torch.distributed: launch with torchrun")
         rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
-        parts = 2 * p if self.layout == "zigzag" else p
+        parts = 2 * p if self.layout in ("zigzag", "hybrid") else p
         if case.seq_len % parts:
             raise ValueError(f"--seq-lengths: N={case.seq_len} must be divisible by {parts} for {self.name} on "
                              f"{p} ranks")
@@ -194,7 +206,22 @@ class DistributedImplementation(Implementation):
         full_bytes = t.numel() * t.element_size() * dist.get_world_size(self.group)
         if self.layout == "contiguous" and full_bytes > GATHER_LIMIT_BYTES:
             return ShardedSequence(t, self.group)
+        if hasattr(self._model, "unshard"):  # the module knows its layout (a hybrid grid, say)
+            return self._model.unshard(t.contiguous())
         return dilated.unshard(t.contiguous(), group=self.group, layout=self.layout)
+
+    def work_per_rank(self, case, p: int) -> list[float] | None:
+        """Attended (query, key) pairs each rank computes (its queries, or its heads of every
+        query), or None where not known."""
+        if self.problem.name != "dense":
+            return None
+        if self.splits_heads:  # every rank: all queries, H/P heads
+            return [_work_per_rank(case, 1, "contiguous")[0] / p] * p
+        if self.layout == "hybrid":  # a zigzag ring over the rows, heads split within a row
+            ulysses = ulysses_size_for(p, case.num_heads) or 1
+            ring = _work_per_rank(case, p // ulysses, "zigzag")
+            return [ring[r // ulysses] / ulysses for r in range(p)]
+        return _work_per_rank(case, p, self.layout)
 
     def reduce_max(self, values):
         return _max_over_ranks(values, self.group)
@@ -227,6 +254,49 @@ class DistributedImplementation(Implementation):
         return mine
 
 
+class WithDocuments(torch.nn.Module):
+    """A sequence-parallel module called with the case's packed documents (``cu_seqlens``)."""
+
+    def __init__(self, module, spec: str, n: int):
+        super().__init__()
+        self.module, self.spec, self.n = module, spec, n
+
+    def forward(self, q, k, v):
+        from .documents import cu_tensor
+
+        return self.module(q, k, v, cu_seqlens=cu_tensor(self.spec, self.n, q.device))
+
+    def __getattr__(self, name):  # stats, transport_used, shard/unshard: the module's
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def _work_per_rank(case, p: int, layout: str) -> list[float]:
+    """Attended pairs of each rank's query positions (contiguous or zigzag shards), within documents."""
+    from .documents import cu_seqlens_of
+
+    n = case.seq_len
+    cu = cu_seqlens_of(case.documents, n) if case.documents else (0, n)
+    pos = torch.arange(n, dtype=torch.float64)
+    doc = torch.bucketize(pos, torch.tensor(cu[1:], dtype=torch.float64), right=True)
+    start = torch.tensor(cu, dtype=torch.float64)[doc]
+    length = torch.tensor(cu, dtype=torch.float64)[doc + 1] - start
+    keys = pos - start + 1 if case.causal else length  # keys each query attends
+    chunks = keys.chunk(2 * p if layout == "zigzag" else p)
+    if layout == "zigzag":
+        return [float(chunks[r].sum() + chunks[2 * p - 1 - r].sum()) for r in range(p)]
+    return [float(c.sum()) for c in chunks]
+
+
+def imbalance(work: list[float] | None) -> float | None:
+    """Slowest rank's work over the mean (1.0: balanced)."""
+    if not work or sum(work) == 0:
+        return None
+    return max(work) / (sum(work) / len(work))
+
+
 def _ring(case, backend, layout, overlap, group, transport="auto"):
     return dilated.RingAttention(causal=case.causal, backend=backend, layout=layout, group=group, overlap=overlap,
                                  transport=transport)
@@ -237,8 +307,30 @@ def _distributed_dilated(case, backend, group):
                                                backend=backend, group=group)
 
 
-def _make(name, problem, layout, factory, description):
-    return DistributedImplementation(name, problem, None, description, layout=layout, factory=factory)
+def _make(name, problem, layout, factory, description, documents=True, splits_heads=False):
+    return DistributedImplementation(name, problem, None, description, layout=layout, factory=factory,
+                                     takes_documents=documents, splits_heads=splits_heads)
+
+
+def _ulysses(case, backend, group):
+    return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group)
+
+
+def _hybrid(case, backend, group):
+    p = dist.get_world_size(group)
+    ulysses = ulysses_size_for(p, case.num_heads)
+    if ulysses is None:
+        raise NotImplementedError(f"a Ulysses x ring grid needs 2 or more ranks in both directions: {p} ranks with "
+                                  f"{case.num_heads} heads have none (launch 4 or more ranks)")
+    return dilated.HybridAttention(ulysses, p // ulysses, causal=case.causal, layout="zigzag", backend=backend,
+                                   group=group)
+
+
+def ulysses_size_for(p: int, heads: int) -> int | None:
+    """The hybrid's Ulysses size on ``p`` ranks: the largest divisor of ``p`` below ``p`` that
+    divides ``heads`` (Ulysses inside, a ring of at least 2 across), or None."""
+    sizes = [u for u in range(2, p) if p % u == 0 and heads % u == 0]
+    return max(sizes) if sizes else None
 
 
 RING_IMPLEMENTATIONS = {
@@ -256,7 +348,11 @@ RING_IMPLEMENTATIONS = {
                                     lambda c, b, g: _ring(c, b, "zigzag", False, g),
                                     "RingAttention, zigzag, no overlap"),
     "distributed_dilated": _make("distributed_dilated", "dilated", "contiguous", _distributed_dilated,
-                                 "DistributedDilatedAttention (LongNet sequence parallel)"),
+                                 "DistributedDilatedAttention (LongNet sequence parallel)", documents=False),
+    "ulysses": _make("ulysses", "dense", "contiguous", _ulysses,
+                     "UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank)", splits_heads=True),
+    "hybrid": _make("hybrid", "dense", "hybrid", _hybrid,
+                    "HybridAttention: Ulysses inside a row, zigzag ring across rows of the rank grid"),
 }
 for _impl in RING_IMPLEMENTATIONS.values():
     register_implementation(_impl)
@@ -300,7 +396,8 @@ def run_scaling_sweep(impls, baseline_impls, cases_for, baseline_case, world_siz
             dist.barrier()
             if rank != 0:
                 continue
-            _add_scaling(row, role, bkey, backend, baseline_ms, p, scaling)
+            work = impl.work_per_rank(case, p) if role != "baseline" else None
+            _add_scaling(row, role, bkey, backend, baseline_ms, p, scaling, imbalance(work))
             rows.append(row)
             if writer is not None:
                 writer.append(row)
@@ -314,13 +411,14 @@ def run_scaling_sweep(impls, baseline_impls, cases_for, baseline_case, world_siz
     return rows
 
 
-def _add_scaling(row, role, bkey, backend, baseline_ms, p, scaling):
+def _add_scaling(row, role, bkey, backend, baseline_ms, p, scaling, work_imbalance=None):
     t = (row.get("time_ms") or {}).get("median") if row["status"] == "ok" else None
     if role == "baseline":
         if t is not None:
             baseline_ms[bkey][backend] = (t, row.get("tflops"))
         return
     row["per_rank_tflops"] = row["tflops"] / p if t is not None else None
+    row["work_imbalance"] = work_imbalance
     base = baseline_ms.get(bkey, {}).get(backend)
     if t is None or base is None:
         row["efficiency"] = None

@@ -19,6 +19,13 @@ import torch
 from dilated.reference import dense_reference, dilated_bias, sampled_reference
 
 from . import flops as F
+from .documents import attended_pairs, cu_seqlens_of
+
+
+def _documents(case) -> list[tuple[int, int]]:
+    """The ``(start, end)`` of each packed document of ``case`` (one, the whole sequence, without)."""
+    cu = cu_seqlens_of(case.documents, case.seq_len) if case.documents else (0, case.seq_len)
+    return list(zip(cu, cu[1:]))
 
 
 def device_generator(gen: torch.Generator, device) -> torch.Generator:
@@ -58,6 +65,9 @@ class DenseAttention:
         return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
     def flops(self, case, mode: str) -> float:
+        if case.documents:  # the attended area only: within documents
+            pairs = attended_pairs(cu_seqlens_of(case.documents, case.seq_len), case.causal)
+            return 2.0 * case.batch * case.num_heads * pairs * (case.head_dim + case.dv) * F.MODE_FACTOR[mode]
         return F.dense_flops(case.batch, case.num_heads, case.nq, case.seq_len, case.head_dim, case.causal, mode,
                              case.dv)
 
@@ -81,15 +91,27 @@ class DenseAttention:
         return inputs
 
     def reference(self, case, inputs, model, dtype=torch.float64):
-        """Full reference output (differentiable in ``inputs`` when they require grad)."""
+        """Full reference output (differentiable in ``inputs`` when they require grad); with
+        documents, each document alone."""
         q, k, v = (t.to(dtype) for t in self.qkv(case, inputs, model))
-        return dense_reference(q, k, v, causal=case.causal, dtype=dtype)[0]
+        return torch.cat([dense_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal=case.causal, dtype=dtype)[0]
+                          for a, b in _documents(case)], 1)
 
     def sampled_reference(self, case, inputs, model, rows):
         """Reference output at query ``rows`` only, streaming over keys (for long sequences)."""
         with torch.no_grad():
             q, k, v = self.qkv(case, inputs, model)
-            return sampled_reference(q, k, v, rows, causal=case.causal)
+            if not case.documents:
+                return sampled_reference(q, k, v, rows, causal=case.causal)
+            rows = torch.as_tensor(rows)
+            out = None
+            for a, b in _documents(case):  # each row against its own document's keys
+                mine = (rows >= a) & (rows < b)
+                if mine.any():
+                    part = sampled_reference(q[:, a:b], k[:, a:b], v[:, a:b], rows[mine] - a, causal=case.causal)
+                    out = part.new_zeros(part.shape[0], len(rows), *part.shape[2:]) if out is None else out
+                    out[:, mine.to(out.device)] = part
+            return out
 
 
 class DilatedAttention(DenseAttention):

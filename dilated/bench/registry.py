@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 import dilated
+from .documents import cu_tensor
 from .problems import problem_named
 
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -32,6 +33,7 @@ class Case:
     dilation_rates: tuple | None = None
     input_scale: float = 1.0  # q and k (a module's x) multiplied by it: logits scale by its square
     head_dim_v: int | None = None  # v's head_dim where it differs from q's and k's
+    documents: str | None = None  # packed documents (a --doc-lengths spec, dilated.bench.documents)
 
     @property
     def kv_heads(self) -> int:
@@ -55,8 +57,9 @@ class Case:
             d[k] = list(d[k]) if d[k] is not None else None
         if d["input_scale"] == 1.0:  # the usual inputs: rows keep the keys they always had
             del d["input_scale"]
-        if d["head_dim_v"] is None:
-            del d["head_dim_v"]
+        for key in ("head_dim_v", "documents"):  # set only where used: rows keep the keys they always had
+            if d[key] is None:
+                del d[key]
         return d
 
 
@@ -141,7 +144,8 @@ def get_implementation(name: str) -> Implementation:
 
 def _dense(case, backend, compile=False):
     def fn(q, k, v):
-        return dilated.attention(q, k, v, causal=case.causal, backend=backend)
+        return dilated.attention(q, k, v, causal=case.causal, backend=backend,
+                                 cu_seqlens=cu_tensor(case.documents, case.seq_len, q.device))
 
     if compile:
         return torch.compile(fn)

@@ -8,12 +8,24 @@ import torch
 
 from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, int_list, parse_with_config, run_options,
                    str_list, usage_error)
+from ..documents import parse_spec
 from ..output import finish, open_writer, script_main
 from ..registry import Case, get_implementation, implementation_names
 from ..runner import run_sweep
 from .common import init_for_benchmark, launched_world, schedule_of, add_timeout_arg
 
 DISTRIBUTED_SET = ["ring", "ring_zigzag", "distributed_dilated"]
+
+
+def doc_spec(text: str) -> str:
+    """A ``--doc-lengths`` spec, checked (a usage error names the forms)."""
+    import argparse
+
+    try:
+        parse_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def distributed_args(description: str, default_impls: list[str]):
@@ -26,6 +38,9 @@ def distributed_args(description: str, default_impls: list[str]):
                    help="strong: --seq-lengths are global N; weak: --seq-lengths are tokens per rank")
     p.add_argument("--world-sizes", type=int_list, default=None,
                    help="run on ranks 0..P-1 for each P (default: the whole launched world)")
+    p.add_argument("--doc-lengths", type=doc_spec, default=None, metavar="SPEC",
+                   help="packed documents (dense attention): fixed:8k, uniform:1k-64k or lognormal:MEAN,SIGMA, drawn "
+                        "with a fixed seed and packed up to N; attention and FLOPs stay within documents")
     add_timeout_arg(p)
     return p
 
@@ -72,16 +87,17 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
         for n in args.seq_lengths:
             big_n = n * p_ if args.scaling == "weak" else n
             segs, dils = schedule(big_n) if impl.problem.needs_schedule else (None, None)
+            docs = None if impl.problem.needs_schedule else args.doc_lengths  # documents: dense attention's
             out += [Case(batch=args.batch_size, seq_len=big_n, num_heads=args.num_heads, head_dim=args.head_dim,
                          num_kv_heads=args.num_kv_heads, dtype=dtype, causal=args.causal, mode=m,
-                         segment_lengths=segs, dilation_rates=dils, input_scale=s)
+                         segment_lengths=segs, dilation_rates=dils, input_scale=s, documents=docs)
                     for m in args.mode for s in args.input_scales]
         return out
 
     def baseline_case(case, p_):
         n = case.seq_len if args.scaling == "strong" else case.seq_len // p_
         segs, dils = schedule(n) if case.segment_lengths else (None, None)
-        return dataclasses.replace(case, seq_len=n, segment_lengths=segs, dilation_rates=dils)
+        return dataclasses.replace(case, seq_len=n, segment_lengths=segs, dilation_rates=dils)  # documents kept
 
     baselines = {problem: get_implementation(name) for problem, name in BASELINE_OF.items()}
     writer = open_writer(script, args) if rank == 0 else None
@@ -106,13 +122,14 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
 
 
 # -- benchmark_ring_attention -------------------------------------------------------------
-RING_SET = ["ring", "ring_zigzag", "ring_zigzag_p2p", "ring_no_overlap", "ring_zigzag_no_overlap", "torch_cp", "ring_flash_attn",
-            "ring_flash_attn_zigzag"]
+RING_SET = ["ring", "ring_zigzag", "ring_zigzag_p2p", "ring_no_overlap", "ring_zigzag_no_overlap", "ulysses", "hybrid",
+            "torch_cp", "ring_flash_attn", "ring_flash_attn_zigzag"]
 
 
 @script_main
 def ring_main(argv=None) -> int:
     return distributed_main(argv, "benchmark_ring_attention", RING_SET,
-                            "Ring attention variants (layout, transport, overlap on/off) against PyTorch's context parallel "
-                            "attention and ring-flash-attn where installed, with the single-device run as baseline.",
+                            "Every context-parallel strategy on one problem: ring attention variants (layout, transport, "
+                            "overlap on/off), Ulysses, the Ulysses x ring hybrid, PyTorch's context parallel attention "
+                            "and ring-flash-attn where installed, with the single-device run as baseline.",
                             one_process_baseline_only=True)

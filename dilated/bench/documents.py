@@ -1,0 +1,78 @@
+"""Document workloads: lengths drawn from a distribution and packed, in order, into a sequence of N
+positions (the last document cut at N), as training on packed corpora does.
+
+``--doc-lengths`` specs:
+
+* ``fixed:8k``: every document 8192 long;
+* ``uniform:1k-64k``: lengths uniform in [1024, 65536];
+* ``lognormal:MEAN,SIGMA``: lengths ``round(exp(normal(log(MEAN) - SIGMA^2/2, SIGMA)))`` (mean MEAN),
+  at least 1.
+
+The draw is seeded by the spec and N alone, so every rank, every implementation and the reference
+see the same documents.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import zlib
+
+import torch
+
+
+
+def parse_spec(spec: str) -> tuple:
+    """``(kind, parameters)``; ValueError naming the form on a bad spec."""
+    from .cli import parse_size as size  # (cli imports the runner, which imports this module's users)
+
+    kind, _, rest = spec.partition(":")
+    try:
+        if kind == "fixed":
+            return kind, (size(rest),)
+        if kind == "uniform":
+            lo, hi = (size(x) for x in rest.split("-"))
+            if lo > hi:
+                raise ValueError
+            return kind, (lo, hi)
+        if kind == "lognormal":
+            mean, sigma = rest.split(",")
+            mean, sigma = size(mean), float(sigma)
+            if not (sigma >= 0 and math.isfinite(sigma)):
+                raise ValueError
+            return kind, (mean, sigma)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        pass
+    raise ValueError(f"--doc-lengths {spec!r}: use fixed:LEN, uniform:MIN-MAX or lognormal:MEAN,SIGMA "
+                     "(lengths such as 8k; SIGMA a non-negative number)")
+
+
+@functools.lru_cache(maxsize=64)
+def cu_seqlens_of(spec: str, n: int) -> tuple[int, ...]:
+    """The cumulative document lengths ``(0, ..., n)`` of ``spec`` packed into ``n`` positions."""
+    kind, params = parse_spec(spec)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{spec}/{n}".encode()))
+    cu, total = [0], 0
+    while total < n:
+        if kind == "fixed":
+            length = params[0]
+        elif kind == "uniform":
+            length = int(torch.randint(params[0], params[1] + 1, (1,), generator=gen))
+        else:
+            mean, sigma = params
+            z = float(torch.randn(1, generator=gen))
+            length = max(1, round(math.exp(math.log(mean) - sigma * sigma / 2 + sigma * z)))
+        total = min(n, total + length)
+        cu.append(total)
+    return tuple(cu)
+
+
+def cu_tensor(spec: str | None, n: int, device) -> torch.Tensor | None:
+    """:func:`cu_seqlens_of` as the int32 tensor the library takes (None without documents)."""
+    return None if spec is None else torch.tensor(cu_seqlens_of(spec, n), dtype=torch.int32, device=device)
+
+
+def attended_pairs(cu, causal: bool) -> float:
+    """(query, key) pairs attention computes within the documents (causal: the diagonal included)."""
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    return float(sum(length * (length + 1) / 2 if causal else length * length for length in lengths))
