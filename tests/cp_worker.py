@@ -1,11 +1,24 @@
 """Workers for tests/test_context_parallel.py: Ulysses and the Ulysses x ring hybrid on real gloo
 process groups, against a float64 dense reference of the whole sequence."""
 import torch
+import torch.distributed as dist
 
 import dilated
 from dilated.reference import dense_reference
 
 from dist_worker import init
+
+
+def worker(fn):
+    """A test body run on every rank of a fresh gloo group; ranks leave together (barrier,
+    destroy), so none exits while a peer still talks to it."""
+    def run(rank, world, port, *args):
+        init(rank, world, port)
+        fn(rank, world, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+    run.__name__, run.__qualname__ = fn.__name__, fn.__qualname__  # picklable by name for mp.spawn
+    return run
 
 
 def _full(seed, n, h, hkv, d=8, b=2):
@@ -34,8 +47,8 @@ def check_module(module, q, k, v, causal, name, tol=1e-9):
     assert not bad, f"{name}: {bad}"
 
 
-def ulysses(rank, world, port):
-    init(rank, world, port)
+@worker
+def ulysses(rank, world):
     h = 12  # divisible by 2, 3 and 4
     for causal in (False, True):
         for hkv in (12, 4, 2, 1):  # split (12, 4 on 2 and 4), replicated (4 on 3; 2 and 1 mostly)
@@ -56,8 +69,8 @@ def ulysses(rank, world, port):
         raise AssertionError("heads not divisible by the world size ran")
 
 
-def hybrid(rank, world, port, grids):
-    init(rank, world, port)
+@worker
+def hybrid(rank, world, grids):
     h = 12  # divisible by every ulysses_size below
     for ulysses_size, ring_size in grids:
         for layout in ("zigzag", "contiguous"):
@@ -76,11 +89,11 @@ def hybrid(rank, world, port, grids):
         raise AssertionError("a grid larger than the world was accepted")
 
 
-def shard_methods(rank, world, port):
+@worker
+def shard_methods(rank, world):
     """Every sequence-parallel module maps a global tensor to this rank's part in its own layout and
     back; the ring's part is the free function's for its layout; a wrong part is caught by an exact
     forward (ring zigzag causal, distributed dilated)."""
-    init(rank, world, port)
     x = torch.randn(2, 8 * world, 4, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     modules = [dilated.RingAttention(layout="zigzag", backend="manual"), dilated.RingAttention(backend="manual"),
                dilated.UlyssesAttention(backend="manual"),
@@ -93,8 +106,8 @@ def shard_methods(rank, world, port):
     check_module(dilated.RingAttention(layout="zigzag", causal=True, backend="manual"), q, k, v, True, "ring zigzag")
 
 
-def ulysses_documents(rank, world, port):
-    init(rank, world, port)
+@worker
+def ulysses_documents(rank, world):
     n = 12 * world
     cu = [0, 5, 6, 17, n - 3, n]
     cu_t = torch.tensor(cu, dtype=torch.int32)
@@ -127,10 +140,10 @@ def _per_document(q, k, v, cu, causal):
                       for a, b in zip(cu, cu[1:])], 1)
 
 
-def ring_documents(rank, world, port):
+@worker
+def ring_documents(rank, world):
     """Ring (contiguous and zigzag) and the hybrid with packed documents that cross shard and
     chunk boundaries, forward and gradients, against each document run alone."""
-    init(rank, world, port)
     n = 8 * world
     # documents inside a chunk, and across chunk and shard boundaries with several positions on each side
     cu = sorted({0, 1, 3, n // 2 - 3, n // 2 + 3, n - 2, n})
@@ -153,3 +166,32 @@ def ring_documents(rank, world, port):
             assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9, name
             for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
                 assert _rel(module.unshard(local.grad), full.grad) < 1e-9, f"{name} d{t}"
+
+
+@worker
+def dilated_any_schedule(rank, world):
+    """DistributedDilatedAttention on schedules whose segments do not line up with the shards
+    (neither divides the other, a clipped last segment across shards) and on a world of 3,
+    against the single-process dilated reference, forward and gradients."""
+    from dilated.reference import dilated_reference
+
+    n_local = 24
+    n = n_local * world
+    # (shards start mid-segment at positions that are not multiples of r: w=14, r=4)
+    schedules = [([16, 48], [1, 2]), ([10, 14, 36, n], [1, 4, 3, 4]), ([2 * n_local, n], [2, 4]), ([7], [1])]
+    for segs, dils in schedules:
+        for causal in (False, True):
+            for h, hkv in ((4, 4), (4, 2)):
+                q, k, v = _full(13, n, h, hkv)
+                module = dilated.DistributedDilatedAttention(segs, dils, causal=causal, backend="manual")
+                dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=q.dtype)
+                ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
+                out = module(ql, kl, vl)
+                out.backward(module.shard(dout))
+                qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+                ref = dilated_reference(qf, kf, vf, segs, dils, causal)
+                ref.backward(dout)
+                name = f"P={world} w={segs} r={dils} causal={causal} H={h}/{hkv}"
+                assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9, name
+                for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
+                    assert _rel(module.unshard(local.grad), full.grad) < 1e-9, f"{name} d{t}"

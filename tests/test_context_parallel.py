@@ -77,3 +77,8 @@ def test_document_workloads_by_hand():
     for bad in ("fixed", "uniform:9-3", "lognormal:100", "lognormal:100,-1", "zipf:3"):
         with pytest.raises(ValueError, match="fixed:LEN, uniform:MIN-MAX or lognormal:MEAN,SIGMA"):
             parse_spec(bad)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_dilated_takes_any_schedule_and_world_size(world):
+    mp.spawn(cp_worker.dilated_any_schedule, args=(world, _port()), nprocs=world, join=True)
