@@ -9,8 +9,13 @@
   both rings run the same kernel. CUDA only: its ring dispatches the CUDA SDPA kernels.
 * ``ring_flash_attn`` / ``ring_flash_attn_zigzag``: zhuzilin's ring-flash-attention
   (``ring_flash_attn_func`` / ``zigzag_ring_flash_attn_func`` on ``[B, N/P, H, D]`` shards),
-  when installed. It needs flash-attn, which our GPU machines lack, so this adapter is written
-  against its published signature and not exercised there.
+  when installed. It needs flash-attn; written against its published signature.
+* ``yunchang_usp``: yunchang's ``LongContextAttention`` (USP: Ulysses inside groups of consecutive
+  ranks, a ring across them; ``pip install yunchang``, 0.6.x), its ``basic`` ring (contiguous
+  shards, our ``contiguous``), on flash-attn where it is installed and on its torch attention
+  otherwise. yunchang keeps its process groups in a process-wide singleton set by
+  ``set_seq_parallel_pg`` for the whole launched world, so its rows run at the launched world
+  size only (smaller ``--world-sizes`` say so). Written against its published API.
 """
 from __future__ import annotations
 
@@ -112,6 +117,32 @@ class _CausalLayout(DistributedImplementation):
         return super().inputs(case, device, gen, requires_grad, captured)
 
 
+def _yunchang_usp(case, backend, group):
+    if importlib.util.find_spec("yunchang") is None:
+        raise NotImplementedError("yunchang is not installed (pip install yunchang)")
+    if group is not None:
+        raise NotImplementedError("yunchang sets its process groups for the whole launched world: it runs at the "
+                                  "launched world size only")
+    try:
+        from yunchang import LongContextAttention, set_seq_parallel_pg
+        from yunchang.kernels import AttnType
+    except Exception as e:  # noqa: BLE001 - an install that does not import is a row's reason
+        raise NotImplementedError(f"yunchang does not import here: {type(e).__name__}: {e}") from None
+    from .distributed import ulysses_size_for
+
+    p = dist.get_world_size()
+    ulysses = ulysses_size_for(p, case.num_heads) or 1
+    set_seq_parallel_pg(ulysses, p // ulysses, dist.get_rank(), p)
+    attn_type = AttnType.FA if importlib.util.find_spec("flash_attn") is not None else AttnType.TORCH
+    layer = LongContextAttention(ring_impl_type="basic", attn_type=attn_type)
+
+    class YunchangUSP(nn.Module):
+        def forward(self, q, k, v):
+            return layer(q, k, v, causal=case.causal)
+
+    return YunchangUSP()
+
+
 EXTERNAL_RINGS = {
     "torch_cp": _CausalLayout("torch_cp", "dense", None, "PyTorch context_parallel (ring over SDPA)",
                               factory=_torch_cp),
@@ -120,6 +151,9 @@ EXTERNAL_RINGS = {
     "ring_flash_attn_zigzag": DistributedImplementation("ring_flash_attn_zigzag", "dense", None,
                                                         "ring-flash-attn zigzag_ring_flash_attn_func",
                                                         layout="zigzag", factory=_ring_flash_attn(True)),
+    "yunchang_usp": DistributedImplementation("yunchang_usp", "dense", None,
+                                              "yunchang LongContextAttention (USP: Ulysses x basic ring)",
+                                              factory=_yunchang_usp),
 }
 for _impl in EXTERNAL_RINGS.values():
     register_implementation(_impl)
