@@ -27,8 +27,6 @@ remaining collectives before it raises, so the other ranks finish the call inste
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,6 +38,7 @@ from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .improved_dilated_attention import backward_calls, forward_calls
 from .plan import AttentionSpec, KernelCall, plan_for
+from .crossing_segments import CrossingSegments, Saved as _Saved, crossing_backward, crossing_forward
 
 
 def _selected(start_t: int, n: int, r: int, off: int) -> slice:
@@ -140,15 +139,6 @@ def _gather_span(sp: _Span, k, v, stats):
     return [tuple(torch.cat(per[t][j], 1).unsqueeze(1) for t in range(2)) for (j,) in sp.groups]
 
 
-class _Saved(NamedTuple):
-    """What the backward of a call reads: its query rows, merged output and lse, incoming gradient."""
-
-    q: torch.Tensor
-    out: torch.Tensor
-    lse_rows: torch.Tensor
-    dout: torch.Tensor
-
-
 def _span_forward(sp: _Span, q, kv, spec: AttentionSpec):
     """The span's kernel calls: ``(calls, outputs, lses)``, one per offset with rows here (views of
     the outputs of its group's call)."""
@@ -186,95 +176,11 @@ def _span_backward(sp: _Span, spec: AttentionSpec, saved: _Saved, kv, dq):
     return dks, dvs
 
 
-class _Irregular:
-    """A branch whose segments do not line up with the shards (neither length divides the other,
-    or the last segment is clipped across shards). Every rank sends its dilated K/V rows of the
-    branch (per head offset) to every other in one all-gather over the whole group, then computes
-    its queries of each segment it touches against that segment's gathered rows; backward returns
-    the K/V gradients to their owners by one reduce-scatter. Per rank that moves ``N/r`` rows per
-    offset and branch (the aligned cases move only a segment's worth)."""
-
-    def __init__(self, w, r, rank, n, p, h, groups, group, device):
-        self.r, self.w, self.span, self.me, self.group = r, w, p, rank, group
-        big_n, lo = n * p, rank * n
-        pos = torch.arange(big_n)
-        self.offsets, self.pieces = [], []  # pieces: (offset index, local q rows, first gathered key, last)
-        for off in range(min(r, h)):
-            selected = (pos % w) % r == off
-            rows = selected[lo:lo + n].nonzero().squeeze(1).to(device)
-            sizes = selected.view(p, n).sum(1).tolist()
-            self.offsets.append((off, rows, sizes, torch.arange(off, h, r, device=device) // groups))
-            before = torch.cat([torch.zeros(1, dtype=torch.long), selected.long().cumsum(0)])  # selected < x
-            for a in range(lo // w * w, min(lo + n, big_n), w):  # the segments touching this shard
-                e = min(a + w, big_n)
-                q0, q1 = max(a, lo), min(e, lo + n)
-                first = (off - (q0 - a)) % r  # the first selected row of the segment at or after q0
-                if q0 + first < q1:
-                    self.pieces.append((len(self.offsets) - 1, slice(q0 - lo + first, q1 - lo, r),
-                                        int(before[a]), int(before[e]), int(before[q1])))
-        here = [j for j, (_, _, sizes, _) in enumerate(self.offsets) if sizes[self.me]]
-        self.batched, self.groups = False, [[j] for j in here]
-
-    def member_len(self, m, d, b=1):
-        return sum(2 * sizes[m] * len(kvidx) * d for _, _, sizes, kvidx in self.offsets) * b
-
-    def keys(self, piece, causal: bool) -> slice:
-        """The gathered rows (of its offset) a piece's queries see: the segment's, causal up to them."""
-        _, _, k0, k_end, k_upto = piece
-        return slice(k0, k_upto if causal else k_end)
-
-
-def _irregular_kv(sp: _Irregular, kv):
-    """The gathered ``(K, V)`` per offset index, ``[B, rows, h', D]``."""
-    by_offset = {}
-    for (j,), (ks, vs) in zip(sp.groups, kv):
-        by_offset[j] = (ks[:, 0], vs[:, 0])
-    return by_offset
-
-
-def _irregular_forward(sp: _Irregular, q, kv, spec: AttentionSpec):
-    b = q.shape[0]
-    kv = _irregular_kv(sp, kv)
-    calls, outs, lses = [], [], []
-    for piece in sp.pieces:
-        j, rows = piece[0], piece[1]
-        off = sp.offsets[j][0]
-        ks, vs = kv[j]
-        keys = sp.keys(piece, spec.causal)
-        o, lse = attention_forward(spec.backend, q[:, rows, off::sp.r], ks[:, keys], vs[:, keys], spec.causal,
-                                   spec.scale)
-        calls.append(KernelCall(rows.start, 1, rows.stop - rows.start, sp.r, "offset", off, row_offset=0))
-        outs.append(o)
-        lses.append(lse)
-    return calls, outs, lses
-
-
-def _irregular_backward(sp: _Irregular, spec: AttentionSpec, saved: _Saved, kv, dq):
-    q, out, lse_rows, dout = saved
-    b, d = q.shape[0], q.shape[3]
-    kv = _irregular_kv(sp, kv)
-    dks = [q.new_zeros(b, sum(sizes), len(kvidx), d, dtype=dq.dtype) for _, _, sizes, kvidx in sp.offsets]
-    dvs = [torch.zeros_like(x) for x in dks]
-    for piece in sp.pieces:
-        j, rows = piece[0], piece[1]
-        off = sp.offsets[j][0]
-        ks, vs = kv[j]
-        keys = sp.keys(piece, spec.causal)
-        sel = (slice(None), rows, slice(off, None, sp.r))
-        lse = lse_rows[sel].transpose(1, 2).contiguous()
-        g = attention_backward(spec.backend, dout[sel], q[sel], ks[:, keys], vs[:, keys], out[sel], lse, spec.causal,
-                               spec.scale)
-        dq[sel] += g[0]
-        dks[j][:, keys] += g[1]
-        dvs[j][:, keys] += g[2]
-    return dks, dvs
-
-
 def _span_parts(sp: _Span, spec: AttentionSpec, saved: _Saved, kv, dq):
     """The span's dK/dV, one flat ``[B, L_m]`` part per member in the layout it sent (K rows of
     every offset, then V rows); adds the span's dq into ``dq``."""
     b = saved.q.shape[0]
-    dks, dvs = (_span_backward if isinstance(sp, _Span) else _irregular_backward)(sp, spec, saved, kv, dq)
+    dks, dvs = (_span_backward if isinstance(sp, _Span) else crossing_backward)(sp, spec, saved, kv, dq)
     to_member = [[] for _ in range(sp.span)]
     for grads in (dks, dvs):
         for (_, _, sizes, _), g in zip(sp.offsets, grads):
@@ -295,7 +201,7 @@ class _DistributedDilatedFunction(torch.autograd.Function):
             gathered.append(kv)
             if failure is None:
                 try:
-                    c, o, lse = (_span_forward if isinstance(sp, _Span) else _irregular_forward)(sp, q, kv, spec)
+                    c, o, lse = (_span_forward if isinstance(sp, _Span) else crossing_forward)(sp, q, kv, spec)
                     calls += c
                     parts += o
                     lses += lse
@@ -407,7 +313,7 @@ class DistributedDilatedAttention(nn.Module):
                     spans.append(_Span(w, r, rank, n, h, h // k.shape[2], self._segment_group(w // n, rank, p),
                                        q.device))
                 else:  # segments across shard boundaries at any offset: every rank's rows to every rank
-                    spans.append(_Irregular(w, r, rank, n, p, h, h // k.shape[2], self.group, q.device))
+                    spans.append(CrossingSegments(w, r, (rank, n, p), (h, h // k.shape[2]), self.group, q.device))
             plan = plan_for(q, k, [w for w, _ in local], [r for _, r in local], in_place)
             self._layouts[key] = (plan, spans)
         return self._layouts[key]
