@@ -159,10 +159,14 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"cu_seqlens packs q and k/v alike: they need one length, got {q.shape[1]} and "
                              f"{k.shape[1]}")
-        from .packed import packed_attention
+        from .packed import check_cu_seqlens, packed_attention, varlen_attention, varlen_reason
 
-        out, lse = packed_attention(q, k, v, cu_seqlens, lambda a, b_, c: attention(
-            a, b_, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)
+        if varlen_reason(q, k, v, backend) is None:  # the kernel's own varlen entry point
+            q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
+            out, lse = varlen_attention(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), causal, scale)
+        else:
+            out, lse = packed_attention(q, k, v, cu_seqlens, lambda a, b_, c: attention(
+                a, b_, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)
         return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # one custom op (dilated.ops): dynamo traces no backend code
         out, lse = torch.ops.dilated.attention_forward(q, k, v, causal, scale, backend)

@@ -2,7 +2,9 @@
 (int32 ``[0, l_0, l_0 + l_1, ..., N]``, the flash-attn varlen convention). Attention never crosses
 a document boundary; causal applies within each document.
 
-Documents run in batched kernel calls, not one call per document: non-causal documents of one
+On CUDA, with ``backend="auto"`` and half-precision inputs, documents go to torch's own varlen
+flash kernel (``torch.nn.attention.varlen.varlen_attn``) in one call over all of them, where the
+installed torch has it. Elsewhere, documents run in batched kernel calls, not one call per document: non-causal documents of one
 length share a call (their batch is the number of such documents); causal ones are padded at
 their end to a bucket length (four buckets per octave, so at most a quarter of a call is padding)
 and share the bucket's call. Padding at the end is exact under causality: a real query sees only
@@ -83,3 +85,60 @@ def packed_attention(q, k, v, cu_seqlens, attend, causal: bool):
     inverse = torch.empty(n, dtype=torch.long, device=device)
     inverse[torch.cat(order)] = torch.arange(n, device=device)
     return torch.cat(outs, 1)[:, inverse], torch.cat(lses, 2)[:, :, inverse]
+
+
+def varlen_kernel():
+    """torch's varlen flash attention (``varlen_attn``, ``AuxRequest``), or None in a torch without it."""
+    try:
+        from torch.nn.attention.varlen import AuxRequest, varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, AuxRequest
+
+
+def varlen_reason(q, k, v, backend: str) -> str | None:
+    """Why packed documents do not go to torch's varlen kernel here, or None."""
+    if backend != "auto":
+        return f"backend {backend!r} asked for by name"
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return "torch's varlen kernel is flash attention: CUDA and float16/bfloat16 only"
+    if q.shape[-1] > 256 or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:
+        return "flash attention needs one head_dim, a multiple of 8 up to 256"
+    if varlen_kernel() is None:
+        return "this torch has no torch.nn.attention.varlen"
+    return None
+
+
+def varlen_attention(q, k, v, cu: list[int], causal: bool, scale: float):
+    """``(out, lse)`` of the packed documents by one call of torch's varlen kernel over every
+    batch row's documents (the rows are packed one after another). Differentiable."""
+    from .backends._signature import parameters
+
+    varlen_attn, aux_request = varlen_kernel()
+    b, n, h, d = q.shape
+    hkv = k.shape[2]
+    params = parameters(varlen_attn)
+    kwargs = {"return_aux": aux_request(lse=True)}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - d ** -0.5) > 1e-12 * scale:
+        raise NotImplementedError("this torch's varlen_attn takes no scale")
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = causal
+    else:
+        raise NotImplementedError("this torch's varlen_attn takes neither window_size nor is_causal")
+    if hkv != h:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(h // hkv, 2) for x in (k, v))
+    starts = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    cu_all = torch.cat([starts[:-1] + i * n for i in range(b)] + [starts[-1:] + (b - 1) * n])
+    longest = max(e - s for s, e in zip(cu, cu[1:]))
+    out, lse = varlen_attn(q.reshape(b * n, h, d), k.reshape(b * n, k.shape[2], d), v.reshape(b * n, v.shape[2], d),
+                           cu_all, cu_all, longest, longest, **kwargs)
+    if lse.shape == (h, b * n) and lse.shape != (b * n, h):  # [H, T] in releases that return it so
+        lse = lse.transpose(0, 1)
+    return out.reshape(b, n, h, d), lse.reshape(b, n, h).transpose(1, 2).float()

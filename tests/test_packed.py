@@ -64,3 +64,67 @@ def test_bad_cu_seqlens_is_a_clear_error(bad, exc, says, gen):
     q = rand(1, 40, 2, 8, gen=gen)
     with pytest.raises(exc, match=says):
         dilated.attention(q, q, q, cu_seqlens=bad)
+
+
+class _Aux:
+    def __init__(self, lse=False):
+        self.lse = lse
+
+
+def _varlen_standin(newer: bool):
+    """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` with the signature of torch
+    2.13 (``window_size``, ``scale``, ``enable_gqa``, lse ``[T, H]``) or of an older release
+    (``is_causal``, no scale, lse ``[H, T]``): each document computed alone in float64."""
+    def run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, gqa, return_aux):
+        assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
+        cu = cu_seq_q.tolist()
+        assert max_q == max(b - a for a, b in zip(cu, cu[1:]))
+        if key.shape[1] != query.shape[1]:
+            assert gqa, "fewer kv heads without enable_gqa"
+        outs, lses = [], []
+        for a, b in zip(cu, cu[1:]):
+            o, l = dense_reference(query[None, a:b], key[None, a:b], value[None, a:b], causal=causal, scale=scale)
+            outs.append(o[0].to(query.dtype))
+            lses.append(l[0])
+        out, lse = torch.cat(outs), torch.cat(lses, 1).float()  # lse [H, T]
+        if return_aux is not None and return_aux.lse:
+            return out, (lse.t() if newer else lse)
+        return out
+
+    if newer:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+            return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale, enable_gqa,
+                       return_aux)
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, None, False, return_aux)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("newer", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_documents_through_torch_varlen_kernel(newer, causal, monkeypatch, gen):
+    from dilated import packed
+
+    monkeypatch.setattr(packed, "varlen_kernel", lambda: (_varlen_standin(newer), _Aux))
+    monkeypatch.setattr(packed, "varlen_reason", lambda q, k, v, backend: None)
+    cu = DOCS["varied"]
+    q = rand(2, 40, 4, 8, gen=gen, requires_grad=True)
+    k, v = rand(2, 40, 2, 8, gen=gen, requires_grad=True), rand(2, 40, 2, 8, gen=gen, requires_grad=True)
+    out, lse = dilated.attention(q, k, v, causal=causal, return_lse=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _per_document(qd, kd, vd, cu, causal)
+    assert rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
+    dout = rand(*out.shape, gen=gen)
+    for name, g, rg in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                           torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert rel_err(g, rg) < 4e-4, f"d{name}"
+
+
+def test_when_the_varlen_kernel_is_not_used(gen):
+    from dilated.packed import varlen_reason
+
+    q = rand(1, 16, 2, 64, gen=gen)
+    assert "by name" in varlen_reason(q, q, q, "manual")
+    assert "CUDA" in varlen_reason(q, q, q, "auto")  # a CPU tensor
