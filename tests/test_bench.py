@@ -251,6 +251,24 @@ def test_kernel_floor_is_timed_beside_dilated_rows():
     row = run_sweep([(impl, case, "auto")], RunOptions(warmup=1, reps=3, floor=True), None, "t", progress=False)[0]
     assert row["status"] == "ok" and row["check"]["passed"]
     assert row["kernel_floor_ms"]["n"] == 3 and row["floor_ratio"] > 0
+    assert row["one_call_floor_ms"]["n"] == 3 and row["one_call_floor_ratio"] > 0
+    assert row["one_call_floor_calls"] == 1  # w / r = 64 in both branches: one dense call
+
+
+@pytest.mark.parametrize("segs, dils, calls", [((64, 256), (1, 4), 1), ((64, 256), (1, 2), 2),
+                                               ((2048, 4096, 8192), (1, 2, 4), 1), ((40, 100), (1, 3), 3)])
+def test_one_call_floor_covers_exactly_the_attended_pairs(segs, dils, calls):
+    """The one-call floor runs the plan's rows, heads folded into the batch: its pairs are the
+    dilated pairs counted independently (flops.dilated_pairs), in as few calls as row counts."""
+    from dilated.bench.flops import dilated_pairs
+    from dilated.bench.floor import one_call_floor_step
+
+    n, h = max(segs) * 2 if max(segs) < 1000 else max(segs), 4
+    q, k = torch.randn(1, n, h, 8), torch.randn(1, n, h // 2, 8)
+    step, shapes = one_call_floor_step(q, k, k, segs, dils, False, "manual", "fwd")
+    step()
+    assert len(shapes) == calls
+    assert sum(b * rows * rows for b, rows in shapes) == dilated_pairs(n, h, segs, dils)
 
 
 def test_side_by_side_timing_takes_turns():

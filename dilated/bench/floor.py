@@ -1,7 +1,13 @@
-"""The kernel floor of dilated attention: the backend's attention calls alone, on segment tensors
-gathered beforehand, with nothing else (no gather, no merge, no scatter, no launch of anything
-but the kernels). ``ImprovedDilatedAttention``'s time over this floor is what its own machinery
-costs; the harness times both in one process (``RunOptions.floor``) so the ratio is not noise.
+"""Two floors of dilated attention, each timed in turns with the step (``RunOptions.floor``) so the
+ratios are not the machine's drift:
+
+* the kernel floor (:func:`kernel_floor_step`): the backend's attention calls of the plan alone, on
+  segment tensors gathered beforehand (no gather, no merge, no scatter, no launch of anything but
+  the kernels): ``ImprovedDilatedAttention``'s time over it is what its own machinery costs;
+* the one-call floor (:func:`one_call_floor_step`): the same rows as one dense call per distinct
+  row count, every call's heads folded into the batch (``[sum of B' * h, rows, 1, D]``). Where every
+  call of the schedule has one row count (LongNet's, ``w_i / r_i`` constant) that is a single
+  call: the best the kernel does on this much work in one launch, whatever the plan.
 """
 from __future__ import annotations
 
@@ -40,3 +46,39 @@ def kernel_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, ba
                     attention_backward(impl, do, qb, kb, vb, o, lse, causal, scale)
 
     return step
+
+
+def one_call_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, backend: str, mode: str):
+    """A callable running the plan's attention rows as one dense call per distinct row count
+    (heads folded into the batch; GQA kv heads repeated), in ``mode``; and each call's
+    ``(batch, rows)``."""
+    with torch.no_grad():
+        q, k, v = q.detach(), k.detach(), v.detach()
+        scale = default_scale(q.shape[-1], None)
+        plan = build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device)
+        by_rows = {}
+        for c in plan:
+            qb, kb, vb = (x.contiguous() for x in gather(c, (q, k, v), (False, True, True))[0])
+            g = qb.shape[2] // kb.shape[2]
+            kb, vb = (x.repeat_interleave(g, 2) if g > 1 else x for x in (kb, vb))
+            folded = [x.transpose(1, 2).reshape(-1, x.shape[1], 1, x.shape[3]) for x in (qb, kb, vb)]
+            by_rows.setdefault(qb.shape[1], []).append(folded)
+        impl = get_backend(backend, q[:, :1], k[:, :1], causal)
+        calls = []
+        for parts in by_rows.values():
+            qf, kf, vf = (torch.cat([p[i] for p in parts]) for i in range(3))
+            if mode == "fwd":
+                calls.append((qf, kf, vf, None, None, None))
+                continue
+            o, lse = attention_forward(impl, qf, kf, vf, causal, scale)
+            calls.append((qf, kf, vf, o, lse, torch.randn_like(o)))
+
+    def step():
+        with torch.no_grad():
+            for qf, kf, vf, o, lse, do in calls:
+                if mode != "bwd":
+                    attention_forward(impl, qf, kf, vf, causal, scale)
+                if mode != "fwd":
+                    attention_backward(impl, do, qf, kf, vf, o, lse, causal, scale)
+
+    return step, [(qf.shape[0], qf.shape[1]) for qf, *_ in calls]

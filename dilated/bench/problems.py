@@ -86,6 +86,11 @@ class DenseAttention:
         no such floor (see :mod:`dilated.bench.floor`)."""
         return None
 
+    def one_call_floor(self, inputs, case, backend: str):
+        """``(step, [(batch, rows)] per call)``: the same attention rows as one dense call per row
+        count, or None."""
+        return None
+
     def qkv(self, case, inputs, model):
         """The q, k, v the attention reads."""
         return inputs
@@ -132,6 +137,12 @@ class DilatedAttention(DenseAttention):
 
         return kernel_floor_step(*inputs, case.segment_lengths, case.dilation_rates, case.causal, backend, case.mode)
 
+    def one_call_floor(self, inputs, case, backend: str):
+        from .floor import one_call_floor_step
+
+        return one_call_floor_step(*inputs, case.segment_lengths, case.dilation_rates, case.causal, backend,
+                                   case.mode)
+
     def reference(self, case, inputs, model, dtype=torch.float64):
         q, k, v = (t.to(dtype) for t in self.qkv(case, inputs, model))
         bias = dilated_bias(case.seq_len, case.num_heads, case.segment_lengths, case.dilation_rates, case.causal,
@@ -164,6 +175,9 @@ class SelfAttentionLayer(DilatedAttention):
         return super().flops(case, mode) + 2.0 * case.batch * case.seq_len * e * (2 * e + 2 * kv) * linear_factor
 
     def kernel_floor(self, inputs, case, backend):
+        return None
+
+    def one_call_floor(self, inputs, case, backend):
         return None
 
     def qkv(self, case, inputs, model):

@@ -91,7 +91,11 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             if r.get("check_failed"):
                 status += " CHECK FAILED"
             if r.get("floor_ratio"):
-                status += f" ({r['floor_ratio']:.2f}x kernel floor {r['kernel_floor_ms']['median']:.3f} ms)"
+                status += f" ({r['floor_ratio']:.2f}x kernel floor {r['kernel_floor_ms']['median']:.3f} ms"
+                if r.get("one_call_floor_ratio"):
+                    status += (f", {r['one_call_floor_ratio']:.2f}x the {r['one_call_floor_calls']}-call floor "
+                               f"{r['one_call_floor_ms']['median']:.3f} ms")
+                status += ")"
             scores = (r.get("memory") or {}).get("score_matrix_mib")
             if scores is not None and r["status"] == "ok":
                 status += f" (the score matrix alone: {scores:.4g} MiB)"

@@ -206,6 +206,9 @@ class _RowRun:
             else None
         if floor is not None:
             timed.append((floor, None))
+            one_call, shapes = impl.problem.one_call_floor(self.inputs, self.case, self.backend)
+            timed.append((one_call, None))
+            self.row["one_call_floor_calls"] = len(shapes)
         if opts.settle_s > 0:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -249,6 +252,9 @@ class _RowRun:
         if len(runs) > 1:
             floor = summarize(runs[1])
             row["kernel_floor_ms"], row["floor_ratio"] = floor, t["median"] / floor["median"]
+        if len(runs) > 2:
+            one = summarize(runs[2])
+            row["one_call_floor_ms"], row["one_call_floor_ratio"] = one, t["median"] / one["median"]
         return sec
 
     def record_comm(self, seconds_per_call: float) -> None:
