@@ -144,31 +144,19 @@ def unshard(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: 
     return torch.cat(ordered, dim)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """All-to-all: ``[B, N/P, H, D]`` (this rank's positions, every head) to ``[B, N, H/P, D]``
-    (every position, this rank's heads, head group ``rank``); backward is the inverse."""
+class _AllToAll(torch.autograd.Function):
+    """``to_heads``: ``[B, N/P, H, D]`` (this rank's positions, every head) to ``[B, N, H/P, D]``
+    (every position, head group ``rank``); else the inverse. Backward is the other direction."""
 
     @staticmethod
-    def forward(ctx, x, group, stats):
-        ctx.group, ctx.stats = group, stats
-        return _seq_to_heads(x, group, stats)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group, ctx.stats), None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """The inverse of :class:`_SequenceToHeads`."""
-
-    @staticmethod
-    def forward(ctx, x, group, stats):
-        ctx.group, ctx.stats = group, stats
-        return _heads_to_seq(x, group, stats)
+    def forward(ctx, x, group, stats, to_heads: bool):
+        ctx.group, ctx.stats, ctx.to_heads = group, stats, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group, stats)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group, ctx.stats), None, None
+        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return back(grad.contiguous(), ctx.group, ctx.stats), None, None, None
 
 
 def _all_to_all(x: torch.Tensor, group, stats) -> torch.Tensor:
@@ -203,9 +191,9 @@ def _heads_to_seq(x, group, stats):
 def sequence_to_heads(x: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
     """``[B, N/P, H, D]`` shards of the sequence to ``[B, N, H/P, D]`` shards of the heads (rank r
     gets heads ``r*H/P .. (r+1)*H/P - 1``); differentiable. H must be divisible by P."""
-    return _SequenceToHeads.apply(x, group, stats)
+    return _AllToAll.apply(x, group, stats, True)
 
 
 def heads_to_sequence(x: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
     """The inverse of :func:`sequence_to_heads`; differentiable."""
-    return _HeadsToSequence.apply(x, group, stats)
+    return _AllToAll.apply(x, group, stats, False)

@@ -19,24 +19,17 @@ from dilated.rows import gather
 from dilated.plan import build_plan
 
 
-def kernel_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, backend: str, mode: str):
-    """A callable running exactly the kernel calls of one ``ImprovedDilatedAttention`` step in
-    ``mode`` (``fwd``: forwards; ``fwd_bwd``/``bwd``: forwards and/or backwards) on pre-gathered
-    branch tensors."""
-    with torch.no_grad():
-        q, k, v = q.detach(), k.detach(), v.detach()
-        impl = get_backend(backend, q, k, causal)
-        scale = default_scale(q.shape[-1], None)
-        plan = build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device)
-        calls = []
-        for c in plan:
-            qb, kb, vb = (x.contiguous() for x in gather(c, (q, k, v), (False, True, True))[0])
-            if mode == "fwd":
-                calls.append((qb, kb, vb, None, None, None))
-                continue
-            o, lse = attention_forward(impl, qb, kb, vb, causal, scale)
-            calls.append((qb, kb, vb, o, lse, torch.randn_like(o)))
+def _prepared(impl, qb, kb, vb, causal: bool, scale: float, mode: str) -> tuple:
+    """One call's tensors for the floor's step: its inputs, and for a backward its output, lse and
+    a random incoming gradient."""
+    if mode == "fwd":
+        return qb, kb, vb, None, None, None
+    o, lse = attention_forward(impl, qb, kb, vb, causal, scale)
+    return qb, kb, vb, o, lse, torch.randn_like(o)
 
+
+def _step(impl, calls, causal: bool, scale: float, mode: str):
+    """A callable running each prepared call's forward and/or backward in ``mode``, nothing else."""
     def step():
         with torch.no_grad():
             for qb, kb, vb, o, lse, do in calls:
@@ -46,6 +39,20 @@ def kernel_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, ba
                     attention_backward(impl, do, qb, kb, vb, o, lse, causal, scale)
 
     return step
+
+
+def kernel_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, backend: str, mode: str):
+    """A callable running exactly the kernel calls of one ``ImprovedDilatedAttention`` step in
+    ``mode`` (``fwd``: forwards; ``fwd_bwd``/``bwd``: forwards and/or backwards) on pre-gathered
+    branch tensors."""
+    with torch.no_grad():
+        q, k, v = q.detach(), k.detach(), v.detach()
+        impl = get_backend(backend, q, k, causal)
+        scale = default_scale(q.shape[-1], None)
+        plan = build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device)
+        calls = [_prepared(impl, *(x.contiguous() for x in gather(c, (q, k, v), (False, True, True))[0]), causal,
+                           scale, mode) for c in plan]
+    return _step(impl, calls, causal, scale, mode)
 
 
 def one_call_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, backend: str, mode: str):
@@ -64,21 +71,6 @@ def one_call_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, 
             folded = [x.transpose(1, 2).reshape(-1, x.shape[1], 1, x.shape[3]) for x in (qb, kb, vb)]
             by_rows.setdefault(qb.shape[1], []).append(folded)
         impl = get_backend(backend, q[:, :1], k[:, :1], causal)
-        calls = []
-        for parts in by_rows.values():
-            qf, kf, vf = (torch.cat([p[i] for p in parts]) for i in range(3))
-            if mode == "fwd":
-                calls.append((qf, kf, vf, None, None, None))
-                continue
-            o, lse = attention_forward(impl, qf, kf, vf, causal, scale)
-            calls.append((qf, kf, vf, o, lse, torch.randn_like(o)))
-
-    def step():
-        with torch.no_grad():
-            for qf, kf, vf, o, lse, do in calls:
-                if mode != "bwd":
-                    attention_forward(impl, qf, kf, vf, causal, scale)
-                if mode != "fwd":
-                    attention_backward(impl, do, qf, kf, vf, o, lse, causal, scale)
-
-    return step, [(qf.shape[0], qf.shape[1]) for qf, *_ in calls]
+        calls = [_prepared(impl, *(torch.cat([p[i] for p in parts]) for i in range(3)), causal, scale, mode)
+                 for parts in by_rows.values()]
+    return _step(impl, calls, causal, scale, mode), [(qf.shape[0], qf.shape[1]) for qf, *_ in calls]
