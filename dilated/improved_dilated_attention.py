@@ -122,8 +122,9 @@ def resolve_dilated(q, k, v, segment_lengths, dilation_rates, causal, scale, bac
         return AttentionSpec(impl, causal, default_scale(q.shape[-1], scale)), plan
 
     try:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               tuple(segment_lengths), tuple(dilation_rates), causal, scale, backend)
+               tuple(segment_lengths), tuple(dilation_rates), causal, scale, backend, grad)  # grad: auto's choice
     except (AttributeError, TypeError):  # not tensors / not sequences: resolve() says what is wrong
         key = None
     return resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
