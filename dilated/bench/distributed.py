@@ -361,17 +361,33 @@ for _impl in RING_IMPLEMENTATIONS.values():
 BASELINE_OF = {"dense": "dense", "dilated": "improved"}
 
 
-def run_scaling_sweep(impls, baseline_impls, cases_for, baseline_case, world_sizes, backends, opts: RunOptions,
-                      writer, script: str, scaling: str, progress: bool = True) -> list[dict]:
-    """For each world size P: the single-device baseline of the same problem, run on every rank at
-    once (the slowest recorded), then each distributed implementation on ranks ``0..P-1``.
+@dataclass
+class ScalingSweep:
+    """What a scaling run compares: ``impls`` at each of ``world_sizes`` on ``backends``.
 
     ``cases_for(P, impl)`` gives the global cases (strong scaling: the same N for every P; weak:
     N = P x tokens per rank); ``baseline_case(case, P)`` the single-device case it is compared with
     (strong: the same; weak: the tokens of one rank); ``baseline_impls`` maps an implementation's
-    problem name to its single-device baseline. Rows go to ``writer`` on rank 0, each with ``world_size``,
-    ``per_rank_tflops``, ``efficiency`` and ``comm``.
+    problem name to its single-device baseline.
     """
+
+    impls: list
+    baseline_impls: dict
+    cases_for: object
+    baseline_case: object
+    world_sizes: list
+    backends: list
+    scaling: str
+
+
+def run_scaling_sweep(sweep: ScalingSweep, opts: RunOptions, writer, script: str, progress: bool = True) -> list[dict]:
+    """For each world size P: the single-device baseline of the same problem, run on every rank at
+    once (the slowest recorded), then each distributed implementation on ranks ``0..P-1``. Rows go
+    to ``writer`` on rank 0, each with ``world_size``, ``per_rank_tflops``, ``efficiency``,
+    ``work_imbalance`` and ``comm``."""
+    impls, baseline_impls, cases_for, baseline_case = (sweep.impls, sweep.baseline_impls, sweep.cases_for,
+                                                       sweep.baseline_case)
+    world_sizes, backends, scaling = sweep.world_sizes, sweep.backends, sweep.scaling
     rank, world = dist.get_rank(), dist.get_world_size()
     rows, baseline_ms = [], {}
     # the largest group first: then every rank has joined the same groups (in the same order) when

@@ -50,7 +50,7 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
                      one_process_baseline_only: bool = False) -> int:
     import torch.distributed as dist
 
-    from ..distributed import BASELINE_OF, distributed_schedule, run_scaling_sweep
+    from ..distributed import BASELINE_OF, ScalingSweep, distributed_schedule, run_scaling_sweep
     from ..report import format_scaling
 
     p = distributed_args(description or "RingAttention (contiguous and zigzag) and DistributedDilatedAttention "
@@ -106,8 +106,8 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
               f"N={args.seq_lengths}{' per rank' if args.scaling == 'weak' else ''}, {args.implementations}, "
               f"modes {args.mode}{', causal' if args.causal else ''}; baseline: the single-device run")
     if impls:
-        rows = run_scaling_sweep(impls, baselines, cases_for, baseline_case, sizes, args.backend, run_options(args),
-                                 writer, script, args.scaling, not args.no_progress)
+        sweep = ScalingSweep(impls, baselines, cases_for, baseline_case, sizes, args.backend, args.scaling)
+        rows = run_scaling_sweep(sweep, run_options(args), writer, script, not args.no_progress)
     else:
         dense = get_implementation("dense")
         rows = run_sweep([(dense, c, b) for c in cases_for(1, dense) for b in args.backend], run_options(args),
