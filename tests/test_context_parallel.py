@@ -50,10 +50,13 @@ def test_every_strategy_on_one_document_workload_under_torchrun(tmp_path):
         assert by[name]["status"] == "ok" and by[name]["check"]["passed"], by[name]
         assert by[name]["config"]["documents"] == "lognormal:32,1.0"
     assert by["ulysses"]["work_imbalance"] == 1.0 and by["ring"]["work_imbalance"] > 1.0
+    for name in ("ring", "ulysses"):  # each rank's own median, and the slowest over the mean
+        times = by[name]["rank_median_ms"]
+        assert len(times) == 4 and by[name]["time_imbalance"] == pytest.approx(max(times) / (sum(times) / 4))
     assert by["torch_cp"]["status"] == "unsupported" and "documents" in by["torch_cp"]["reason"]
     base = next(r for r in rows if r.get("role") == "baseline")
     assert base["config"]["documents"] == "lognormal:32,1.0" and base["check"]["passed"]
-    assert "imbalance" in stdout
+    assert "work imb" in stdout and "time imb" in stdout
 
 
 def test_document_workloads_by_hand():

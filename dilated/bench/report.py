@@ -301,7 +301,7 @@ def format_scaling(rows: list[dict], compare: bool = False) -> str:
             groups[(r["implementation"], r["backend"], c["mode"], c["causal"])].append(r)
     out = []
     head = (f"{'P':>3}{'N':>10}{'N/rank':>10}{'time ms':>12}{'TFLOP/s/rank':>14}{'efficiency':>12}{'work eff':>10}"
-            f"{'imbalance':>10}{'exposed comm':>14}{'MiB sent/rank':>15}{'peak MiB':>10}  check")
+            f"{'work imb':>9}{'time imb':>9}{'exposed comm':>14}{'MiB sent/rank':>15}{'peak MiB':>10}  check")
     for key, grp in groups.items():
         if compare:
             mode, causal, scaling, n = key
@@ -331,7 +331,7 @@ def _scaling_line(r: dict) -> str:
     return (f"{r.get('world_size', 1):>3}{r['config']['seq_len']:>10}{r.get('tokens_per_rank', 0):>10}"
             f"{f(t, '.3f'):>12}{f(r.get('per_rank_tflops', r.get('tflops')), '.2f'):>14}"
             f"{f(r.get('efficiency'), '.3f'):>12}{f(r.get('work_efficiency'), '.3f'):>10}"
-            f"{f(r.get('work_imbalance'), '.3f'):>10}"
+            f"{f(r.get('work_imbalance'), '.3f'):>9}{f(r.get('time_imbalance'), '.3f'):>9}"
             f"{(f(100 * exp, '.1f') + '%') if exp is not None else '-':>14}"
             f"{f(sent / (1 << 20) if sent is not None else None, '.1f'):>15}"
             f"{f((r.get('memory') or {}).get('peak_total_mib'), '.0f'):>10}  {chk}"

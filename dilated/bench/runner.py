@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -240,6 +241,10 @@ class _RowRun:
     def record_speed(self, runs) -> float:
         """Time, FLOP/s, throughput, bandwidth and the floor ratio; returns seconds per call."""
         row, case, impl = self.row, self.case, self.impl
+        if self.spread:  # each rank's own median (from the common start of a call to its own end)
+            mine = statistics.median(runs[0])
+            row["rank_median_ms"] = [float(t) for t in impl.all_ranks_text(repr(mine))]
+            row["time_imbalance"] = max(row["rank_median_ms"]) / statistics.fmean(row["rank_median_ms"])
         samples = impl.reduce_max(runs[0])  # a distributed call lasts as long as its slowest rank
         t = summarize(samples)
         row["time_ms"], row["samples_ms"] = t, samples
