@@ -60,7 +60,7 @@ def test_every_strategy_on_one_document_workload_under_torchrun(tmp_path):
 
 
 def test_document_workloads_by_hand():
-    from dilated.bench.distributed import _work_per_rank, imbalance
+    from dilated.bench.workload import imbalance, work_per_rank as _work_per_rank
     from dilated.bench.documents import attended_pairs, cu_seqlens_of, parse_spec
     from dilated.bench.problems import DenseAttention
     from dilated.bench.registry import Case

@@ -7,12 +7,14 @@
 * :mod:`runner`: one row (ok / oom / unsupported / error, with a correctness check), sweeps.
 * :mod:`results`: JSONL rows appended whole as each finishes; CSV.
 * :mod:`report`: tables, ``compare``, ``plot``.
-* :mod:`distributed`: rows across ranks (ring, distributed dilated), scaling sweeps.
+* :mod:`distributed`: rows across ranks, scaling sweeps; :mod:`strategies` and
+  :mod:`external_ring`: the sequence-parallel implementations; :mod:`workload`: documents and
+  how work falls on the ranks.
 """
 from .registry import Case, Implementation, get_implementation, register_implementation
 from .results import ResultWriter, read_jsonl
 from .runner import RunOptions, run_case, run_sweep
-from . import distributed, external_ring  # noqa: E402,F401  (register the ring and distributed implementations)
+from . import external_ring, strategies  # noqa: E402,F401  (register the sequence-parallel implementations)
 
 __all__ = ["Case", "Implementation", "register_implementation", "get_implementation", "RunOptions", "run_case",
            "run_sweep", "ResultWriter", "read_jsonl"]

@@ -28,7 +28,8 @@ import torch.distributed as dist
 import dilated
 from dilated.agreement import all_gather_text, group_device
 
-from .registry import Case, Implementation, register_implementation
+from .registry import Case, Implementation
+from .workload import WithDocuments, imbalance, ulysses_size_for, work_per_rank
 from .runner import RunOptions, run_sweep
 
 #: above this size of a gathered tensor the check reads the shards in place (16M tokens, H=16, D=128
@@ -216,12 +217,12 @@ class DistributedImplementation(Implementation):
         if self.problem.name != "dense":
             return None
         if self.splits_heads:  # every rank: all queries, H/P heads
-            return [_work_per_rank(case, 1, "contiguous")[0] / p] * p
+            return [work_per_rank(case, 1, "contiguous")[0] / p] * p
         if self.layout == "hybrid":  # a zigzag ring over the rows, heads split within a row
             ulysses = ulysses_size_for(p, case.num_heads) or 1
-            ring = _work_per_rank(case, p // ulysses, "zigzag")
+            ring = work_per_rank(case, p // ulysses, "zigzag")
             return [ring[r // ulysses] / ulysses for r in range(p)]
-        return _work_per_rank(case, p, self.layout)
+        return work_per_rank(case, p, self.layout)
 
     def reduce_max(self, values):
         return _max_over_ranks(values, self.group)
@@ -252,113 +253,6 @@ class DistributedImplementation(Implementation):
         worst = self.reduce_max([mine["bytes_sent_per_rank"], exposed])
         mine["bytes_sent_per_rank_max"], mine["exposed_comm_ms_max"] = worst
         return mine
-
-
-class WithDocuments(torch.nn.Module):
-    """A sequence-parallel module called with the case's packed documents (``cu_seqlens``)."""
-
-    def __init__(self, module, spec: str, n: int):
-        super().__init__()
-        self.module, self.spec, self.n = module, spec, n
-
-    def forward(self, q, k, v):
-        from .documents import cu_tensor
-
-        return self.module(q, k, v, cu_seqlens=cu_tensor(self.spec, self.n, q.device))
-
-    def __getattr__(self, name):  # stats, transport_used, shard/unshard: the module's
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.module, name)
-
-
-def _work_per_rank(case, p: int, layout: str) -> list[float]:
-    """Attended pairs of each rank's query positions (contiguous or zigzag shards), within documents."""
-    from .documents import cu_seqlens_of
-
-    n = case.seq_len
-    cu = cu_seqlens_of(case.documents, n) if case.documents else (0, n)
-    pos = torch.arange(n, dtype=torch.float64)
-    doc = torch.bucketize(pos, torch.tensor(cu[1:], dtype=torch.float64), right=True)
-    start = torch.tensor(cu, dtype=torch.float64)[doc]
-    length = torch.tensor(cu, dtype=torch.float64)[doc + 1] - start
-    keys = pos - start + 1 if case.causal else length  # keys each query attends
-    chunks = keys.chunk(2 * p if layout == "zigzag" else p)
-    if layout == "zigzag":
-        return [float(chunks[r].sum() + chunks[2 * p - 1 - r].sum()) for r in range(p)]
-    return [float(c.sum()) for c in chunks]
-
-
-def imbalance(work: list[float] | None) -> float | None:
-    """Slowest rank's work over the mean (1.0: balanced)."""
-    if not work or sum(work) == 0:
-        return None
-    return max(work) / (sum(work) / len(work))
-
-
-def _ring(case, backend, layout, overlap, group, transport="auto"):
-    return dilated.RingAttention(causal=case.causal, backend=backend, layout=layout, group=group, overlap=overlap,
-                                 transport=transport)
-
-
-def _distributed_dilated(case, backend, group):
-    return dilated.DistributedDilatedAttention(case.segment_lengths, case.dilation_rates, causal=case.causal,
-                                               backend=backend, group=group)
-
-
-def _make(name, problem, layout, factory, description, documents=True, splits_heads=False):
-    return DistributedImplementation(name, problem, None, description, layout=layout, factory=factory,
-                                     takes_documents=documents, splits_heads=splits_heads)
-
-
-def _ulysses(case, backend, group):
-    return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group)
-
-
-def _hybrid(case, backend, group):
-    p = dist.get_world_size(group)
-    ulysses = ulysses_size_for(p, case.num_heads)
-    if ulysses is None:
-        raise NotImplementedError(f"a Ulysses x ring grid needs 2 or more ranks in both directions: {p} ranks with "
-                                  f"{case.num_heads} heads have none (launch 4 or more ranks)")
-    return dilated.HybridAttention(ulysses, p // ulysses, causal=case.causal, layout="zigzag", backend=backend,
-                                   group=group)
-
-
-def ulysses_size_for(p: int, heads: int) -> int | None:
-    """The hybrid's Ulysses size on ``p`` ranks: the largest divisor of ``p`` below ``p`` that
-    divides ``heads`` (Ulysses inside, a ring of at least 2 across), or None."""
-    sizes = [u for u in range(2, p) if p % u == 0 and heads % u == 0]
-    return max(sizes) if sizes else None
-
-
-RING_IMPLEMENTATIONS = {
-    "ring": _make("ring", "dense", "contiguous", lambda c, b, g: _ring(c, b, "contiguous", True, g),
-                  "RingAttention, contiguous shards, communication overlapped"),
-    "ring_zigzag": _make("ring_zigzag", "dense", "zigzag", lambda c, b, g: _ring(c, b, "zigzag", True, g),
-                         "RingAttention, zigzag shards (balanced causal work), overlapped"),
-    "ring_zigzag_p2p": _make("ring_zigzag_p2p", "dense", "zigzag",
-                             lambda c, b, g: _ring(c, b, "zigzag", True, g, transport="p2p"),
-                             "RingAttention, zigzag, overlapped, blocks passed by send/recv (not copy-engine pulls)"),
-    "ring_no_overlap": _make("ring_no_overlap", "dense", "contiguous",
-                             lambda c, b, g: _ring(c, b, "contiguous", False, g),
-                             "RingAttention, contiguous, each K/V block received before it is computed"),
-    "ring_zigzag_no_overlap": _make("ring_zigzag_no_overlap", "dense", "zigzag",
-                                    lambda c, b, g: _ring(c, b, "zigzag", False, g),
-                                    "RingAttention, zigzag, no overlap"),
-    "distributed_dilated": _make("distributed_dilated", "dilated", "contiguous", _distributed_dilated,
-                                 "DistributedDilatedAttention (LongNet sequence parallel)", documents=False),
-    "ulysses": _make("ulysses", "dense", "contiguous", _ulysses,
-                     "UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank)", splits_heads=True),
-    "hybrid": _make("hybrid", "dense", "hybrid", _hybrid,
-                    "HybridAttention: Ulysses inside a row, zigzag ring across rows of the rank grid"),
-}
-for _impl in RING_IMPLEMENTATIONS.values():
-    register_implementation(_impl)
-
-#: the single-device implementation each distributed one is compared with, by problem
-BASELINE_OF = {"dense": "dense", "dilated": "improved"}
 
 
 @dataclass

@@ -128,7 +128,7 @@ def _yunchang_usp(case, backend, group):
         from yunchang.kernels import AttnType
     except Exception as e:  # noqa: BLE001 - an install that does not import is a row's reason
         raise NotImplementedError(f"yunchang does not import here: {type(e).__name__}: {e}") from None
-    from .distributed import ulysses_size_for
+    from .workload import ulysses_size_for
 
     p = dist.get_world_size()
     ulysses = ulysses_size_for(p, case.num_heads) or 1

@@ -129,7 +129,7 @@ def register_implementation(impl: Implementation) -> Implementation:
 def implementation_names(distributed: bool | None = None) -> list[str]:
     """Every registered implementation (``distributed``: only those that run across ranks, or only
     those that do not)."""
-    from . import external_ring  # noqa: F401  (registers the ring implementations)
+    from . import external_ring, strategies  # noqa: F401  (register the sequence-parallel implementations)
     from .distributed import DistributedImplementation
 
     return [n for n, impl in IMPLEMENTATIONS.items()

@@ -50,7 +50,8 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
                      one_process_baseline_only: bool = False) -> int:
     import torch.distributed as dist
 
-    from ..distributed import BASELINE_OF, ScalingSweep, distributed_schedule, run_scaling_sweep
+    from ..distributed import ScalingSweep, distributed_schedule, run_scaling_sweep
+    from ..strategies import BASELINE_OF
     from ..report import format_scaling
 
     p = distributed_args(description or "RingAttention (contiguous and zigzag) and DistributedDilatedAttention "

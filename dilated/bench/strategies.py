@@ -1,0 +1,70 @@
+"""The sequence-parallel strategies the harness benchmarks, by name: ring attention variants
+(layout, transport, overlap), Ulysses, the Ulysses x ring hybrid and LongNet's distributed dilated
+attention; and the single-device implementation each is compared with. Other people's rings are in
+:mod:`dilated.bench.external_ring`."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+import dilated
+
+from .distributed import DistributedImplementation
+from .registry import register_implementation
+from .workload import ulysses_size_for
+
+
+def _ring(case, backend, layout, overlap, group, transport="auto"):
+    return dilated.RingAttention(causal=case.causal, backend=backend, layout=layout, group=group, overlap=overlap,
+                                 transport=transport)
+
+
+def _distributed_dilated(case, backend, group):
+    return dilated.DistributedDilatedAttention(case.segment_lengths, case.dilation_rates, causal=case.causal,
+                                               backend=backend, group=group)
+
+
+def _make(name, problem, layout, factory, description, documents=True, splits_heads=False):
+    return DistributedImplementation(name, problem, None, description, layout=layout, factory=factory,
+                                     takes_documents=documents, splits_heads=splits_heads)
+
+
+def _ulysses(case, backend, group):
+    return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group)
+
+
+def _hybrid(case, backend, group):
+    p = dist.get_world_size(group)
+    ulysses = ulysses_size_for(p, case.num_heads)
+    if ulysses is None:
+        raise NotImplementedError(f"a Ulysses x ring grid needs 2 or more ranks in both directions: {p} ranks with "
+                                  f"{case.num_heads} heads have none (launch 4 or more ranks)")
+    return dilated.HybridAttention(ulysses, p // ulysses, causal=case.causal, layout="zigzag", backend=backend,
+                                   group=group)
+
+
+RING_IMPLEMENTATIONS = {
+    "ring": _make("ring", "dense", "contiguous", lambda c, b, g: _ring(c, b, "contiguous", True, g),
+                  "RingAttention, contiguous shards, communication overlapped"),
+    "ring_zigzag": _make("ring_zigzag", "dense", "zigzag", lambda c, b, g: _ring(c, b, "zigzag", True, g),
+                         "RingAttention, zigzag shards (balanced causal work), overlapped"),
+    "ring_zigzag_p2p": _make("ring_zigzag_p2p", "dense", "zigzag",
+                             lambda c, b, g: _ring(c, b, "zigzag", True, g, transport="p2p"),
+                             "RingAttention, zigzag, overlapped, blocks passed by send/recv (not copy-engine pulls)"),
+    "ring_no_overlap": _make("ring_no_overlap", "dense", "contiguous",
+                             lambda c, b, g: _ring(c, b, "contiguous", False, g),
+                             "RingAttention, contiguous, each K/V block received before it is computed"),
+    "ring_zigzag_no_overlap": _make("ring_zigzag_no_overlap", "dense", "zigzag",
+                                    lambda c, b, g: _ring(c, b, "zigzag", False, g),
+                                    "RingAttention, zigzag, no overlap"),
+    "distributed_dilated": _make("distributed_dilated", "dilated", "contiguous", _distributed_dilated,
+                                 "DistributedDilatedAttention (LongNet sequence parallel)", documents=False),
+    "ulysses": _make("ulysses", "dense", "contiguous", _ulysses,
+                     "UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank)", splits_heads=True),
+    "hybrid": _make("hybrid", "dense", "hybrid", _hybrid,
+                    "HybridAttention: Ulysses inside a row, zigzag ring across rows of the rank grid"),
+}
+for _impl in RING_IMPLEMENTATIONS.values():
+    register_implementation(_impl)
+
+#: the single-device implementation each distributed one is compared with, by problem
+BASELINE_OF = {"dense": "dense", "dilated": "improved"}

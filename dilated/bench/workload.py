@@ -1,0 +1,55 @@
+"""How a sequence-parallel problem's work falls on the ranks: packed documents passed to a module,
+each rank's attended (query, key) pairs for a layout, and the imbalance (slowest over mean)."""
+from __future__ import annotations
+
+import torch
+
+
+class WithDocuments(torch.nn.Module):
+    """A sequence-parallel module called with the case's packed documents (``cu_seqlens``)."""
+
+    def __init__(self, module, spec: str, n: int):
+        super().__init__()
+        self.module, self.spec, self.n = module, spec, n
+
+    def forward(self, q, k, v):
+        from .documents import cu_tensor
+
+        return self.module(q, k, v, cu_seqlens=cu_tensor(self.spec, self.n, q.device))
+
+    def __getattr__(self, name):  # stats, transport_used, shard/unshard: the module's
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def work_per_rank(case, p: int, layout: str) -> list[float]:
+    """Attended pairs of each rank's query positions (contiguous or zigzag shards), within documents."""
+    from .documents import cu_seqlens_of
+
+    n = case.seq_len
+    cu = cu_seqlens_of(case.documents, n) if case.documents else (0, n)
+    pos = torch.arange(n, dtype=torch.float64)
+    doc = torch.bucketize(pos, torch.tensor(cu[1:], dtype=torch.float64), right=True)
+    start = torch.tensor(cu, dtype=torch.float64)[doc]
+    length = torch.tensor(cu, dtype=torch.float64)[doc + 1] - start
+    keys = pos - start + 1 if case.causal else length  # keys each query attends
+    chunks = keys.chunk(2 * p if layout == "zigzag" else p)
+    if layout == "zigzag":
+        return [float(chunks[r].sum() + chunks[2 * p - 1 - r].sum()) for r in range(p)]
+    return [float(c.sum()) for c in chunks]
+
+
+def imbalance(work: list[float] | None) -> float | None:
+    """Slowest rank's work over the mean (1.0: balanced)."""
+    if not work or sum(work) == 0:
+        return None
+    return max(work) / (sum(work) / len(work))
+
+
+def ulysses_size_for(p: int, heads: int) -> int | None:
+    """The hybrid's Ulysses size on ``p`` ranks: the largest divisor of ``p`` below ``p`` that
+    divides ``heads`` (Ulysses inside, a ring of at least 2 across), or None."""
+    sizes = [u for u in range(2, p) if p % u == 0 and heads % u == 0]
+    return max(sizes) if sizes else None
