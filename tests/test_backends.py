@@ -68,7 +68,7 @@ def test_explicit_scale(gen):
 def test_availability_report_gives_reasons():
     report = dilated.available_backends("cpu")
     expected = {"sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex", "flash_attn",
-                "flash_attn_3", "flash_attn_4", "xformers", "sageattention", "manual", "auto"}
+                "flash_attn_3", "flash_attn_4", "xformers", "sageattention", "sdpa_fp8", "manual", "auto"}
     assert set(report) == expected
     for name in ("sdpa_cudnn", "flash_attn", "xformers"):
         assert isinstance(report[name], str) and report[name]

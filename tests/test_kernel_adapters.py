@@ -224,3 +224,50 @@ def test_a_forward_only_backend_is_refused_for_inputs_that_need_gradients(monkey
     assert "no backward" in _input_reason(sage_mod.SageAttentionBackend(), q, q, q, False)
     with torch.no_grad():
         assert _input_reason(sage_mod.SageAttentionBackend(), q, q, q, False) is None
+
+
+def _fp8_standin(q, k, v, is_causal=False, scale=None, q_descale=None, k_descale=None, v_descale=None,
+                 q_descale_type=0, k_descale_type=0, v_descale_type=0):
+    """torch's ``_scaled_dot_product_attention_quantized`` on CPU: e4m3 inputs ``[B, H, N, D]``
+    times their per-(batch, head) descale, attention in float64, bfloat16 out."""
+    assert q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn
+    for x, d in ((q, q_descale), (k, k_descale), (v, v_descale)):
+        assert d.shape == x.shape[:2] and d.dtype == torch.float32
+    deq = [(x.double() * d.double()[:, :, None, None]).transpose(1, 2) for x, d in ((q, q_descale), (k, k_descale),
+                                                                                    (v, v_descale))]
+    return dense_reference(*deq, causal=is_causal, scale=scale)[0].transpose(1, 2).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_backend_quantizes_per_head_and_dequantizes_right(causal, monkeypatch, gen):
+    import contextlib
+
+    from dilated.backends import sdpa_fp8
+
+    monkeypatch.setattr(sdpa_fp8, "_quantized", lambda: _fp8_standin)
+    monkeypatch.setattr(sdpa_fp8, "_fa3_active", contextlib.nullcontext)
+    q = rand(2, 32, 4, 16, gen=gen, dtype=torch.bfloat16)
+    k = rand(2, 32, 4, 16, gen=gen, dtype=torch.bfloat16) * torch.tensor([1.0, 10.0, 0.1, 3.0]).view(1, 1, 4, 1)
+    v = rand(2, 32, 4, 16, gen=gen, dtype=torch.bfloat16)
+    k = k.to(torch.bfloat16)
+    out, lse = sdpa_fp8.SdpaFp8Backend().forward(q, k, v, causal, 0.25)
+    assert lse is None and out.dtype == torch.bfloat16
+    # against attention of the e4m3-rounded inputs (each head at its own scale), in float64: what is
+    # left is the bf16 output's rounding; a descale applied to the wrong head or batch is far off
+    rounded = [(x8.double() * d.double()[:, :, None, None]).transpose(1, 2)
+               for x8, d in (sdpa_fp8.quantize(x) for x in (q, k, v))]
+    assert rel_err(out, dense_reference(*rounded, causal=causal, scale=0.25)[0]) < 1e-2
+    assert rel_err(out, dense_reference(q, k, v, causal=causal, scale=0.25)[0]) < 0.5  # and FP8 error is bounded
+    assert sdpa_fp8.SdpaFp8Backend().unavailable_reason(torch.device("cpu")).startswith("FP8 attention needs a CUDA")
+
+
+def test_fp8_descale_per_batch_and_head():
+    from dilated.backends.sdpa_fp8 import E4M3_MAX, quantize
+
+    x = torch.randn(2, 8, 3, 4)
+    x[1, :, 2] *= 100  # one (batch, head) far larger: its own scale
+    x8, descale = quantize(x)
+    assert x8.shape == (2, 3, 8, 4) and descale.shape == (2, 3)
+    assert descale[1, 2] == pytest.approx(x[1, :, 2].abs().max().item() / E4M3_MAX)
+    back = x8.float() * descale[:, :, None, None]
+    assert rel_err(back.transpose(1, 2), x) < 0.07

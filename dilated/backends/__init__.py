@@ -27,6 +27,7 @@ from .flash_attn_4 import FlashAttn4Backend
 from .flex import FlexBackend
 from .manual import ManualBackend
 from .sageattention import SageAttentionBackend
+from .sdpa_fp8 import SdpaFp8Backend
 from .sdpa import BACKENDS as _SDPA_BACKENDS
 from .xformers import XFormersBackend
 
@@ -51,7 +52,7 @@ def register_backend(backend: Backend) -> Backend:
 
 
 for _b in [*_SDPA_BACKENDS, FlexBackend(), FlashAttn2Backend(), FlashAttn3Backend(),
-           FlashAttn4Backend(), XFormersBackend(), SageAttentionBackend(), ManualBackend()]:
+           FlashAttn4Backend(), XFormersBackend(), SageAttentionBackend(), SdpaFp8Backend(), ManualBackend()]:
     register_backend(_b)
 
 

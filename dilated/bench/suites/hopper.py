@@ -14,7 +14,7 @@ from .common import jobs_of
 
 HOPPER_CLASS = ["flash_attn_3", "flash_attn_4", "sdpa_cudnn", "flex"]
 PREVIOUS_CLASS = ["flash_attn", "sdpa_flash", "manual"]
-QUANTIZED = ["sageattention"]  # forward only, not exact: its error against float64 is in each row
+QUANTIZED = ["sageattention", "sdpa_fp8"]  # forward only, not exact: its error against float64 is in each row
 
 
 @script_main
