@@ -43,8 +43,11 @@ def test_every_strategy_on_one_document_workload_under_torchrun(tmp_path):
     from test_distributed import _torchrun
 
     rows, stdout = _torchrun("benchmarks/specialized/benchmark_ring_attention.py", 4, tmp_path, "--seq-lengths",
-                             "256", "--causal", "--doc-lengths", "lognormal:32,1.0", "--num-heads", "8",
-                             "--num-kv-heads", "2", "--implementations", "ring,ring_zigzag,ulysses,hybrid,torch_cp")
+                             "256", "--causal", "--doc-lengths", "lognormal:32,1.0", "--head-shapes", "8/2/32,4/4/16",
+                             "--implementations", "ring,ring_zigzag,ulysses,hybrid,torch_cp")
+    tables = [line for line in stdout.splitlines() if line.endswith("every implementation")]
+    assert len(tables) == 2 and "H=8/2 D=32" in tables[0] + tables[1] and "H=4 D=16" in tables[0] + tables[1]
+    rows = [r for r in rows if r["config"]["num_heads"] == 8]  # the GQA shape below
     by = {r["implementation"]: r for r in rows if r.get("role") != "baseline"}
     for name in ("ring", "ring_zigzag", "ulysses", "hybrid"):
         assert by[name]["status"] == "ok" and by[name]["check"]["passed"], by[name]
@@ -85,3 +88,23 @@ def test_document_workloads_by_hand():
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_dilated_takes_any_schedule_and_world_size(world):
     mp.spawn(cp_worker.dilated_any_schedule, args=(world, _port()), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("args, says", [(["--head-shapes", "llama3-8b", "--num-heads", "8"], "give the heads one way"),
+                                        (["--head-shapes", "32/7/128"], "Hkv dividing H"),
+                                        (["--head-shapes", "32x128"], "H/Hkv/D")])
+def test_head_shapes_are_checked_before_any_work(args, says, tmp_path):
+    import subprocess
+    import sys
+
+    from test_distributed import ROOT
+
+    run = subprocess.run([sys.executable, "benchmarks/specialized/benchmark_ring_attention.py", *args],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and says in run.stderr
+
+
+def test_model_head_shapes():
+    from dilated.bench.suites.distributed import head_shapes
+
+    assert head_shapes("llama3-8b,16/16/128") == [(32, 8, 128), (16, 16, 128)]

@@ -296,7 +296,8 @@ def format_scaling(rows: list[dict], compare: bool = False) -> str:
         c = r["config"]
         if compare:
             n = c["seq_len"] if r.get("scaling") != "weak" or r.get("role") == "baseline" else r.get("tokens_per_rank")
-            groups[(c["mode"], c["causal"], r.get("scaling"), n)].append(r)
+            heads = (c["num_heads"], c.get("num_kv_heads") or c["num_heads"], c["head_dim"])
+            groups[(c["mode"], c["causal"], r.get("scaling"), n, heads)].append(r)
         else:
             groups[(r["implementation"], r["backend"], c["mode"], c["causal"])].append(r)
     out = []
@@ -304,9 +305,10 @@ def format_scaling(rows: list[dict], compare: bool = False) -> str:
             f"{'work imb':>9}{'time imb':>9}{'exposed comm':>14}{'MiB sent/rank':>15}{'peak MiB':>10}  check")
     for key, grp in groups.items():
         if compare:
-            mode, causal, scaling, n = key
+            mode, causal, scaling, n, (h, hkv, d) = key
             out += ["", f"{mode} {'causal' if causal else 'non-causal'} {scaling} scaling, "
-                        f"{'N' if scaling != 'weak' else 'N/rank'}={n}: every implementation",
+                        f"{'N' if scaling != 'weak' else 'N/rank'}={n}, H={h}{f'/{hkv}' if hkv != h else ''} D={d}: "
+                        "every implementation",
                     f"{'implementation':<26}{'backend':<16}" + head]
             order = sorted(grp, key=lambda r: (r.get("world_size", 1), (r.get("time_ms") or {}).get("median") or 1e30))
         else:

@@ -17,6 +17,31 @@ from .common import init_for_benchmark, launched_world, schedule_of, add_timeout
 DISTRIBUTED_SET = ["ring", "ring_zigzag", "distributed_dilated"]
 
 
+#: head shapes of models people train with long context: (heads, kv heads, head dim)
+MODEL_HEADS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128)}
+
+
+def head_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``16/16/128,llama3-8b`` -> ``[(16, 16, 128), (32, 8, 128)]`` (a usage error names the forms)."""
+    import argparse
+
+    shapes = []
+    for item in str(text).split(","):
+        item = item.strip().lower()
+        if item in MODEL_HEADS:
+            shapes.append(MODEL_HEADS[item])
+            continue
+        try:
+            h, hkv, d = (int(x) for x in item.split("/"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: give H/Hkv/D (e.g. 32/8/128) or one of "
+                                             f"{', '.join(MODEL_HEADS)}") from None
+        if min(h, hkv, d) <= 0 or h % hkv:
+            raise argparse.ArgumentTypeError(f"{item!r}: positive sizes with Hkv dividing H")
+        shapes.append((h, hkv, d))
+    return shapes
+
+
 def doc_spec(text: str) -> str:
     """A ``--doc-lengths`` spec, checked (a usage error names the forms)."""
     import argparse
@@ -38,6 +63,9 @@ def distributed_args(description: str, default_impls: list[str]):
                    help="strong: --seq-lengths are global N; weak: --seq-lengths are tokens per rank")
     p.add_argument("--world-sizes", type=int_list, default=None,
                    help="run on ranks 0..P-1 for each P (default: the whole launched world)")
+    p.add_argument("--head-shapes", type=head_shapes, default=None, metavar="SHAPES",
+                   help="several head shapes in one run, each H/Hkv/D or a model name: e.g. 16/16/128,llama3-8b "
+                        "(llama3-8b = 32/8/128); default: --num-heads, --num-kv-heads, --head-dim")
     p.add_argument("--doc-lengths", type=doc_spec, default=None, metavar="SPEC",
                    help="packed documents (dense attention): fixed:8k, uniform:1k-64k or lognormal:MEAN,SIGMA, drawn "
                         "with a fixed seed and packed up to N; attention and FLOPs stay within documents")
@@ -62,6 +90,9 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
         "floor": "the kernel floor is timed on one device (benchmark_implementations.py --floor)",
         "cuda_graph": "distributed rows start every call on all ranks together, which a graph replay cannot",
         "baseline": "the baseline here is the single-device run of the same problem"})
+    clash = [f"--{d.replace('_', '-')}" for d in ("num_heads", "num_kv_heads", "head_dim") if d in args.given]
+    if args.head_shapes and clash:
+        usage_error(p, f"--head-shapes and {', '.join(clash)}: give the heads one way")
     apply_quick(args, seq_lengths=[args.seq_lengths[0]], reps=3, warmup=1)
     sizes = args.world_sizes or [launched_world()]
     if any(s > launched_world() for s in sizes):
@@ -83,16 +114,18 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
             return schedule_of(args, n)
         return distributed_schedule(n)
 
+    shapes = args.head_shapes or [(args.num_heads, args.num_kv_heads or args.num_heads, args.head_dim)]
+
     def cases_for(p_, impl):
         out = []
         for n in args.seq_lengths:
             big_n = n * p_ if args.scaling == "weak" else n
             segs, dils = schedule(big_n) if impl.problem.needs_schedule else (None, None)
             docs = None if impl.problem.needs_schedule else args.doc_lengths  # documents: dense attention's
-            out += [Case(batch=args.batch_size, seq_len=big_n, num_heads=args.num_heads, head_dim=args.head_dim,
-                         num_kv_heads=args.num_kv_heads, dtype=dtype, causal=args.causal, mode=m,
+            out += [Case(batch=args.batch_size, seq_len=big_n, num_heads=h, head_dim=d,
+                         num_kv_heads=None if hkv == h else hkv, dtype=dtype, causal=args.causal, mode=m,
                          segment_lengths=segs, dilation_rates=dils, input_scale=s, documents=docs)
-                    for m in args.mode for s in args.input_scales]
+                    for h, hkv, d in shapes for m in args.mode for s in args.input_scales]
         return out
 
     def baseline_case(case, p_):
