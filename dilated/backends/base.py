@@ -99,6 +99,18 @@ def to_bhnd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+def cuda_library_reason(device: torch.device, what: str, load) -> str | None:
+    """Why a CUDA kernel library cannot run on ``device``: not a CUDA device, or ``load()`` fails
+    (an ImportError, or a broken extension raising something else); None when both pass."""
+    if device.type != "cuda":
+        return f"{what} needs a CUDA device (this is {device.type})"
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001 - whatever it raises is the reason, reported
+        return f"{what} not importable: {type(e).__name__}: {e}"
+    return None
+
+
 def needs_half(q: torch.Tensor, what: str) -> str | None:
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"{what} needs float16 or bfloat16 inputs, got {q.dtype}"

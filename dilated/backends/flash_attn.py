@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._signature import call_by_name
-from .base import Backend, needs_half
+from .base import Backend, cuda_library_reason, needs_half
 
 
 def _import():
@@ -33,13 +33,7 @@ class FlashAttn2Backend(Backend):
     native_gqa = True
 
     def unavailable_reason(self, device):
-        if device.type != "cuda":
-            return f"flash-attn needs a CUDA device (this is {device.type})"
-        try:
-            _import()
-        except Exception as e:  # ImportError, or a broken extension raising OSError/RuntimeError
-            return f"flash-attn 2 not importable: {type(e).__name__}: {e}"
-        return None
+        return cuda_library_reason(device, "flash-attn 2", _import)
 
     def input_reason(self, q, k, causal):
         if q.shape[-1] > 256 or q.shape[-1] % 8:

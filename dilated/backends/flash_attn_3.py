@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._signature import call_by_name
-from .base import Backend, needs_half
+from .base import Backend, cuda_library_reason, needs_half
 
 
 def _import():
@@ -30,12 +30,9 @@ class FlashAttn3Backend(Backend):
     native_gqa = True
 
     def unavailable_reason(self, device):
-        if device.type != "cuda":
-            return f"flash-attn 3 needs a CUDA device (this is {device.type})"
-        try:
-            _import()
-        except Exception as e:
-            return f"flash_attn_interface (flash-attn 3, hopper build) not importable: {type(e).__name__}: {e}"
+        reason = cuda_library_reason(device, "flash-attn 3 (flash_attn_interface, hopper build)", _import)
+        if reason is not None:
+            return reason
         if torch.cuda.get_device_capability(device)[0] != 9:
             return "flash-attn 3 runs on Hopper (sm90) only"
         return None

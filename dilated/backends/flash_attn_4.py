@@ -11,7 +11,7 @@ itself unavailable.
 from __future__ import annotations
 
 from ._signature import call_by_name
-from .base import Backend, needs_half
+from .base import Backend, cuda_library_reason, needs_half
 
 
 def _import():
@@ -25,13 +25,7 @@ class FlashAttn4Backend(Backend):
     native_gqa = True
 
     def unavailable_reason(self, device):
-        if device.type != "cuda":
-            return f"flash-attn 4 needs a CUDA device (this is {device.type})"
-        try:
-            _import()
-        except Exception as e:
-            return f"flash_attn.cute (flash-attn 4) not importable: {type(e).__name__}: {e}"
-        return None
+        return cuda_library_reason(device, "flash-attn 4 (flash_attn.cute)", _import)
 
     def input_reason(self, q, k, causal):
         return needs_half(q, "flash-attn 4")

@@ -12,7 +12,7 @@ signature (``tests/test_kernel_adapters.py``); not run against an install here.
 from __future__ import annotations
 
 from ._signature import call_by_name, parameters
-from .base import Backend, needs_half
+from .base import Backend, cuda_library_reason, needs_half
 
 
 def _import():
@@ -27,13 +27,7 @@ class SageAttentionBackend(Backend):
     supports_backward = False
 
     def unavailable_reason(self, device):
-        if device.type != "cuda":
-            return f"SageAttention needs a CUDA device (this is {device.type})"
-        try:
-            _import()
-        except Exception as e:
-            return f"sageattention not importable: {type(e).__name__}: {e}"
-        return None
+        return cuda_library_reason(device, "SageAttention (sageattention)", _import)
 
     def input_reason(self, q, k, causal):
         if q.shape[-1] not in (64, 96, 128):

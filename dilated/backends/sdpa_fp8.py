@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from .base import Backend, needs_half
+from .base import Backend, cuda_library_reason, needs_half
 
 E4M3_MAX = 448.0
 
@@ -58,13 +58,11 @@ class SdpaFp8Backend(Backend):
     supports_backward = False
 
     def unavailable_reason(self, device):
-        if device.type != "cuda":
-            return f"FP8 attention needs a CUDA device (this is {device.type})"
-        try:
-            _quantized()
-            from torch.nn.attention import list_flash_attention_impls
-        except ImportError as e:
-            return f"this torch has no FP8 scaled_dot_product_attention: {e}"
+        reason = cuda_library_reason(device, "FP8 attention", _quantized)  # torch's quantized SDPA
+        if reason is not None:
+            return reason
+        from torch.nn.attention import list_flash_attention_impls
+
         if "FA3" not in list_flash_attention_impls():
             return "torch's FA3 flash implementation is not registered (flash-attn 3's FP8 kernel runs the FP8 path)"
         if torch.cuda.get_device_capability(device) != (9, 0):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from .base import Backend, needs_half
+from .base import Backend, cuda_library_reason, needs_half
 
 
 def _import():
@@ -31,13 +31,7 @@ class XFormersBackend(Backend):
     native_gqa = False
 
     def unavailable_reason(self, device):
-        if device.type != "cuda":
-            return f"xformers needs a CUDA device (this is {device.type})"
-        try:
-            _import()
-        except Exception as e:
-            return f"xformers not importable: {type(e).__name__}: {e}"
-        return None
+        return cuda_library_reason(device, "xformers", _import)
 
     def input_reason(self, q, k, causal):
         return needs_half(q, "xformers")
