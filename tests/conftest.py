@@ -24,3 +24,21 @@ TOL = {torch.float64: 1e-5, torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.flo
 def rel_err(x, ref):
     x, ref = x.double(), ref.double()
     return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-3)).item()
+
+
+GPU_CASE = 1000, [128, 256, 512], [1, 2, 4]  # N, segments, dilations of the GPU checks
+
+
+def check_gpu_bf16(fn, causal, gen):
+    """``fn(q, k, v, segments, dilations)`` in bf16 on the GPU against float64: output and gradients."""
+    from dilated.reference import dilated_reference
+
+    n, segs, dils = GPU_CASE
+    q, k, v = (rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
+    out = fn(q, k, v, segs, dils)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dilated_reference(qd, kd, vd, segs, dils, causal)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
+    for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]

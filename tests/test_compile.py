@@ -2,6 +2,7 @@
 float64 reference's numbers forward and backward, with the eager and (where a C++ compiler is
 present) inductor backends; and the custom ops of :mod:`dilated.ops` pass ``torch.library.opcheck``."""
 import functools
+import gc
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 import dilated
 from dilated.reference import dense_reference, dilated_reference
 
-from conftest import TOL, rand, rel_err
+from conftest import TOL, check_gpu_bf16, rand, rel_err
 
 SEGS, DILS = [8, 16], [1, 2]
 
@@ -88,6 +89,15 @@ def test_compiled_dilated_modules(compiler, module, gen):
     _check(out, dilated_reference(*ref_in, SEGS, DILS, True), (q, k, v), ref_in, gen)
 
 
+def test_a_module_freed_between_forward_and_backward(compiler, gen):
+    """The backward needs no live module: its pattern cache only saves work."""
+    q, k, v = _qkv(gen, n=30)
+    out = compiler(dilated.ImprovedDilatedAttention(SEGS, DILS, causal=True))(q, k, v)
+    gc.collect()
+    ref_in = _double(q, k, v)
+    _check(out, dilated_reference(*ref_in, SEGS, DILS, True), (q, k, v), ref_in, gen)
+
+
 def test_compiled_multihead_layer(compiler, gen):
     layer = dilated.MultiheadDilatedAttention(64, 4, SEGS, DILS, num_kv_heads=2, causal=True)
     x = rand(2, 32, 64, gen=gen, requires_grad=True)
@@ -110,6 +120,29 @@ def test_compiled_inference_uses_the_memory_pool_and_does_not_recompile(compiler
             out = m(q, k, v)
     assert rel_err(out, dilated_reference(*(t.double() for t in (q, k, v)), [8, 16], [2, 4])) < TOL[torch.float32]
     assert pool.stats()["hits"] > 0  # the second call reused the first call's gather buffers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("module", ["improved", "dilated", "multihead"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_modules_on_the_gpu_in_bf16(compiler, module, causal, gen):
+    """The compiled modules on CUDA (Triton gather/combine, fused kernels) in bf16 against float64."""
+    def run(q, k, v, segs, dils):
+        if module == "multihead":  # identity projections: the layer's attention is the dilated one
+            h, d = q.shape[2], q.shape[3]
+            layer = dilated.MultiheadDilatedAttention(h * d, h, segs, dils, causal=causal, layer_norm=False,
+                                                      device="cuda", dtype=q.dtype)
+            with torch.no_grad():
+                for proj in (layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj):
+                    proj.weight.copy_(torch.eye(h * d))
+                    if proj.bias is not None:
+                        proj.bias.zero_()
+            out = compiler(layer)(q.flatten(2), k.flatten(2), v.flatten(2))
+            return out.view(q.shape)
+        cls = dilated.ImprovedDilatedAttention if module == "improved" else dilated.DilatedAttention
+        return compiler(cls(segs, dils, causal=causal))(q, k, v)
+
+    check_gpu_bf16(run, causal, gen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -3,9 +3,10 @@ import pytest
 import torch
 
 import dilated
+from dilated.backends import get_backend
 from dilated.reference import dilated_reference
 
-from conftest import TOL, rand, rel_err
+from conftest import GPU_CASE, TOL, check_gpu_bf16, rand, rel_err
 
 IMPLS = {"dilated": dilated.dilated_attention, "improved": dilated.improved_dilated_attention}
 CASES = [  # (N, H, Hkv, segments, dilations)
@@ -206,23 +207,10 @@ def test_multihead_layer(gen):
         dilated.MultiheadDilatedAttention(30, 4, [8], [1])
 
 
-GPU_BACKENDS = [n for n, r in dilated.available_backends("cuda").items() if r is None] if torch.cuda.is_available() else []
-
-
-GPU_CASE = 1000, [128, 256, 512], [1, 2, 4]  # N, segments, dilations of the GPU checks
-
-
-def check_gpu_bf16(fn, causal, gen):
-    """``fn(q, k, v, segments, dilations)`` in bf16 on the GPU against float64: output and gradients."""
-    n, segs, dils = GPU_CASE
-    q, k, v = (rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
-    out = fn(q, k, v, segs, dils)
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = dilated_reference(qd, kd, vd, segs, dils, causal)
-    assert rel_err(out, ref) < TOL[torch.bfloat16]
-    dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
-    for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
-        assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]
+# the backends the dilated path can run on a GPU here (quantized forward-only kernels have no backward)
+GPU_BACKENDS = [n for n, r in dilated.available_backends("cuda").items()
+                if r is None and get_backend(n, device="cuda").supports_backward] \
+    if torch.cuda.is_available() else []
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -233,7 +221,7 @@ def test_gpu_bf16_each_backend(backend, impl, causal, gen):
 
 
 @pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash", "flash_attn_4"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_in_place_calls(backend, causal, gen, monkeypatch):
     """Every r > 1 branch read in place (strided views into the kernel, no gather): bf16 against float64."""
