@@ -248,11 +248,41 @@ def test_kernel_floor_is_timed_beside_dilated_rows():
     impl = IMPLEMENTATIONS["improved"]
     case = Case(batch=1, seq_len=256, num_heads=4, head_dim=16, dtype="float32", mode="fwd_bwd",
                 segment_lengths=(64, 256), dilation_rates=(1, 4))
-    row = run_sweep([(impl, case, "auto")], RunOptions(warmup=1, reps=3, floor=True), None, "t", progress=False)[0]
+    row = run_sweep([(impl, case, "auto")], RunOptions(warmup=1, reps=3, floor=True, device="cpu"), None, "t",
+                    progress=False)[0]
     assert row["status"] == "ok" and row["check"]["passed"]
     assert row["kernel_floor_ms"]["n"] == 3 and row["floor_ratio"] > 0
     assert row["one_call_floor_ms"]["n"] == 3 and row["one_call_floor_ratio"] > 0
+    assert row["one_call_floor_step_ms"]["n"] == 3  # the step timed again, in turns with the one-call floor
     assert row["one_call_floor_calls"] == 1  # w / r = 64 in both branches: one dense call
+
+
+def test_the_kernel_floor_is_freed_before_the_one_call_floor_is_made(monkeypatch):
+    """At long lengths the step and both floors' tensors do not fit together: the kernel floor's
+    tensors are gone when the one-call floor's are made."""
+    import weakref
+
+    from dilated.bench.problems import DilatedAttention
+
+    alive = []
+    make_kernel_floor, make_one_call = DilatedAttention.kernel_floor, DilatedAttention.one_call_floor
+
+    def kernel_floor(self, *a):
+        step = make_kernel_floor(self, *a)
+        alive.append(weakref.ref(step))
+        return step
+
+    def one_call_floor(self, *a):
+        assert alive and alive[-1]() is None, "the kernel floor is still held"
+        return make_one_call(self, *a)
+
+    monkeypatch.setattr(DilatedAttention, "kernel_floor", kernel_floor)
+    monkeypatch.setattr(DilatedAttention, "one_call_floor", one_call_floor)
+    case = Case(batch=1, seq_len=256, num_heads=4, head_dim=16, dtype="float32", mode="fwd",
+                segment_lengths=(64, 256), dilation_rates=(1, 4))
+    row = run_sweep([(IMPLEMENTATIONS["improved"], case, "auto")], RunOptions(warmup=1, reps=2, floor=True, device="cpu"),
+                    None, "t", progress=False)[0]
+    assert row["status"] == "ok" and row["one_call_floor_ms"]["n"] == 2, row.get("error")
 
 
 @pytest.mark.parametrize("segs, dils, calls", [((64, 256), (1, 4), 1), ((64, 256), (1, 2), 2),
@@ -295,8 +325,8 @@ def test_settle_pause_and_gpu_state(monkeypatch):
     monkeypatch.setattr(runner.time, "sleep", slept.append)
     case = Case(batch=1, seq_len=128, num_heads=2, head_dim=8, dtype="float32", mode="fwd",
                 segment_lengths=(32, 128), dilation_rates=(1, 2))
-    row = run_sweep([(IMPLEMENTATIONS["improved"], case, "auto")], RunOptions(warmup=1, reps=3, settle_s=2.0), None, "t",
-                    progress=False)[0]
+    row = run_sweep([(IMPLEMENTATIONS["improved"], case, "auto")], RunOptions(warmup=1, reps=3, settle_s=2.0, device="cpu"),
+                    None, "t", progress=False)[0]
     assert row["status"] == "ok" and slept == [2.0] and "gpu_state" not in row
 
 

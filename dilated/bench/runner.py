@@ -193,23 +193,20 @@ class _RowRun:
         return first_ms
 
     def time_calls(self, first_ms: float) -> tuple[list[list[float]], bool]:
-        """The timed calls (with ``--floor``, in turns with the kernel floor). Returns the samples
-        of each timed step and whether the output and gradients the last call left are the step's
+        """The timed calls (with ``--floor``, in turns with each floor). Returns the samples of
+        each timed step and whether the output and gradients the last call left are the step's
         own (then the check reads them: the result checked is the one timed)."""
         opts, device, impl, ranks = self.opts, self.device, self.impl, self.ranks
         timed_setup = ranks.guard(self.setup)
         if self.spread:  # ranks start each call together (a rank that failed still joins the barrier)
             timed_setup = (lambda: (ranks.guard(self.setup)(), impl.before_call())) if self.setup else impl.before_call
-        # the first call was the first warm-up call; with --floor the kernel floor is timed in turns
-        # with the step (dilated.bench.floor), so that the ratio is not the machine's drift
+        # the first call was the first warm-up call; with --floor each floor is timed in turns with
+        # the step (dilated.bench.floor), so that its ratio is not the machine's drift; the two floors
+        # take turns with the step one after the other, each freed before the next is built (at long
+        # lengths the step and both floors' tensors do not fit together)
         timed = [(ranks.guard(self.step), timed_setup)]
         floor = impl.problem.kernel_floor(self.inputs, self.case, self.backend) if opts.floor and not self.spread \
             else None
-        if floor is not None:
-            timed.append((floor, None))
-            one_call, shapes = impl.problem.one_call_floor(self.inputs, self.case, self.backend)
-            timed.append((one_call, None))
-            self.row["one_call_floor_calls"] = len(shapes)
         if opts.settle_s > 0:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -222,21 +219,33 @@ class _RowRun:
             return wants > 0 and failed == 0
 
         graphed = opts.cuda_graph and self.case.mode == "fwd" and timed_setup is None
-        if opts.budget_s is not None and first_ms > 1e3 * opts.budget_s and len(timed) == 1 and not graphed:
-            runs = [[first_ms]]  # one call took longer than the row's budget: it is the row's one sample
-            self.row["time_note"] = (f"one call ({first_ms / 1e3:.1f} s, its first) exceeded --time-budget "
-                                     f"{opts.budget_s:g} s: the only sample, not warmed up")
-        else:
-            runs = measure_side_by_side(timed, device, warmup=max(0, opts.warmup - 1), reps=opts.reps,
+
+        def in_turns(steps):
+            return measure_side_by_side(steps, device, warmup=max(0, opts.warmup - 1), reps=opts.reps,
                                         budget_s=opts.budget_s, flush_l2=opts.flush_l2,
                                         warmup_s=steady if opts.warmup_s is None else opts.warmup_s,
                                         rep_s=steady if opts.rep_s is None else opts.rep_s,
                                         agree=agree if self.collective else None, cuda_graph=graphed)
+
+        if opts.budget_s is not None and first_ms > 1e3 * opts.budget_s and floor is None and not graphed:
+            runs = [[first_ms]]  # one call took longer than the row's budget: it is the row's one sample
+            self.row["time_note"] = (f"one call ({first_ms / 1e3:.1f} s, its first) exceeded --time-budget "
+                                     f"{opts.budget_s:g} s: the only sample, not warmed up")
+        elif floor is None:
+            runs = in_turns(timed)
+        else:  # [step, kernel floor, step, one-call floor]
+            runs = in_turns(timed + [(floor, None)])
+            floor = None  # its tensors are freed before the one-call floor's are made
+            one_call = impl.problem.one_call_floor(self.inputs, self.case, self.backend)
+            if one_call is not None:
+                runs += in_turns(timed + [(one_call[0], None)])
+                self.row["one_call_floor_calls"] = len(one_call[1])
+                one_call = None
         ranks.settle("timed calls done")
         if state_before is not None:  # the GPU's clocks and temperature before and after the timed calls
             self.row["gpu_state"] = {"before": state_before, "after": envmod.gpu_state(device),
                                      "settle_s": opts.settle_s}
-        return runs, len(timed) == 1 and not graphed
+        return runs, len(runs) == 1 and not graphed
 
     def record_speed(self, runs) -> float:
         """Time, FLOP/s, throughput, bandwidth and the floor ratio; returns seconds per call."""
@@ -257,9 +266,10 @@ class _RowRun:
         if len(runs) > 1:
             floor = summarize(runs[1])
             row["kernel_floor_ms"], row["floor_ratio"] = floor, t["median"] / floor["median"]
-        if len(runs) > 2:
-            one = summarize(runs[2])
-            row["one_call_floor_ms"], row["one_call_floor_ratio"] = one, t["median"] / one["median"]
+        if len(runs) > 2:  # the step timed again, in turns with the one-call floor
+            again, one = summarize(runs[2]), summarize(runs[3])
+            row["one_call_floor_ms"], row["one_call_floor_ratio"] = one, again["median"] / one["median"]
+            row["one_call_floor_step_ms"] = again
         return sec
 
     def record_comm(self, seconds_per_call: float) -> None:
