@@ -198,8 +198,14 @@ def test_sageattention_serves_dense_forward_and_says_when_it_cannot(version, mon
     from dilated.functional import attention_forward
 
     monkeypatch.setattr(sage_mod, "_import", lambda: sage1_sageattn if version == "1.0.6" else sage2_sageattn)
+    monkeypatch.setattr(sage_mod, "_version", lambda: version)
     backend = sage_mod.SageAttentionBackend()
     q, k, v = (rand(1, 32, 2, 64, gen=gen) for _ in range(3))
+    # 1.0.6's non-causal kernel counts padded keys (a partial last block of 64): refused with the reason
+    ragged = backend.input_reason(q.half(), k[:, :31].half(), False)
+    assert (ragged is not None and "multiple of 64" in ragged) == (version == "1.0.6")
+    assert backend.input_reason(q.half(), torch.cat([k, k], 1).half(), False) is None
+    assert backend.input_reason(q.half(), k[:, :31].half(), True) is None  # its causal kernel masks them
     for causal in (False, True):
         out, _ = attention_forward(backend, q, k, v, causal, 0.125, need_lse=False)
         assert rel_err(out, dense_reference(q, k, v, causal=causal, scale=0.125)[0]) < 1e-5
@@ -212,7 +218,7 @@ def test_sageattention_serves_dense_forward_and_says_when_it_cannot(version, mon
         out, lse = attention_forward(backend, q[:, :8], k, v, True, 0.125)
         ref, ref_lse = dense_reference(q[:, :8], k, v, causal=True, scale=0.125)
         assert rel_err(out, ref) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
-    assert backend.input_reason(q.half(), k, False) is None and "head_dim" in backend.input_reason(q[..., :32], k, False)
+    assert backend.input_reason(q.half(), k, True) is None and "head_dim" in backend.input_reason(q[..., :32], k, True)
     with pytest.raises(dilated.BackendUnavailableError):  # on CPU it says why (a CUDA device)
         dilated.attention(q, k, v, backend="sageattention")
 

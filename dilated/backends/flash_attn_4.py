@@ -30,6 +30,12 @@ class FlashAttn4Backend(Backend):
     def input_reason(self, q, k, causal):
         return needs_half(q, "flash-attn 4")
 
+    def reads_strided_rows(self, q, k, causal):
+        # its interface keeps any layout whose last dim is contiguous and whose other strides and
+        # pointer are 16-byte aligned (flash_attn.cute.cute_dsl_utils.maybe_contiguous), and copies
+        # the rest: dilated rows are read where they lie when head_dim * itemsize is a multiple of 16
+        return q.device.type == "cuda" and (q.shape[-1] * q.element_size()) % 16 == 0
+
     def forward(self, q, k, v, causal, scale):
         fa4 = _import()
         out, lse = call_by_name(fa4._flash_attn_fwd, dict(

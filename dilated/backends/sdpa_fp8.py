@@ -12,6 +12,7 @@ stand-in of the quantized function (``tests/test_kernel_adapters.py``); not run 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 
 import torch
 
@@ -65,6 +66,9 @@ class SdpaFp8Backend(Backend):
 
         if "FA3" not in list_flash_attention_impls():
             return "torch's FA3 flash implementation is not registered (flash-attn 3's FP8 kernel runs the FP8 path)"
+        if importlib.util.find_spec("flash_attn_interface") is None:
+            return ("torch runs FP8 attention on flash-attn 3's kernel, and flash-attn 3 (flash_attn_interface, "
+                    "the hopper build) is not installed")
         if torch.cuda.get_device_capability(device) != (9, 0):
             return "flash-attn 3's FP8 forward runs on Hopper (sm90) only"
         return None
