@@ -52,7 +52,8 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "triton": _version("triton"),
-        "flash_attn": _version("flash_attn"),
+        # flash-attn 4 installs a flash_attn namespace of its own: flash-attn 2 by its distribution
+        "flash_attn": _distribution_version("flash-attn"),
         "flash_attn_3": _version("flash_attn_interface"),
         "xformers": _version("xformers"),
         "flash_attn_4": _distribution_version("flash-attn-4"),
