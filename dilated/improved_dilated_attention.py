@@ -11,15 +11,20 @@
   1/r of the rows) and :func:`dilated.rows.combine` writes their log-sum-exp mixture in one
   pass, each result row once, in the output dtype (on CUDA one Triton kernel; no float32
   accumulator, no per-branch strided merge). The result overwrites the r = 1 branch's output.
+  Where the calls' outputs would not fit together in the device's free memory, each call is
+  merged into the result as it finishes and freed (the same kernel, the result read and written
+  once per call): longer sequences in the same memory, at some speed (:func:`merges_as_it_goes`).
 * Backward is a custom autograd Function: each call's kernel backward gets the *merged* output
   and lse gathered to its rows, which yields the exact gradient of the mixed attention, mixing
-  weights included; the calls' gradients are summed by the same combine (a plain sum).
+  weights included; the calls' gradients are summed by the same combine (a plain sum), or added
+  call by call where they would not fit together.
 * A :class:`~dilated.pattern_cache.PatternCache` keeps per-shape plans; an optional
   :class:`~dilated.memory_pool.MemoryPool` reuses the gather buffers.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -28,11 +33,11 @@ from ._checks import acc_dtype, check_causal, check_scale, check_schedule, dense
 from .backends import get_backend
 from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
-from .rows import combine, gather, merged_lse_for
+from .rows import add_call, combine, combines_on_triton, gather, merge_call, merged_lse_for
 from .ops import dilated_forward_op
 from .memory_pool import MemoryPool
 from .pattern_cache import PatternCache
-from .plan import AttentionSpec, plan_for
+from .plan import AttentionSpec, KernelCall, plan_for
 
 
 def _covering_part(plan, parts, shape):
@@ -50,38 +55,144 @@ def _result(plan, parts, like: torch.Tensor, dtype) -> torch.Tensor:
     return out if out is not None else torch.empty(like.shape, dtype=dtype, device=like.device)
 
 
+def _covered_pairs(c: KernelCall, h: int) -> int:
+    """(row, head) pairs of one call's output per batch entry."""
+    if c.mode == "view":
+        return c.count * c.length * h
+    if c.mode == "diag":
+        return c.count * c.length * (h // c.r)
+    return c.count * len(range(c.first_row, c.length, c.r)) * len(range(c.offset, h, c.r))
+
+
+#: below this many bytes of call outputs the fast path never asks the device for its free memory
+LEAN_MIN_BYTES = 1 << 30
+#: the fast path's calls need more than their outputs (kernel workspaces, a backward's float32
+#: accumulators): it is taken only where the outputs fit this many times over
+LEAN_MARGIN = 1.5
+#: merged as they go, calls are cut into pieces of at most this share of the result's rows
+PIECE_SHARE = 1 / 32
+
+
+def merges_as_it_goes(x: torch.Tensor, plan, tensors: int) -> bool:
+    """Whether to merge the calls' outputs into the result as they are computed instead of keeping
+    every call's output for one combine: where ``tensors`` outputs per call (1 forward, 3
+    backward: dq, dk, dv) would not fit in what the device has free. The fast path holds the
+    calls' outputs together (about twice the result); merging as it goes holds one piece of a
+    call at a time (:func:`pieces`), and reads and writes the result's rows once per piece
+    (slower)."""
+    if x.device.type != "cuda":
+        return False
+    b, _, h, d = x.shape
+    need = tensors * b * d * x.element_size() * sum(_covered_pairs(c, h) for c in plan)
+    if need < LEAN_MIN_BYTES:
+        return False
+    free = torch.cuda.mem_get_info(x.device)[0]
+    cached = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
+    return LEAN_MARGIN * need > free + cached
+
+
+def pieces(plan, n: int, h: int):
+    """The calls of ``plan`` cut into consecutive runs of segments, each covering at most
+    :data:`PIECE_SHARE` of the ``n * h`` (row, head) pairs (at least one segment): a piece's
+    output, gradients and kernel workspace stay small beside the result."""
+    most = max(1, int(n * h * PIECE_SHARE))
+    for c in plan:
+        step = max(1, most // max(1, _covered_pairs(replace(c, count=1), h)))
+        for i in range(0, c.count, step):
+            yield replace(c, start=c.start + i * c.length, count=min(step, c.count - i))
+
+
+def _rebased(c: KernelCall) -> tuple[slice, KernelCall]:
+    """The rows ``c`` spans, and ``c`` relative to them."""
+    return slice(c.start, c.start + c.count * c.length), replace(c, start=0)
+
+
 def forward_calls(qkv, plan, spec: AttentionSpec, *, pool=None, dtype=None, extra=None, with_lse=True):
     """Run the kernel calls of ``plan`` on ``qkv = (q, k, v)``; return their mixture ``out``
     (``dtype``, default q's) and its lse in row layout (``[B, N, H]``, float32 or float64; None
-    unless ``with_lse``), both written by one :func:`combine`. ``extra``: ``(calls, outputs, lses)``
-    computed elsewhere, mixed in by the same combine."""
+    unless ``with_lse``), both written by one :func:`combine`, or merged call by call where the
+    calls' outputs would not fit together (:func:`merges_as_it_goes`). ``extra``: ``(calls,
+    outputs, lses)`` computed elsewhere, mixed in by the same combine."""
     q, k, v = qkv
+    if extra is None and merges_as_it_goes(q, plan, 1):
+        return _forward_merging(qkv, plan, spec, pool, dtype or q.dtype, with_lse)
     calls, parts, lses = (list(x) for x in extra) if extra else ([], [], [])
-    for c in plan:
-        (qb, kb, vb), bufs = gather(c, (q, k, v), (False, True, True), pool)
-        o, lse = attention_forward(spec.backend, qb, kb, vb, spec.causal, spec.scale)
+    for c, o, lse in _forward_each(qkv, plan, spec, pool):
         calls.append(c)
         parts.append(o)
         lses.append(lse)
-        del qb, kb, vb  # free this branch's inputs before the next branch allocates its own
-        for buf in bufs:
-            pool.release(buf)
     out = _result(calls, parts, q, dtype or q.dtype)
     out_lse = torch.empty(q.shape[:3], device=q.device, dtype=acc_dtype(q.dtype)) if with_lse else None
     return combine(calls, parts, lses, out, out_lse), out_lse
 
 
-def backward_calls(qkv, plan, spec: AttentionSpec, out, lse_rows, dout, *, dtype=None):
-    """Each call's kernel backward, given the *merged* out and lse, summed into ``dq, dk, dv``
-    (``dtype``, default the inputs')."""
+def _forward_each(qkv, plan, spec: AttentionSpec, pool):
+    """``(call, output, lse)`` of each call of ``plan``, one after the other."""
     q, k, v = qkv
-    grads = ([], [], [])
+    for c in plan:
+        (qb, kb, vb), bufs = gather(c, (q, k, v), (False, True, True), pool)
+        o, lse = attention_forward(spec.backend, qb, kb, vb, spec.causal, spec.scale)
+        del qb, kb, vb  # free this branch's inputs before the next branch allocates its own
+        for buf in bufs:
+            pool.release(buf)
+        yield c, o, lse
+        del o, lse  # the caller decides what to keep: merged as it goes, each is freed before the next
+
+
+def _forward_merging(qkv, plan, spec: AttentionSpec, pool, dtype, with_lse):
+    """:func:`forward_calls`, the calls cut into pieces (:func:`pieces`), each piece merged into
+    the result over the rows it spans as it finishes."""
+    q = qkv[0]
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    lse_rows = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=acc_dtype(q.dtype))
+    for c, o, lse in _forward_each(qkv, list(pieces(plan, q.shape[1], q.shape[2])), spec, pool):
+        span, c = _rebased(c)
+        merge_call(out[:, span], lse_rows[:, span], c, o, lse)
+        del o, lse
+    return out, (lse_rows if with_lse else None)
+
+
+def _backward_each(qkv, plan, spec: AttentionSpec, out, lse_rows, dout):
+    """``(call, (dq, dk, dv))`` of each call of ``plan``: its kernel backward given the merged
+    out and lse."""
+    q, k, v = qkv
     for c in plan:
         (qb, kb, vb, ob, dob), _ = gather(c, (q, k, v, out, dout), (False, True, True, False, False))
         g = attention_backward(spec.backend, dob, qb, kb, vb, ob, merged_lse_for(lse_rows, c), spec.causal, spec.scale)
+        del qb, kb, vb, ob, dob
+        yield c, g
+        del g
+
+
+def _backward_adding(qkv, plan, spec: AttentionSpec, out, lse_rows, dout, dtype):
+    """:func:`backward_calls`, the calls cut into pieces (:func:`pieces`), each piece's gradients
+    added into ``dq, dk, dv`` over the rows it spans as they come."""
+    q = qkv[0]
+    sums = [torch.zeros(x.shape, dtype=dtype or x.dtype, device=x.device) for x in qkv]
+    for c, g in _backward_each(qkv, list(pieces(plan, q.shape[1], q.shape[2])), spec, out, lse_rows, dout):
+        span, c = _rebased(c)
+        for i, gi in enumerate(g):
+            acc = sums[i][:, span]
+            if combines_on_triton([c], [gi], acc, kv=i > 0):  # one pass: the sum's rows read and written once
+                combine([KernelCall(0, 1, acc.shape[1], 1, "view"), c], [acc, gi], None, acc)
+            else:
+                add_call(acc, c, gi, kv=i > 0)
+        del g
+    return tuple(sums)
+
+
+def backward_calls(qkv, plan, spec: AttentionSpec, out, lse_rows, dout, *, dtype=None):
+    """Each call's kernel backward, given the *merged* out and lse, summed into ``dq, dk, dv``
+    (``dtype``, default the inputs'), by one combine per gradient, or call by call where the
+    calls' gradients would not fit together (:func:`merges_as_it_goes`)."""
+    if merges_as_it_goes(qkv[0], plan, 3):
+        return _backward_adding(qkv, plan, spec, out, lse_rows, dout, dtype)
+    grads = ([], [], [])
+    for _, g in _backward_each(qkv, plan, spec, out, lse_rows, dout):
         for acc, gi in zip(grads, g):
             acc.append(gi)
-        del g, qb, kb, vb, ob, dob
+        del g
+    q, k, v = qkv
     result = []
     for i, x in enumerate((q, k, v)):
         parts = grads[i]

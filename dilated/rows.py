@@ -129,12 +129,42 @@ def combine(plan, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None =
     ``kv``: the parts are k/v gradients (GQA calls scatter them to their kv heads). Rows no call
     covers get 0 (and lse ``-inf``). Returns ``out``.
     """
-    gqa = kv and any(c.kv_heads is not None for c in plan)
-    if triton_enabled(out.device) and not gqa and out.dtype != torch.float64 and all(p.stride(-1) == 1 for p in parts):
+    if combines_on_triton(plan, parts, out, kv):
         _combine_triton(plan, parts, lses, out, out_lse)
     else:
         _combine_torch(plan, parts, lses, out, out_lse, kv)
     return out
+
+
+def combines_on_triton(plan, parts, out: torch.Tensor, kv: bool = False) -> bool:
+    """Whether :func:`combine` runs the Triton kernel (one pass, any part may be ``out`` itself)
+    rather than torch operations (which accumulate apart from the parts)."""
+    gqa = kv and any(c.kv_heads is not None for c in plan)
+    return triton_enabled(out.device) and not gqa and out.dtype != torch.float64 \
+        and all(p.stride(-1) == 1 for p in parts)
+
+
+def add_call(acc: torch.Tensor, c: KernelCall, g: torch.Tensor, kv: bool = False) -> None:
+    """Add call ``c``'s part ``g`` (kernel shape) into its rows of ``acc`` in place (GQA kv
+    gradients to their kv heads)."""
+    if kv and c.kv_heads is not None:
+        view = branch_view(acc, c, heads=False)
+        view.index_add_(3, c.kv_heads, g.reshape(*view.shape[:3], -1, acc.shape[-1]).to(acc.dtype))
+    else:
+        view = branch_view(acc, c)
+        view.add_(g.reshape(view.shape))
+
+
+def merge_call(out: torch.Tensor, out_lse: torch.Tensor, c: KernelCall, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge call ``c``'s result (``o`` in kernel shape, its kernel lse) into its rows of ``out``
+    and their lse ``out_lse`` (``[B, N, H]``) in place, where ``out`` holds the mixture of the
+    calls merged so far (0 and ``-inf`` where none covered a row yet)."""
+    if combines_on_triton([c], [o], out):  # one pass; out is the first part (it covers every row)
+        whole = KernelCall(0, 1, out.shape[1], 1, "view")
+        _combine_triton([whole, c], [out, o], [out_lse.transpose(1, 2), lse], out, out_lse)
+    else:
+        rows, view = branch_view(out_lse, c), branch_view(out, c)
+        merge_(view, rows, o.reshape(view.shape), lse.transpose(1, 2).reshape(rows.shape))
 
 
 def _shares_memory(a: torch.Tensor, parts) -> bool:
@@ -148,12 +178,7 @@ def _combine_torch(plan, parts, lses, out, out_lse, kv):
     acc = out.zero_() if own else out.new_zeros(out.shape, dtype=acc_type)
     if lses is None:
         for c, g in zip(plan, parts):
-            if kv and c.kv_heads is not None:
-                view = branch_view(acc, c, heads=False)
-                view.index_add_(3, c.kv_heads, g.reshape(*view.shape[:3], -1, d).to(acc.dtype))
-            else:
-                view = branch_view(acc, c)
-                view.add_(g.reshape(view.shape))
+            add_call(acc, c, g, kv)
     else:
         acc_lse = (out_lse if out_lse is not None else out.new_empty(out.shape[:3], dtype=acc_type)).fill_(
             float("-inf"))

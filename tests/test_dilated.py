@@ -63,6 +63,67 @@ def test_improved_in_place_matches_reference(case, causal, batch, gen, monkeypat
         assert rel_err(g, rg) < 2 * TOL[torch.float32]
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}H{c[1]}kv{c[2]}w{c[3]}r{c[4]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_improved_merging_as_it_goes_matches_reference(case, dtype, in_place, gen, monkeypatch):
+    """Where the calls' outputs do not fit together, each call is merged into the result as it
+    finishes (forward) and each call's gradients added as they come (backward): forward and
+    gradients against float64, causal, gathered and in-place plans; the calls' outputs are freed
+    as they go."""
+    import importlib
+    import weakref
+
+    from dilated.backends.sdpa import SDPABackend
+
+    ida = importlib.import_module("dilated.improved_dilated_attention")  # the module, not its function
+
+    monkeypatch.setattr(ida, "merges_as_it_goes", lambda x, plan, tensors: True)
+    if in_place:
+        monkeypatch.setattr(SDPABackend, "reads_strided_rows", lambda self, q, k, causal: True)
+        monkeypatch.setattr("dilated.plan.in_place_min_tiles", lambda device: 0)
+    held = []
+    each = ida._forward_each
+
+    def tracked(*a):
+        for c, o, lse in each(*a):
+            assert all(r() is None for r in held[:-1]), "an earlier call's output is still held"
+            held.append(weakref.ref(o))
+            yield c, o, lse
+
+    monkeypatch.setattr(ida, "_forward_each", tracked)
+    n, h, hkv, segs, dils = case
+    q, k, v = (rand(1, n, x, 16, gen=gen, dtype=dtype, requires_grad=True) for x in (h, hkv, hkv))
+    out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=True, backend="sdpa")
+    assert out.dtype == dtype and len(held) > 0
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dilated_reference(qd, kd, vd, segs, dils, True)
+    assert rel_err(out, ref) < TOL[dtype]
+    dout = rand(1, n, h, 16, gen=gen, dtype=dtype)
+    for name, g, rg in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                           torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert g.dtype == dtype and rel_err(g, rg) < 2 * TOL[dtype], f"d{name}"
+
+
+def test_pieces_cover_the_plan_in_small_runs():
+    """Merged as they go, calls are cut into runs of whole segments: together exactly the plan's
+    segments, each run within its share of the rows unless it is one segment."""
+    import importlib
+
+    from dilated.plan import build_plan
+
+    ida = importlib.import_module("dilated.improved_dilated_attention")
+    n, h = 4096 + 96, 8
+    plan = build_plan(n, h, h, [64, 256, 1024], [1, 2, 4], "cpu")
+    cut = list(ida.pieces(plan, n, h))
+
+    def segments(calls):
+        return sorted((c.mode, c.r, c.offset, c.length, c.start + s * c.length) for c in calls for s in range(c.count))
+
+    assert segments(cut) == segments(plan) and len(cut) > 3 * len(plan)
+    assert all(c.count == 1 or ida._covered_pairs(c, h) <= n * h * ida.PIECE_SHARE for c in cut)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_in_place_calls_over_several_segments(causal, gen, monkeypatch):
     """In-place plans whose r > 1 branches span several segments: one call per segment holding all
