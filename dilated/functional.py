@@ -163,7 +163,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
 
         if varlen_reason(q, k, v, backend) is None:  # the kernel's own varlen entry point
             q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
-            out, lse = varlen_attention(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), causal, scale)
+            out, lse = varlen_attention(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), causal, scale, backend)
         else:
             out, lse = packed_attention(q, k, v, cu_seqlens, lambda a, b_, c: attention(
                 a, b_, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)

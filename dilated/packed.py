@@ -2,9 +2,10 @@
 (int32 ``[0, l_0, l_0 + l_1, ..., N]``, the flash-attn varlen convention). Attention never crosses
 a document boundary; causal applies within each document.
 
-On CUDA, with ``backend="auto"`` and half-precision inputs, documents go to torch's own varlen
-flash kernel (``torch.nn.attention.varlen.varlen_attn``) in one call over all of them, where the
-installed torch has it. Elsewhere, documents run in batched kernel calls, not one call per document: non-causal documents of one
+On CUDA, with half-precision inputs, documents go to a kernel's own varlen entry point in one
+call over all of them: torch's varlen flash kernel (``torch.nn.attention.varlen.varlen_attn``,
+where the installed torch has it) with ``backend="auto"``, flash-attn 4's
+``flash_attn_varlen_func`` with ``backend="flash_attn_4"``. Elsewhere, documents run in batched kernel calls, not one call per document: non-causal documents of one
 length share a call (their batch is the number of such documents); causal ones are padded at
 their end to a bucket length (four buckets per octave, so at most a quarter of a call is padding)
 and share the bucket's call. Padding at the end is exact under causality: a real query sees only
@@ -97,26 +98,60 @@ def varlen_kernel():
 
 
 def varlen_reason(q, k, v, backend: str) -> str | None:
-    """Why packed documents do not go to torch's varlen kernel here, or None."""
-    if backend != "auto":
-        return f"backend {backend!r} asked for by name"
+    """Why packed documents do not go to a kernel's own varlen entry point here (torch's varlen
+    kernel for ``auto``, flash-attn 4's ``flash_attn_varlen_func`` for ``flash_attn_4``), or None."""
+    if backend not in ("auto", "flash_attn_4"):
+        return (f"backend {backend!r} asked for by name (torch's varlen kernel serves 'auto', flash-attn 4's "
+                "'flash_attn_4')")
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return "torch's varlen kernel is flash attention: CUDA and float16/bfloat16 only"
+        return "the varlen kernels are flash attention: CUDA and float16/bfloat16 only"
     if q.shape[-1] > 256 or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:
         return "flash attention needs one head_dim, a multiple of 8 up to 256"
+    if backend == "flash_attn_4":
+        from .backends import backend_reason
+
+        return backend_reason("flash_attn_4", q.device)
     if varlen_kernel() is None:
         return "this torch has no torch.nn.attention.varlen"
     return None
 
 
-def varlen_attention(q, k, v, cu: list[int], causal: bool, scale: float):
-    """``(out, lse)`` of the packed documents by one call of torch's varlen kernel over every
-    batch row's documents (the rows are packed one after another). Differentiable."""
+def varlen_attention(q, k, v, cu: list[int], causal: bool, scale: float, backend: str = "auto"):
+    """``(out, lse)`` of the packed documents by one call of a varlen kernel (torch's for
+    ``auto``, flash-attn 4's for ``flash_attn_4``) over every batch row's documents (the rows
+    are packed one after another). Differentiable."""
+    b, n, h, d = q.shape
+    starts = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    cu_all = torch.cat([starts[:-1] + i * n for i in range(b)] + [starts[-1:] + (b - 1) * n])
+    longest = max(e - s for s, e in zip(cu, cu[1:]))
+    packed = q.reshape(b * n, h, d), k.reshape(b * n, k.shape[2], d), v.reshape(b * n, v.shape[2], d)
+    if backend == "flash_attn_4":
+        out, lse = _flash_attn_4_varlen(*packed, cu_all, longest, causal, scale)  # lse [H, T]
+        return out.reshape(b, n, h, d), lse.reshape(h, b, n).transpose(0, 1).float()
+    out, lse = _torch_varlen(*packed, cu_all, longest, causal, scale)
+    if lse.shape == (h, b * n) and lse.shape != (b * n, h):  # [H, T] in releases that return it so
+        lse = lse.transpose(0, 1)
+    return out.reshape(b, n, h, d), lse.reshape(b, n, h).transpose(1, 2).float()
+
+
+def _flash_attn_4_varlen(q, k, v, cu_all, longest: int, causal: bool, scale: float):
+    """flash-attn 4's ``flash_attn_varlen_func`` (an autograd Function; GQA native): ``(out [T, H, D],
+    lse [H, T])``."""
+    from .backends._signature import call_by_name
+    from .backends.flash_attn_4 import _import
+
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_all, cu_seqlens_k=cu_all, max_seqlen_q=longest,
+                max_seqlen_k=longest, softmax_scale=scale, causal=causal, return_lse=True)
+    return call_by_name(_import().flash_attn_varlen_func, args, required=tuple(args))[:2]
+
+
+def _torch_varlen(q, k, v, cu_all, longest: int, causal: bool, scale: float):
+    """torch's ``varlen_attn`` over packed ``[T, H, D]`` rows: ``(out, lse)`` (lse ``[T, H]`` or
+    ``[H, T]``, by release)."""
     from .backends._signature import parameters
 
     varlen_attn, aux_request = varlen_kernel()
-    b, n, h, d = q.shape
-    hkv = k.shape[2]
+    h, d = q.shape[1], q.shape[2]
     params = parameters(varlen_attn)
     kwargs = {"return_aux": aux_request(lse=True)}
     if "scale" in params:
@@ -129,16 +164,9 @@ def varlen_attention(q, k, v, cu: list[int], causal: bool, scale: float):
         kwargs["is_causal"] = causal
     else:
         raise NotImplementedError("this torch's varlen_attn takes neither window_size nor is_causal")
-    if hkv != h:
+    if k.shape[1] != h:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         else:
-            k, v = (x.repeat_interleave(h // hkv, 2) for x in (k, v))
-    starts = torch.tensor(cu, dtype=torch.int32, device=q.device)
-    cu_all = torch.cat([starts[:-1] + i * n for i in range(b)] + [starts[-1:] + (b - 1) * n])
-    longest = max(e - s for s, e in zip(cu, cu[1:]))
-    out, lse = varlen_attn(q.reshape(b * n, h, d), k.reshape(b * n, k.shape[2], d), v.reshape(b * n, v.shape[2], d),
-                           cu_all, cu_all, longest, longest, **kwargs)
-    if lse.shape == (h, b * n) and lse.shape != (b * n, h):  # [H, T] in releases that return it so
-        lse = lse.transpose(0, 1)
-    return out.reshape(b, n, h, d), lse.reshape(b, n, h).transpose(1, 2).float()
+            k, v = (x.repeat_interleave(h // k.shape[1], 1) for x in (k, v))
+    return varlen_attn(q, k, v, cu_all, cu_all, longest, longest, **kwargs)

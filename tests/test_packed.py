@@ -122,9 +122,56 @@ def test_packed_documents_through_torch_varlen_kernel(newer, causal, monkeypatch
         assert rel_err(g, rg) < 4e-4, f"d{name}"
 
 
+def _fa4_varlen_standin(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
+                        softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0,
+                        num_splits=1, pack_gqa=None, deterministic=False, return_lse=False, **more):
+    """A CPU stand-in for flash-attn 4's ``flash_attn_varlen_func`` (flash_attn/cute/interface.py,
+    4.0.0b36: packed ``[T, H, D]`` rows, GQA native, returns ``(out, lse [H, T])``): each document
+    computed alone in float64 (differentiable)."""
+    assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k) and return_lse
+    cu = cu_seqlens_q.tolist()
+    assert max_seqlen_q == max_seqlen_k == max(b - a for a, b in zip(cu, cu[1:]))
+    g = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for a, b in zip(cu, cu[1:]):
+        kk, vv = (x[a:b].repeat_interleave(g, 1) for x in (k, v))
+        o, l = dense_reference(q[None, a:b], kk[None], vv[None], causal=causal, scale=softmax_scale)
+        outs.append(o[0].to(q.dtype))
+        lses.append(l[0])
+    return torch.cat(outs), torch.cat(lses, 1).float()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_documents_through_flash_attn_4_varlen(causal, monkeypatch, gen):
+    """``backend="flash_attn_4"`` sends packed documents to flash-attn 4's own varlen entry point
+    (one call, lse ``[H, T]`` back to ``[B, H, N]``): against float64, forward and gradients."""
+    import types
+
+    from dilated import packed
+    from dilated.backends import flash_attn_4
+
+    monkeypatch.setattr(flash_attn_4, "_import", lambda: types.SimpleNamespace(flash_attn_varlen_func=_fa4_varlen_standin))
+    monkeypatch.setattr(packed, "varlen_reason", lambda q, k, v, backend: None)
+    monkeypatch.setattr(packed, "varlen_kernel", lambda: pytest.fail("torch's varlen kernel was called"))
+    cu = DOCS["varied"]
+    q = rand(2, 40, 4, 8, gen=gen, requires_grad=True)
+    k, v = rand(2, 40, 2, 8, gen=gen, requires_grad=True), rand(2, 40, 2, 8, gen=gen, requires_grad=True)
+    out, lse = dilated.attention(q, k, v, causal=causal, return_lse=True, backend="flash_attn_4",
+                                 cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _per_document(qd, kd, vd, cu, causal)
+    assert lse.shape == (2, 4, 40) and rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
+    dout = rand(*out.shape, gen=gen)
+    for name, g, rg in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                           torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert rel_err(g, rg) < 4e-4, f"d{name}"
+
+
 def test_when_the_varlen_kernel_is_not_used(gen):
     from dilated.packed import varlen_reason
 
     q = rand(1, 16, 2, 64, gen=gen)
     assert "by name" in varlen_reason(q, q, q, "manual")
     assert "CUDA" in varlen_reason(q, q, q, "auto")  # a CPU tensor
+    assert "CUDA" in varlen_reason(q, q, q, "flash_attn_4")
