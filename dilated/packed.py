@@ -64,28 +64,63 @@ def packed_attention(q, k, v, cu_seqlens, attend, causal: bool):
     """``attend(q, k, v) -> (out, lse)`` (a plain attention, causal as given) over each document of
     the packed ``[B, N, H, D]`` q, k, v separately; returns ``(out, lse)`` for the whole sequence,
     lse ``[B, H, N]``. Differentiable (gathers and one inverse permutation)."""
-    b, n = q.shape[:2]
-    cu = check_cu_seqlens(cu_seqlens, n)
-    if len(cu) == 2:
-        return attend(q, k, v)
-    device = q.device
-    pad = n  # padded positions read one zero row appended at position n
-    ext = [torch.cat([x, x.new_zeros(b, 1, *x.shape[2:])], 1) for x in (q, k, v)]
-    outs, lses, order = [], [], []
+    return documents_forward(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), attend, causal)
+
+
+def _document_rows(cu: list[int], causal: bool, n: int, device):
+    """Per kernel call of :func:`document_calls`: ``(length, documents, pos, real)``: the positions
+    its ``[documents, length]`` rows read (``n``: a padding row) and which of them are real."""
     for length, docs in document_calls(cu, causal):
         starts, lengths = torch.tensor(docs, device=device).unbind(1)
         offsets = torch.arange(length, device=device)
-        pos = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, pad)  # [docs, length]
-        real = pos.flatten() != pad
-        qg, kg, vg = (x[:, pos.flatten()].reshape(b * len(docs), length, *x.shape[2:]) for x in ext)
+        pos = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, n).flatten()
+        yield length, len(docs), pos, pos != n
+
+
+def _padded(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``x`` with one zero row appended along ``dim`` (what padded positions read)."""
+    return torch.cat([x, x.new_zeros(*x.shape[:dim], 1, *x.shape[dim + 1:])], dim)
+
+
+def documents_forward(q, k, v, cu: list[int], attend, causal: bool):
+    """:func:`packed_attention` on validated cumulative lengths ``cu`` (a list): documents of one
+    length (causal: one bucket) in one call of ``attend``."""
+    b, n = q.shape[:2]
+    if len(cu) == 2:
+        return attend(q, k, v)
+    ext = [_padded(x) for x in (q, k, v)]
+    outs, lses, order = [], [], []
+    for length, count, pos, real in _document_rows(cu, causal, n, q.device):
+        qg, kg, vg = (x[:, pos].reshape(b * count, length, *x.shape[2:]) for x in ext)
         o, lse = attend(qg, kg, vg)
-        outs.append(o.reshape(b, len(docs) * length, *o.shape[2:])[:, real])
-        lses.append(lse.reshape(b, len(docs), lse.shape[1], length).transpose(1, 2)
-                    .reshape(b, lse.shape[1], len(docs) * length)[:, :, real])
-        order.append(pos.flatten()[real])
-    inverse = torch.empty(n, dtype=torch.long, device=device)
-    inverse[torch.cat(order)] = torch.arange(n, device=device)
+        outs.append(o.reshape(b, count * length, *o.shape[2:])[:, real])
+        lses.append(lse.reshape(b, count, lse.shape[1], length).transpose(1, 2)
+                    .reshape(b, lse.shape[1], count * length)[:, :, real])
+        order.append(pos[real])
+    inverse = torch.empty(n, dtype=torch.long, device=q.device)
+    inverse[torch.cat(order)] = torch.arange(n, device=q.device)
     return torch.cat(outs, 1)[:, inverse], torch.cat(lses, 2)[:, :, inverse]
+
+
+def documents_backward(dout, q, k, v, out, lse, cu: list[int], backward, causal: bool):
+    """``backward(dout, q, k, v, out, lse) -> (dq, dk, dv)`` (a kernel backward, causal as given)
+    over each document of the packed tensors separately, in the calls of :func:`documents_forward`;
+    lse ``[B, H, N]``. Padded rows have q, out and dout 0 and lse 0: they add no gradient."""
+    b, n = q.shape[:2]
+    if len(cu) == 2:
+        return backward(dout, q, k, v, out, lse)
+    ext = [_padded(x) for x in (dout, q, k, v, out)]
+    lse_ext = _padded(lse, 2)
+    grads = [None, None, None]
+    for length, count, pos, real in _document_rows(cu, causal, n, q.device):
+        dg, qg, kg, vg, og = (x[:, pos].reshape(b * count, length, *x.shape[2:]) for x in ext)
+        h = lse.shape[1]
+        lg = lse_ext[:, :, pos].reshape(b, h, count, length).transpose(1, 2).reshape(b * count, h, length)
+        for i, (x, gi) in enumerate(zip((q, k, v), backward(dg, qg, kg, vg, og, lg.contiguous()))):
+            if grads[i] is None:
+                grads[i] = torch.zeros(x.shape, dtype=gi.dtype, device=x.device)
+            grads[i][:, pos[real]] = gi.reshape(b, count * length, *gi.shape[2:])[:, real]
+    return tuple(grads)
 
 
 def varlen_kernel():

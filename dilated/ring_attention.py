@@ -43,7 +43,7 @@ from .agreement import signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import empty_accumulators, merge_
-from .packed import check_cu_seqlens
+from .packed import check_cu_seqlens, documents_backward, documents_forward
 from .plan import AttentionSpec
 
 
@@ -115,14 +115,18 @@ def _chunks(owner: int, p: int, n: int, layout: str):
 
 
 def _pieces(plan, src: int, rank: int, p: int, n: int, layout: str, cu):
-    """The kernel calls ``(q slice, kv slice, causal)`` of one step: ``plan`` itself, or with packed
-    documents (``cu``: global cumulative lengths) one call per document and pair of chunks it
-    meets. Chunks are the ring's causal unit (a chunk pair is all visible, square causal or not
-    visible), so a document's part of a pair is all visible or square causal the same way."""
+    """The kernel calls ``(q slice, kv slice, causal, documents)`` of one step: ``plan`` itself, or
+    with packed documents (``cu``: global cumulative lengths) one per document and pair of chunks
+    it meets. Chunks are the ring's causal unit (a chunk pair is all visible, square causal or not
+    visible), so a document's part of a pair is all visible or square causal the same way. Two
+    different chunks share at most one document (a document meeting both holds every position
+    between them); a chunk with itself holds all of its documents, whose q and kv rows are the
+    same: that pair is one entry whose ``documents`` are their cumulative lengths within it (run
+    batched, :func:`dilated.packed.documents_forward`); elsewhere ``documents`` is None."""
     if plan is None:
         return []
     if cu is None:
-        return [plan]
+        return [(*plan, None)]
     qs, ks, causal = plan
     out = []
     for ql, qg, qn in _chunks(rank, p, n, layout):
@@ -132,10 +136,15 @@ def _pieces(plan, src: int, rank: int, p: int, n: int, layout: str, cu):
             if causal and kg > qg:
                 continue  # keys after the queries
             square = causal and kg == qg
-            for a, b in zip(cu, cu[1:]):  # documents meeting both chunks
+            if (kg, kn) == (qg, qn):  # one chunk with itself: its documents tile it
+                inside = sorted({qg, qg + qn, *(c for c in cu if qg < c < qg + qn)})
+                docs = [c - qg for c in inside] if len(inside) > 2 else None
+                out.append((slice(ql, ql + qn), slice(kl, kl + kn), square, docs))
+                continue
+            for a, b in zip(cu, cu[1:]):  # the document meeting both chunks, if any
                 q0, q1, k0, k1 = max(a, qg), min(b, qg + qn), max(a, kg), min(b, kg + kn)
                 if q0 < q1 and k0 < k1:
-                    out.append((slice(ql + q0 - qg, ql + q1 - qg), slice(kl + k0 - kg, kl + k1 - kg), square))
+                    out.append((slice(ql + q0 - qg, ql + q1 - qg), slice(kl + k0 - kg, kl + k1 - kg), square, None))
     return out
 
 
@@ -218,6 +227,24 @@ class RingCall:
             yield kb, vb, _pieces(plan, src, ring.rank, ring.size, n, self.layout, self.cu)
 
 
+def _forward_piece(spec: AttentionSpec, q, k, v, causal: bool, docs):
+    """``(out, lse)`` of one kernel call of a step, or of the documents ``docs`` it holds."""
+    def attend(qd, kd, vd):
+        return attention_forward(spec.backend, qd, kd, vd, causal, spec.scale)
+
+    return attend(q, k, v) if docs is None else documents_forward(q, k, v, docs, attend, causal)
+
+
+def _backward_piece(spec: AttentionSpec, dout, q, k, v, out, lse, causal: bool, docs):
+    """``(dq, dk, dv)`` of one kernel call of a step, or of the documents ``docs`` it holds."""
+    def grads(*tensors):
+        return attention_backward(spec.backend, *tensors, causal, spec.scale)
+
+    if docs is None:
+        return grads(dout, q, k, v, out, lse)
+    return documents_backward(dout, q, k, v, out, lse, docs, grads, causal)
+
+
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: RingCall):
@@ -225,9 +252,9 @@ class _RingFunction(torch.autograd.Function):
         acc, acc_lse = empty_accumulators(*q.shape[:3], v.shape[3], q.device, acc_dtype(q.dtype))
         failure = None
         for kb, vb, pieces in call.steps(ring, k, v, n):
-            for qs, ks, c in pieces if failure is None else ():
+            for qs, ks, c, docs in pieces if failure is None else ():
                 try:
-                    o, lse = attention_forward(spec.backend, q[:, qs], kb[:, ks], vb[:, ks], c, spec.scale)
+                    o, lse = _forward_piece(spec, q[:, qs], kb[:, ks], vb[:, ks], c, docs)
                     merge_(acc[:, qs], acc_lse[:, qs], o, lse.transpose(1, 2))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
                     failure = e
@@ -251,10 +278,10 @@ class _RingFunction(torch.autograd.Function):
         pending_d, failure = None, None
         for kb, vb, pieces in call.steps(ring, k, v, n):
             grads = []  # (kv slice, dk, dv) of this step's calls
-            for qs, ks, c in pieces if failure is None else ():
+            for qs, ks, c, docs in pieces if failure is None else ():
                 try:
-                    g = attention_backward(spec.backend, dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
-                                           lse[:, :, qs].contiguous(), c, spec.scale)
+                    g = _backward_piece(spec, dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
+                                        lse[:, :, qs].contiguous(), c, docs)
                     dq[:, qs] += g[0]
                     grads.append((ks, g[1], g[2]))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block

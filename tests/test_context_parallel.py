@@ -37,6 +37,27 @@ def test_ring_and_hybrid_keep_attention_within_packed_documents(world):
     mp.spawn(cp_worker.ring_documents, args=(world, _port()), nprocs=world, join=True)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_documents_of_a_chunk_with_itself_are_one_batched_entry(layout):
+    """A ring step's pair of a chunk with itself holds all of the chunk's documents: one entry
+    carrying their boundaries (run in a few batched calls), not one kernel call per document;
+    pairs of different chunks share at most one document."""
+    from dilated.ring_attention import _chunks, _pieces, _plan
+
+    n, p = 16, 2  # local length, ranks
+    cu = list(range(0, 2 * n, 2)) + [2 * n]  # documents of 2 positions each
+    for causal in (False, True):
+        for rank in range(p):
+            for src in range(p):
+                pieces = _pieces(_plan(src, rank, n, causal, layout), src, rank, p, n, layout, cu)
+                own = [pc for pc in pieces if pc[3] is not None]
+                if src == rank:  # every chunk of the shard with itself: one entry each, all its documents
+                    assert len(own) == len(_chunks(rank, p, n, layout))
+                    assert all(pc[3] == list(range(0, pc[0].stop - pc[0].start + 1, 2)) and pc[2] == causal
+                               for pc in own)
+                assert all(pc[0].stop - pc[0].start <= 2 for pc in pieces if pc[3] is None)
+
+
 def test_every_strategy_on_one_document_workload_under_torchrun(tmp_path):
     """The ring script on 4 CPU ranks: ring, zigzag, Ulysses and the hybrid on one packed-document
     problem with GQA, every row checked against each document alone, with its work imbalance."""
