@@ -84,11 +84,14 @@ def merges_as_it_goes(x: torch.Tensor, plan, tensors: int) -> bool:
         return False
     b, _, h, d = x.shape
     need = tensors * b * d * x.element_size() * sum(_covered_pairs(c, h) for c in plan)
-    if need < LEAN_MIN_BYTES:
-        return False
-    free = torch.cuda.mem_get_info(x.device)[0]
-    cached = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
-    return LEAN_MARGIN * need > free + cached
+    return need >= LEAN_MIN_BYTES and LEAN_MARGIN * need > free_bytes(x.device)
+
+
+def free_bytes(device) -> int:
+    """What the caching allocator can still hand out on a CUDA ``device``: the device's free
+    memory and what the allocator holds unused."""
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached
 
 
 def pieces(plan, n: int, h: int):

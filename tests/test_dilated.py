@@ -105,6 +105,36 @@ def test_improved_merging_as_it_goes_matches_reference(case, dtype, in_place, ge
         assert g.dtype == dtype and rel_err(g, rg) < 2 * TOL[dtype], f"d{name}"
 
 
+def test_merging_as_it_goes_is_chosen_where_the_outputs_do_not_fit(monkeypatch):
+    """The calls' outputs of LongNet's schedule are about 1.94 results (r = 1, 2, 4, 8, 16 cover
+    1/r of the rows each): merged as they go where 1.5 times that exceeds the free memory, on
+    CUDA only (a CUDA device is stood in for by the tensor's device type)."""
+    import importlib
+
+    from dilated.plan import build_plan
+
+    ida = importlib.import_module("dilated.improved_dilated_attention")
+    b, n, h, d = 2, 1 << 20, 16, 128
+    plan = build_plan(n, h, h, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16], "cpu")
+    result = b * n * h * d * 2  # bytes of one bf16 result
+    need = sum(ida._covered_pairs(c, h) for c in plan) * b * d * 2
+    assert need == pytest.approx(result * (1 + 1 / 2 + 1 / 4 + 1 / 8 + 1 / 16))
+
+    class Fake:  # the shape, dtype size and device type of a bf16 CUDA tensor
+        shape, device = (b, n, h, d), torch.device("cuda", 0)
+
+        @staticmethod
+        def element_size():
+            return 2
+
+    for free, tensors, merges in ((2 * result, 1, True), (4 * result, 1, False), (8 * result, 3, True),
+                                  (10 * result, 3, False)):
+        monkeypatch.setattr(ida, "free_bytes", lambda device: free)
+        assert ida.merges_as_it_goes(Fake, plan, tensors) == merges, (free / result, tensors)
+    cpu = torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16).expand(b, n, h, d)
+    assert not ida.merges_as_it_goes(cpu, plan, 3)  # host memory: always the fast path
+
+
 def test_pieces_cover_the_plan_in_small_runs():
     """Merged as they go, calls are cut into runs of whole segments: together exactly the plan's
     segments, each run within its share of the rows unless it is one segment."""
