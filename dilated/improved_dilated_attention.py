@@ -11,13 +11,14 @@
   1/r of the rows) and :func:`dilated.rows.combine` writes their log-sum-exp mixture in one
   pass, each result row once, in the output dtype (on CUDA one Triton kernel; no float32
   accumulator, no per-branch strided merge). The result overwrites the r = 1 branch's output.
-  Where the calls' outputs would not fit together in the device's free memory, each call is
-  merged into the result as it finishes and freed (the same kernel, the result read and written
-  once per call): longer sequences in the same memory, at some speed (:func:`merges_as_it_goes`).
+  Where the calls' outputs would not fit together in the device's free memory, the calls are
+  cut into pieces of 1/32 of the rows, each merged into the result as it finishes and freed (the
+  same kernel over the rows it spans): longer sequences in the same memory, at some speed
+  (:func:`merges_as_it_goes`).
 * Backward is a custom autograd Function: each call's kernel backward gets the *merged* output
   and lse gathered to its rows, which yields the exact gradient of the mixed attention, mixing
   weights included; the calls' gradients are summed by the same combine (a plain sum), or added
-  call by call where they would not fit together.
+  piece by piece where they would not fit together.
 * A :class:`~dilated.pattern_cache.PatternCache` keeps per-shape plans; an optional
   :class:`~dilated.memory_pool.MemoryPool` reuses the gather buffers.
 """
@@ -65,10 +66,10 @@ def _covered_pairs(c: KernelCall, h: int) -> int:
 
 
 #: below this many bytes of call outputs the fast path never asks the device for its free memory
-LEAN_MIN_BYTES = 1 << 30
+MERGE_MIN_BYTES = 1 << 30
 #: the fast path's calls need more than their outputs (kernel workspaces, a backward's float32
 #: accumulators): it is taken only where the outputs fit this many times over
-LEAN_MARGIN = 1.5
+MERGE_MARGIN = 1.5
 #: merged as they go, calls are cut into pieces of at most this share of the result's rows
 PIECE_SHARE = 1 / 32
 
@@ -84,7 +85,7 @@ def merges_as_it_goes(x: torch.Tensor, plan, tensors: int) -> bool:
         return False
     b, _, h, d = x.shape
     need = tensors * b * d * x.element_size() * sum(_covered_pairs(c, h) for c in plan)
-    return need >= LEAN_MIN_BYTES and LEAN_MARGIN * need > free_bytes(x.device)
+    return need >= MERGE_MIN_BYTES and MERGE_MARGIN * need > free_bytes(x.device)
 
 
 def free_bytes(device) -> int:
