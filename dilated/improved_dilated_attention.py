@@ -34,7 +34,7 @@ from ._checks import acc_dtype, check_causal, check_scale, check_schedule, dense
 from .backends import get_backend
 from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
-from .rows import add_call, combine, combines_on_triton, gather, merge_call, merged_lse_for
+from .rows import add_call, combine, gather, merge_call, merged_lse_for
 from .ops import dilated_forward_op
 from .memory_pool import MemoryPool
 from .pattern_cache import PatternCache
@@ -176,11 +176,7 @@ def _backward_adding(qkv, plan, spec: AttentionSpec, out, lse_rows, dout, dtype)
     for c, g in _backward_each(qkv, list(pieces(plan, q.shape[1], q.shape[2])), spec, out, lse_rows, dout):
         span, c = _rebased(c)
         for i, gi in enumerate(g):
-            acc = sums[i][:, span]
-            if combines_on_triton([c], [gi], acc, kv=i > 0):  # one pass: the sum's rows read and written once
-                combine([KernelCall(0, 1, acc.shape[1], 1, "view"), c], [acc, gi], None, acc)
-            else:
-                add_call(acc, c, gi, kv=i > 0)
+            add_call(sums[i][:, span], c, gi, kv=i > 0)
         del g
     return tuple(sums)
 

@@ -146,7 +146,14 @@ def combines_on_triton(plan, parts, out: torch.Tensor, kv: bool = False) -> bool
 
 def add_call(acc: torch.Tensor, c: KernelCall, g: torch.Tensor, kv: bool = False) -> None:
     """Add call ``c``'s part ``g`` (kernel shape) into its rows of ``acc`` in place (GQA kv
-    gradients to their kv heads)."""
+    gradients to their kv heads): one pass of the combine kernel where it runs."""
+    if combines_on_triton([c], [g], acc, kv):  # acc is the first part (it covers every row)
+        _combine_triton([KernelCall(0, 1, acc.shape[1], 1, "view"), c], [acc, g], None, acc, None)
+    else:
+        _add_torch(acc, c, g, kv)
+
+
+def _add_torch(acc: torch.Tensor, c: KernelCall, g: torch.Tensor, kv: bool) -> None:
     if kv and c.kv_heads is not None:
         view = branch_view(acc, c, heads=False)
         view.index_add_(3, c.kv_heads, g.reshape(*view.shape[:3], -1, acc.shape[-1]).to(acc.dtype))
@@ -178,7 +185,7 @@ def _combine_torch(plan, parts, lses, out, out_lse, kv):
     acc = out.zero_() if own else out.new_zeros(out.shape, dtype=acc_type)
     if lses is None:
         for c, g in zip(plan, parts):
-            add_call(acc, c, g, kv)
+            _add_torch(acc, c, g, kv)
     else:
         acc_lse = (out_lse if out_lse is not None else out.new_empty(out.shape[:3], dtype=acc_type)).fill_(
             float("-inf"))
