@@ -1,7 +1,7 @@
 """LongNet dilated attention, the fast implementation (same contract as :mod:`dilated_attention`).
 
 * r = 1 branches read a free segment view (no copy). r > 1 branches: on kernels that read
-  strided rows (cuDNN, flash), strided views, no copy at all (one call per head offset, or per
+  strided rows (cuDNN, flash, flash-attn 4), strided views, no copy at all (one call per head offset, or per
   segment with the r offsets as a batch of stride ``(H + 1) * D``), where each call still fills
   the device; otherwise one gather per branch (the rows of a diagonal over
   (position mod r, head mod r); q, k and v in one launch, :func:`dilated.rows.gather`) or,

@@ -4,8 +4,8 @@ A plan is the list of kernel calls one forward makes (:class:`KernelCall`): for 
 ``(w, r)`` and block of segments, how the branch's rows are reached: a free segment view for
 r = 1, one diagonal gather for r > 1 (position and head agree mod r), or one call per head offset
 in the general case. For GQA with r > 1 an offset call carries the small index of its kv heads
-(``H/r`` entries, never data-sized). Kernels that read strided rows (``reads_strided_rows``: cuDNN
-and flash on CUDA) get strided views instead of gathers (``in_place``): one call per head offset,
+(``H/r`` entries, never data-sized). Kernels that read strided rows (``reads_strided_rows``: cuDNN,
+flash and flash-attn 4 on CUDA) get strided views instead of gathers (``in_place``): one call per head offset,
 or per segment for all offsets at once (a diagonal is a fixed stride), where each such call still
 fills the device. :func:`plan_for` decides it for given inputs; :class:`AttentionSpec` is what all
 the calls share. The rows of a call are cut and mixed by :mod:`dilated.rows`; plans are cached per
