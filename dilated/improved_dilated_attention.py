@@ -156,10 +156,11 @@ def _forward_merging(qkv, plan, spec: AttentionSpec, pool, dtype, with_lse):
     return out, (lse_rows if with_lse else None)
 
 
-def _backward_each(qkv, plan, spec: AttentionSpec, out, lse_rows, dout):
-    """``(call, (dq, dk, dv))`` of each call of ``plan``: its kernel backward given the merged
-    out and lse."""
+def _backward_each(qkv, plan, spec: AttentionSpec, merged):
+    """``(call, (dq, dk, dv))`` of each call of ``plan``: its kernel backward given ``merged``,
+    the merged ``(out, lse rows, dout)``."""
     q, k, v = qkv
+    out, lse_rows, dout = merged
     for c in plan:
         (qb, kb, vb, ob, dob), _ = gather(c, (q, k, v, out, dout), (False, True, True, False, False))
         g = attention_backward(spec.backend, dob, qb, kb, vb, ob, merged_lse_for(lse_rows, c), spec.causal, spec.scale)
@@ -168,12 +169,12 @@ def _backward_each(qkv, plan, spec: AttentionSpec, out, lse_rows, dout):
         del g
 
 
-def _backward_adding(qkv, plan, spec: AttentionSpec, out, lse_rows, dout, dtype):
+def _backward_adding(qkv, plan, spec: AttentionSpec, merged, dtype):
     """:func:`backward_calls`, the calls cut into pieces (:func:`pieces`), each piece's gradients
     added into ``dq, dk, dv`` over the rows it spans as they come."""
     q = qkv[0]
     sums = [torch.zeros(x.shape, dtype=dtype or x.dtype, device=x.device) for x in qkv]
-    for c, g in _backward_each(qkv, list(pieces(plan, q.shape[1], q.shape[2])), spec, out, lse_rows, dout):
+    for c, g in _backward_each(qkv, list(pieces(plan, q.shape[1], q.shape[2])), spec, merged):
         span, c = _rebased(c)
         for i, gi in enumerate(g):
             add_call(sums[i][:, span], c, gi, kv=i > 0)
@@ -186,9 +187,9 @@ def backward_calls(qkv, plan, spec: AttentionSpec, out, lse_rows, dout, *, dtype
     (``dtype``, default the inputs'), by one combine per gradient, or call by call where the
     calls' gradients would not fit together (:func:`merges_as_it_goes`)."""
     if merges_as_it_goes(qkv[0], plan, 3):
-        return _backward_adding(qkv, plan, spec, out, lse_rows, dout, dtype)
+        return _backward_adding(qkv, plan, spec, (out, lse_rows, dout), dtype)
     grads = ([], [], [])
-    for _, g in _backward_each(qkv, plan, spec, out, lse_rows, dout):
+    for _, g in _backward_each(qkv, plan, spec, (out, lse_rows, dout)):
         for acc, gi in zip(grads, g):
             acc.append(gi)
         del g

@@ -102,13 +102,15 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool):
     return torch.cat(outs, 1)[:, inverse], torch.cat(lses, 2)[:, :, inverse]
 
 
-def documents_backward(dout, q, k, v, out, lse, cu: list[int], backward, causal: bool):
+def documents_backward(tensors, cu: list[int], backward, causal: bool):
     """``backward(dout, q, k, v, out, lse) -> (dq, dk, dv)`` (a kernel backward, causal as given)
-    over each document of the packed tensors separately, in the calls of :func:`documents_forward`;
-    lse ``[B, H, N]``. Padded rows have q, out and dout 0 and lse 0: they add no gradient."""
+    over each document of the packed ``tensors = (dout, q, k, v, out, lse)`` separately, in the
+    calls of :func:`documents_forward`; lse ``[B, H, N]``. Padded rows have q, out and dout 0 and
+    lse 0: they add no gradient."""
+    dout, q, k, v, out, lse = tensors
     b, n = q.shape[:2]
     if len(cu) == 2:
-        return backward(dout, q, k, v, out, lse)
+        return backward(*tensors)
     ext = [_padded(x) for x in (dout, q, k, v, out)]
     lse_ext = _padded(lse, 2)
     grads = [None, None, None]
@@ -161,30 +163,32 @@ def varlen_attention(q, k, v, cu: list[int], causal: bool, scale: float, backend
     longest = max(e - s for s, e in zip(cu, cu[1:]))
     packed = q.reshape(b * n, h, d), k.reshape(b * n, k.shape[2], d), v.reshape(b * n, v.shape[2], d)
     if backend == "flash_attn_4":
-        out, lse = _flash_attn_4_varlen(*packed, cu_all, longest, causal, scale)  # lse [H, T]
+        out, lse = _flash_attn_4_varlen(packed, cu_all, longest, causal, scale)  # lse [H, T]
         return out.reshape(b, n, h, d), lse.reshape(h, b, n).transpose(0, 1).float()
-    out, lse = _torch_varlen(*packed, cu_all, longest, causal, scale)
+    out, lse = _torch_varlen(packed, cu_all, longest, causal, scale)
     if lse.shape == (h, b * n) and lse.shape != (b * n, h):  # [H, T] in releases that return it so
         lse = lse.transpose(0, 1)
     return out.reshape(b, n, h, d), lse.reshape(b, n, h).transpose(1, 2).float()
 
 
-def _flash_attn_4_varlen(q, k, v, cu_all, longest: int, causal: bool, scale: float):
-    """flash-attn 4's ``flash_attn_varlen_func`` (an autograd Function; GQA native): ``(out [T, H, D],
-    lse [H, T])``."""
+def _flash_attn_4_varlen(packed, cu_all, longest: int, causal: bool, scale: float):
+    """flash-attn 4's ``flash_attn_varlen_func`` (an autograd Function; GQA native) on packed
+    ``(q, k, v)`` ``[T, H, D]`` rows: ``(out [T, H, D], lse [H, T])``."""
     from .backends._signature import call_by_name
     from .backends.flash_attn_4 import _import
 
+    q, k, v = packed
     args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_all, cu_seqlens_k=cu_all, max_seqlen_q=longest,
                 max_seqlen_k=longest, softmax_scale=scale, causal=causal, return_lse=True)
     return call_by_name(_import().flash_attn_varlen_func, args, required=tuple(args))[:2]
 
 
-def _torch_varlen(q, k, v, cu_all, longest: int, causal: bool, scale: float):
-    """torch's ``varlen_attn`` over packed ``[T, H, D]`` rows: ``(out, lse)`` (lse ``[T, H]`` or
-    ``[H, T]``, by release)."""
+def _torch_varlen(packed, cu_all, longest: int, causal: bool, scale: float):
+    """torch's ``varlen_attn`` over packed ``(q, k, v)`` ``[T, H, D]`` rows: ``(out, lse)`` (lse
+    ``[T, H]`` or ``[H, T]``, by release)."""
     from .backends._signature import parameters
 
+    q, k, v = packed
     varlen_attn, aux_request = varlen_kernel()
     h, d = q.shape[1], q.shape[2]
     params = parameters(varlen_attn)

@@ -227,22 +227,21 @@ class RingCall:
             yield kb, vb, _pieces(plan, src, ring.rank, ring.size, n, self.layout, self.cu)
 
 
-def _forward_piece(spec: AttentionSpec, q, k, v, causal: bool, docs):
-    """``(out, lse)`` of one kernel call of a step, or of the documents ``docs`` it holds."""
+def _forward_piece(spec: AttentionSpec, qkv, causal: bool, docs):
+    """``(out, lse)`` of one kernel call of a step on ``qkv``, or of the documents ``docs`` it holds."""
     def attend(qd, kd, vd):
         return attention_forward(spec.backend, qd, kd, vd, causal, spec.scale)
 
-    return attend(q, k, v) if docs is None else documents_forward(q, k, v, docs, attend, causal)
+    return attend(*qkv) if docs is None else documents_forward(*qkv, docs, attend, causal)
 
 
-def _backward_piece(spec: AttentionSpec, dout, q, k, v, out, lse, causal: bool, docs):
-    """``(dq, dk, dv)`` of one kernel call of a step, or of the documents ``docs`` it holds."""
-    def grads(*tensors):
-        return attention_backward(spec.backend, *tensors, causal, spec.scale)
+def _backward_piece(spec: AttentionSpec, tensors, causal: bool, docs):
+    """``(dq, dk, dv)`` of one kernel call of a step on ``tensors = (dout, q, k, v, out, lse)``, or
+    of the documents ``docs`` it holds."""
+    def grads(*ts):
+        return attention_backward(spec.backend, *ts, causal, spec.scale)
 
-    if docs is None:
-        return grads(dout, q, k, v, out, lse)
-    return documents_backward(dout, q, k, v, out, lse, docs, grads, causal)
+    return grads(*tensors) if docs is None else documents_backward(tensors, docs, grads, causal)
 
 
 class _RingFunction(torch.autograd.Function):
@@ -254,7 +253,7 @@ class _RingFunction(torch.autograd.Function):
         for kb, vb, pieces in call.steps(ring, k, v, n):
             for qs, ks, c, docs in pieces if failure is None else ():
                 try:
-                    o, lse = _forward_piece(spec, q[:, qs], kb[:, ks], vb[:, ks], c, docs)
+                    o, lse = _forward_piece(spec, (q[:, qs], kb[:, ks], vb[:, ks]), c, docs)
                     merge_(acc[:, qs], acc_lse[:, qs], o, lse.transpose(1, 2))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
                     failure = e
@@ -280,8 +279,8 @@ class _RingFunction(torch.autograd.Function):
             grads = []  # (kv slice, dk, dv) of this step's calls
             for qs, ks, c, docs in pieces if failure is None else ():
                 try:
-                    g = _backward_piece(spec, dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
-                                        lse[:, :, qs].contiguous(), c, docs)
+                    g = _backward_piece(spec, (dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
+                                               lse[:, :, qs].contiguous()), c, docs)
                     dq[:, qs] += g[0]
                     grads.append((ks, g[1], g[2]))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
