@@ -16,8 +16,9 @@ A call ``c`` of a plan (:class:`~dilated.plan.KernelCall`) covers some rows
   merge. The output may alias the part of a ``view`` call covering every row in ``[B, N, H, D]``
   order (each program reads its rows before writing them).
 
-The plan is compile-time for the kernels (divisions by constants); tensors and strides are
-arguments. Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
+The kernels read the plan, the strides and the parts' addresses from a small int64 table on the
+device (:func:`_table`), so a new sequence length runs the kernels compiled for any other.
+Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
 ``DILATED_TRITON=0``) the same results come from strided views (float32 accumulator for combine).
 """
 from __future__ import annotations
@@ -140,8 +141,9 @@ def combines_on_triton(plan, parts, out: torch.Tensor, kv: bool = False) -> bool
     """Whether :func:`combine` runs the Triton kernel (one pass, any part may be ``out`` itself)
     rather than torch operations (which accumulate apart from the parts)."""
     gqa = kv and any(c.kv_heads is not None for c in plan)
-    return triton_enabled(out.device) and not gqa and out.dtype != torch.float64 \
-        and all(p.stride(-1) == 1 for p in parts)
+    return triton_enabled(out.device) and not gqa and out.dtype in _TL_DTYPES \
+        and all(p.stride(-1) == 1 and p.dtype == parts[0].dtype for p in parts) \
+        and (not parts or parts[0].dtype in _TL_DTYPES)
 
 
 def add_call(acc: torch.Tensor, c: KernelCall, g: torch.Tensor, kv: bool = False) -> None:
@@ -206,10 +208,15 @@ def _aligned(c: KernelCall) -> int:
     return int(c.start % c.r == 0 and c.length % c.r == 0)
 
 
-#: The kernels read a call's compile-time constants as a plain tuple, by position (built per step:
-#: plain tuples cost the host least): (start, count, length, r, diag, head offset or -1, first row,
-#: aligned), and for the combine two more, (index of its first part, number of parts).
-START, COUNT, LENGTH, R, DIAG, OFFSET, FIRST, ALIGNED, PART, SIZE = range(10)
+#: A call's constants as the kernels read them (one int64 row of a call table, by position):
+#: (start, count, length, r, diag, head offset or -1, first row, aligned).
+START, COUNT, LENGTH, R, DIAG, OFFSET, FIRST, ALIGNED = range(8)
+#: Entries per row of a call table: the constants, then (combine) the part's address and three
+#: strides and its lse's address and three strides, or (gather) the extents and the strides.
+ROW = 16
+#: The combine table's first row: n, d, h, period, the aliased call or -1, number of calls, the
+#: output's three strides and the output lse's three strides.
+N_, D_, H_, PERIOD_, ALIAS_, CALLS_ = range(6)
 
 
 def _call_constants(c: KernelCall) -> tuple:
@@ -230,29 +237,37 @@ def _period(plan, n: int) -> int:
     return period if period <= min(_MAX_PERIOD, n) else 1
 
 
-def _call_groups(plan, parts, lses, period: int) -> tuple:
-    """The combine's calls: ``_call_constants`` + (first part, parts). The r calls of one branch
-    block, one per head offset (in-place calls), become one call reading the part of its head's
-    offset (a pointer chosen per program), when aligned and alike in strides: a program then
-    runs one call body per branch instead of r predicated ones."""
-    groups, i = [], 0
-    while i < len(plan):
-        c, size = plan[i], 1
-        if c.mode == "offset" and c.offset == 0 and c.first_row == 0 and period % c.r == 0 \
-                and _aligned(c) and i + c.r <= len(plan):
-            run = plan[i:i + c.r]
-            alike = all(m.mode == "offset" and m.offset == j and m.first_row == j
-                        and (m.start, m.count, m.length, m.r) == (c.start, c.count, c.length, c.r)
-                        and parts[i + j].stride() == parts[i].stride() and parts[i + j].shape == parts[i].shape
-                        and (lses is None or lses[i + j].stride() == lses[i].stride())
-                        for j, m in enumerate(run))
-            size = c.r if alike else 1
-        if size > 1:  # position and head agree mod r, like a diagonal call without the batch fold
-            groups.append((c.start, c.count, c.length, c.r, 0, -1, 0, 1, i, size))
-        else:
-            groups.append(_call_constants(c) + (i, 1))
-        i += size
-    return tuple(groups)
+_TABLES: dict = {}  # (device, entries) -> the table on the device, with its pinned host copy
+_MAX_TABLES = 1024
+_CAPTURED: list = []  # tables made while a CUDA graph was captured: its replays read them
+
+
+def _table(entries: tuple, device) -> torch.Tensor:
+    """``entries`` (int64) on ``device``, the kernels' call table. The plan, strides and addresses
+    are arguments, not compile-time constants: a new sequence length compiles nothing. A table
+    depends on the plan and the tensors' strides and addresses only, which repeat from step to
+    step: it is uploaded once (from pinned memory, asynchronously: no wait for the device, and
+    allowed while a CUDA graph is captured) and kept; tables made during a capture are never
+    dropped, since the graph's replays read them."""
+    key = (device, entries)
+    got = _TABLES.get(key)
+    if got is not None:
+        return got[0]
+    host = torch.tensor(entries, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    table = host.to(device, non_blocking=True)
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.clear()
+    _TABLES[key] = (table, host)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _CAPTURED.append((table, host))
+    return table
+
+
+_TL_DTYPES = {}
+if triton is not None:
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _blocks(d: int) -> tuple[int, int]:
@@ -261,13 +276,18 @@ def _blocks(d: int) -> tuple[int, int]:
     return max(1, _LAUNCH["elements"] // block_d), block_d
 
 
+def _row(values: tuple) -> tuple:
+    return values + (0,) * (ROW - len(values))
+
+
 def _gather_triton(c, sources, dests):
     d = sources[0].shape[3]
     bp, nc, hc, _ = dests[0].shape
     block_r, block_d = _blocks(d)
+    strides = tuple(s for x in sources for s in x.stride()[:3])
+    table = _table(_call_constants(c) + (nc, hc, d) + strides, sources[0].device)
     _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
-        tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d,
-        CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d,
+        tuple(sources), tuple(dests), table, N_T=len(sources), BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=_LAUNCH["num_warps"])
 
 
@@ -279,30 +299,24 @@ def _combine_triton(plan, parts, lses, out, out_lse):
         if store_lse:
             out_lse.fill_(float("-inf"))
         return
-    # The plan is compile-time (divisions by constants); tensors and their strides are arguments.
     period = _period(plan, n)
-    calls = _call_groups(plan, parts, lses, period)
-    strides = tuple(s for p in parts for s in p.stride()[:3])
-    if has_lse:
-        lse_parts, lse_strides = tuple(lses), tuple(s for l in lses for s in l.stride())
-    else:
-        lse_parts, lse_strides = tuple(parts), strides  # not read
-    lse_out, lse_out_strides = (out_lse, out_lse.stride()) if store_lse else (out, (0, 0, 0))  # not written
+    lse_out_strides = out_lse.stride() if store_lse else (0, 0, 0)
+    entries = _row((n, d, h, period, _alias(plan, parts, out), len(plan)) + out.stride()[:3] + lse_out_strides)
+    for i, (c, part) in enumerate(zip(plan, parts)):
+        lse = (lses[i].data_ptr(),) + lses[i].stride() if has_lse else (0, 0, 0, 0)
+        entries += _row(_call_constants(c) + (part.data_ptr(),) + part.stride()[:3] + lse)
     block_p, block_d = _blocks(d)
     _combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
-        out, lse_out, tuple(parts), strides, lse_parts, lse_strides, n, d,
-        out.stride(0), out.stride(1), out.stride(2), *lse_out_strides,
-        CALLS=calls, N_CALLS=len(calls), H=h, PERIOD=period, HAS_LSE=has_lse, STORE_LSE=store_lse,
-        ALIAS=_alias(calls, parts, out), BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        out, out_lse if store_lse else out, _table(entries, out.device), PART=_TL_DTYPES[parts[0].dtype],
+        HAS_LSE=has_lse, STORE_LSE=store_lse, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
 
 
-def _alias(calls, parts, out) -> int:
-    """The combine call whose part *is* ``out`` (an r = 1 call covering every row, overwritten in
-    place), or -1. Rows no other call covers then already hold their result: the kernel writes
-    only their lse (with the nested head offsets of LongNet's schedule, half the rows)."""
-    for i, g in enumerate(calls):
-        part = parts[g[PART]]
-        if g[SIZE] == 1 and g[R] == 1 and part.data_ptr() == out.data_ptr() and part.numel() == out.numel() \
+def _alias(plan, parts, out) -> int:
+    """The call whose part *is* ``out`` (an r = 1 call covering every row, overwritten in place),
+    or -1. Rows no other call covers then already hold their result: the kernel writes only
+    their lse (with the nested head offsets of LongNet's schedule, half the rows)."""
+    for i, (c, part) in enumerate(zip(plan, parts)):
+        if c.r == 1 and part.data_ptr() == out.data_ptr() and part.numel() == out.numel() \
                 and part.is_contiguous() and out.is_contiguous():
             return i
     return -1
@@ -312,134 +326,131 @@ if triton is not None:
     from .merge import merge_finish, merge_step
 
     @triton.jit
-    def _call_rows(p, pmask, hh, b, start: tl.constexpr, count: tl.constexpr, length: tl.constexpr,
-                   r: tl.constexpr, diag: tl.constexpr, off: tl.constexpr, first: tl.constexpr,
-                   aligned: tl.constexpr, PERIOD: tl.constexpr):
-        """Rows ``(p, hh)`` of batch ``b`` that a call (``_call_constants``) covers, and their place
-        in its output (batch index, row, head)."""
+    def _runs(row, hh, t, period):
+        """Whether the call of table row ``row`` can hold rows of head ``hh`` at positions ``t``
+        mod ``period``."""
+        r = tl.load(row + 3).to(tl.int32)
+        off = tl.load(row + 5).to(tl.int32)
+        first = tl.load(row + 6).to(tl.int32)
+        by_period = (tl.load(row + 7) != 0) & (period % r == 0)
+        on_period = tl.where(off >= 0, (hh % r == off) & (t % r == first), t % r == hh % r)
+        return tl.where(by_period, on_period, (off < 0) | (hh % r == off))
+
+    @triton.jit
+    def _call_rows(row, p, pmask, hh, b, period):
+        """Rows ``(p, hh)`` of batch ``b`` that the call of table row ``row`` covers, and their
+        place in its output (batch index, row, head)."""
+        start = tl.load(row + 0).to(tl.int32)
+        count = tl.load(row + 1).to(tl.int32)
+        length = tl.load(row + 2).to(tl.int32)
+        r = tl.load(row + 3).to(tl.int32)
+        off = tl.load(row + 5).to(tl.int32)
+        first = tl.load(row + 6).to(tl.int32)
         q = p - start
         member = pmask & (q >= 0) & (q < count * length)
         q = tl.where(member, q, 0)
         seg = q // length
         i = q - seg * length
         mh = hh % r
-        if not aligned or PERIOD % r != 0:  # else the program's position period decided (_runs)
-            if off >= 0:  # one head offset; its rows start at ``first``
-                member = member & (i % r == first)
-            else:  # view (r = 1) or diagonal: position and head agree mod r
-                member = member & (i % r == mh)
+        # where the program's position period decided membership (``_runs``), any row is in
+        per_row = (tl.load(row + 7) == 0) | (period % r != 0)
+        member = member & tl.where(per_row, i % r == tl.where(off >= 0, first, mh), True)
         bi = b * count + seg
-        if diag:
-            bi = bi * r + mh
+        bi = tl.where(tl.load(row + 4) != 0, bi * r + mh, bi)
         return member, bi.to(tl.int64), (i // r).to(tl.int64), (hh // r).to(tl.int64)
 
     @triton.jit
-    def _lse_rows(lse_ptr, lse_strides, k: tl.constexpr, member, bi, ni, hi):
-        """A call's lse at its rows (``-inf`` off them); its strides are entries ``3k..3k+2``."""
-        return tl.load(lse_ptr + bi * lse_strides[3 * k] + hi * lse_strides[3 * k + 1] + ni * lse_strides[3 * k + 2],
+    def _lse_rows(row, member, bi, ni, hi):
+        """The lse of the call of table row ``row`` at its rows (``-inf`` off them)."""
+        at = tl.load(row + 12).to(tl.pointer_type(tl.float32))
+        return tl.load(at + bi * tl.load(row + 13) + hi * tl.load(row + 14) + ni * tl.load(row + 15),
                        mask=member, other=float("-inf"))
 
     @triton.jit
-    def _runs(hh, t, r: tl.constexpr, off: tl.constexpr, first: tl.constexpr, aligned: tl.constexpr,
-              PERIOD: tl.constexpr):
-        """Whether a call can hold rows of head ``hh`` at positions ``t`` mod ``PERIOD``."""
-        if aligned and PERIOD % r == 0:
-            if off >= 0:
-                return (hh % r == off) & (t % r == first)
-            return t % r == hh % r
-        if off >= 0:
-            return hh % r == off
-        return hh >= 0
-
-    @triton.jit
-    def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, N, D,
-                        s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
-                        CALLS: tl.constexpr, N_CALLS: tl.constexpr, H: tl.constexpr, PERIOD: tl.constexpr,
-                        HAS_LSE: tl.constexpr, STORE_LSE: tl.constexpr, ALIAS: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-        # program (block of positions t, t + PERIOD, ...; head hh; batch b). Over such positions
+    def _combine_kernel(out_ptr, out_lse_ptr, table, PART: tl.constexpr, HAS_LSE: tl.constexpr,
+                        STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        # program (block of positions t, t + period, ...; head hh; batch b). Over such positions
         # a head is in an aligned call for all of them or none: calls are skipped whole, and the
         # calls a program runs are the ones with work for it (``_mix``). Without STORE_LSE, L is
-        # not written (a forward nothing differentiates).
+        # not written (a forward nothing differentiates). The plan is the table's (``_table``).
+        n = tl.load(table + 0).to(tl.int32)
+        h = tl.load(table + 2).to(tl.int32)
+        period = tl.load(table + 3).to(tl.int32)
+        alias = tl.load(table + 4).to(tl.int32)
+        n_calls = tl.load(table + 5).to(tl.int32)
         # (t, hh) vary fastest: programs running together cover one range of positions, all heads
-        th = tl.program_id(0) % (PERIOD * H)
-        blk = tl.program_id(0) // (PERIOD * H)
-        hh = th % H
-        t = th // H
+        th = tl.program_id(0) % (period * h)
+        blk = tl.program_id(0) // (period * h)
+        hh = th % h
+        t = th // h
         b = tl.program_id(1)
-        p = (blk * BLOCK_P + tl.arange(0, BLOCK_P)) * PERIOD + t
-        pmask = p < N
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        others = 1
-        if ALIAS >= 0:  # out is call ALIAS's part: nothing to mix where no other call runs
-            others = 0
-            for c in tl.static_range(N_CALLS):
-                if c != ALIAS:
-                    others += _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD).to(tl.int32)
-        lse_at = out_lse_ptr + b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh
-        if others > 0:
-            _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
-                 CALLS, N_CALLS, PERIOD, HAS_LSE, STORE_LSE, BLOCK_P, BLOCK_D)
+        p = (blk * BLOCK_P + tl.arange(0, BLOCK_P)) * period + t
+        pmask = p < n
+        lse_at = out_lse_ptr + b.to(tl.int64) * tl.load(table + 9) + p.to(tl.int64) * tl.load(table + 10) \
+            + hh.to(tl.int64) * tl.load(table + 11)
+        others = 0  # out is call ``alias``'s part: nothing to mix where no other call runs
+        for c in range(tl.where(alias >= 0, n_calls, 0)):
+            if c != alias:
+                others += _runs(table + 16 * (c + 1), hh, t, period).to(tl.int32)
+        if (alias < 0) | (others > 0):
+            _mix(out_ptr, lse_at, table, n_calls, p, pmask, hh, t, b, period, PART, HAS_LSE, STORE_LSE,
+                 BLOCK_P, BLOCK_D)
         else:
             if STORE_LSE:  # only the aliased call covers these rows: they hold their result, L is its lse
-                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[ALIAS][0], CALLS[ALIAS][1], CALLS[ALIAS][2],
-                                                CALLS[ALIAS][3], CALLS[ALIAS][4], CALLS[ALIAS][5], CALLS[ALIAS][6],
-                                                CALLS[ALIAS][7], PERIOD)
-                k: tl.constexpr = CALLS[ALIAS][8]
-                tl.store(lse_at, _lse_rows(lses[k], lse_strides, k, member, bi, ni, hi), mask=pmask)
+                row = table + 16 * (alias + 1)
+                member, bi, ni, hi = _call_rows(row, p, pmask, hh, b, period)
+                tl.store(lse_at, _lse_rows(row, member, bi, ni, hi), mask=pmask)
 
     @triton.jit
-    def _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
-             CALLS: tl.constexpr, N_CALLS: tl.constexpr, PERIOD: tl.constexpr, HAS_LSE: tl.constexpr,
-             STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _mix(out_ptr, lse_at, table, n_calls, p, pmask, hh, t, b, period, PART: tl.constexpr,
+             HAS_LSE: tl.constexpr, STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         """out = sum over the calls of exp(lse_c - L) o_c, L = logsumexp_c lse_c (or the sum of the
         o_c), and L at ``lse_at`` (``STORE_LSE``), in one pass over the calls (the streaming merge of
         :mod:`dilated.merge`): each call's rows and lse are loaded together, once."""
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < tl.load(table + 1).to(tl.int32)
         acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
         m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
         s_i = tl.zeros([BLOCK_P], tl.float32)
-        for c in tl.static_range(N_CALLS):
-            if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
-                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2], CALLS[c][3],
-                                                CALLS[c][4], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD)
-                k: tl.constexpr = CALLS[c][8]
-                size: tl.constexpr = CALLS[c][9]
-                part = parts[k]
-                lse_ptr = lses[k]
-                for j in tl.static_range(1, size):  # a group: the part of this head's offset
-                    part = tl.where(hh % CALLS[c][3] == j, parts[k + j], part)
-                    lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
-                o = tl.load(part + (bi * strides[3 * k] + ni * strides[3 * k + 1] + hi * strides[3 * k + 2])[:, None]
-                            + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        for c in range(n_calls):
+            row = table + 16 * (c + 1)
+            if _runs(row, hh, t, period):
+                member, bi, ni, hi = _call_rows(row, p, pmask, hh, b, period)
+                part = tl.load(row + 8).to(tl.pointer_type(PART))
+                at = bi * tl.load(row + 9) + ni * tl.load(row + 10) + hi * tl.load(row + 11)
+                o = tl.load(part + at[:, None] + d[None, :], mask=member[:, None] & dmask[None, :],
+                            other=0.0).to(tl.float32)
                 if HAS_LSE:
-                    m_i, s_i, acc = merge_step(m_i, s_i, acc, o, _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi))
+                    m_i, s_i, acc = merge_step(m_i, s_i, acc, o, _lse_rows(row, member, bi, ni, hi))
                 else:
                     acc += o
         if HAS_LSE:
             acc, lse = merge_finish(m_i, s_i, acc)
             if STORE_LSE:
                 tl.store(lse_at, lse, mask=pmask)
-        tl.store(out_ptr + (b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh)[:, None]
-                 + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & dmask[None, :])
+        at = b.to(tl.int64) * tl.load(table + 6) + p.to(tl.int64) * tl.load(table + 7) \
+            + hh.to(tl.int64) * tl.load(table + 8)
+        tl.store(out_ptr + at[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=pmask[:, None] & dmask[None, :])
 
     @triton.jit
-    def _gather_kernel(sources, strides, dests, NC, D, CALL: tl.constexpr, N_T: tl.constexpr, HC: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _gather_kernel(sources, dests, table, N_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         # program (row block, kernel batch index bi): rows (ni, hi) of bi, from every source
-        start = CALL[0]
-        count = CALL[1]
-        length = CALL[2]
-        r = CALL[3]
-        diag = CALL[4]
-        off = CALL[5]
-        first = CALL[6]
+        start = tl.load(table + 0).to(tl.int32)
+        count = tl.load(table + 1).to(tl.int32)
+        length = tl.load(table + 2).to(tl.int32)
+        r = tl.load(table + 3).to(tl.int32)
+        off = tl.load(table + 5).to(tl.int32)
+        first = tl.load(table + 6).to(tl.int32)
+        nc = tl.load(table + 8).to(tl.int32)
+        hc = tl.load(table + 9).to(tl.int32)
+        dd = tl.load(table + 10).to(tl.int32)
         bi = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rows < NC * HC
-        ni = rows // HC
-        hi = rows % HC
-        if diag:
+        rmask = rows < nc * hc
+        ni = rows // hc
+        hi = rows % hc
+        if tl.load(table + 4) != 0:  # diagonal
             m = bi % r
             bs = bi // r
             p = start + (bs % count) * length + ni * r + m
@@ -450,10 +461,10 @@ if triton is not None:
             hh = hi * r + off
         b = bs // count
         d = tl.arange(0, BLOCK_D)
-        mask = rmask[:, None] & (d < D)[None, :]
-        dst = (bi.to(tl.int64) * NC * HC + rows.to(tl.int64)) * D
-        for t in tl.static_range(N_T):
-            src = (b.to(tl.int64) * strides[3 * t] + p.to(tl.int64) * strides[3 * t + 1]
-                   + hh.to(tl.int64) * strides[3 * t + 2])
-            x = tl.load(sources[t] + src[:, None] + d[None, :], mask=mask)
-            tl.store(dests[t] + dst[:, None] + d[None, :], x, mask=mask)
+        mask = rmask[:, None] & (d < dd)[None, :]
+        dst = (bi.to(tl.int64) * nc * hc + rows.to(tl.int64)) * dd
+        for k in tl.static_range(N_T):
+            src = (b.to(tl.int64) * tl.load(table + 11 + 3 * k) + p.to(tl.int64) * tl.load(table + 12 + 3 * k)
+                   + hh.to(tl.int64) * tl.load(table + 13 + 3 * k))
+            x = tl.load(sources[k] + src[:, None] + d[None, :], mask=mask)
+            tl.store(dests[k] + dst[:, None] + d[None, :], x, mask=mask)
