@@ -244,6 +244,36 @@ def test_custom_benchmark_example_runs(tmp_path):
     assert {r["implementation"] for r in rows} == {"mine", "dense"} and all(r["check"]["passed"] for r in rows)
 
 
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_a_call_does_not_hold_the_previous_calls_output(mode):
+    """Memory per token is the step's own: the previous call's output (at the longest lengths as
+    large as q) is dropped before the next call makes its own."""
+    import weakref
+
+    base = IMPLEMENTATIONS["dense"]
+    last, held = [], []
+
+    def build(case, backend):
+        attention = base.build(case, backend)
+
+        def model(*inputs):
+            held.append(bool(last) and last[-1]() is not None)
+            out = attention(*inputs)
+            last.append(weakref.ref(out))
+            return out
+        return model
+
+    impl = register_implementation(Implementation("remembers_its_outputs_for_test", "dense", build))
+    try:
+        case = Case(batch=1, seq_len=16, num_heads=2, head_dim=8, dtype="float32", mode=mode)
+        row = run_sweep([(impl, case, "manual")], RunOptions(reps=3, warmup=1, device="cpu"), None, "t",
+                        progress=False)[0]
+    finally:
+        IMPLEMENTATIONS.pop("remembers_its_outputs_for_test")
+    assert row["status"] == "ok" and row["check"]["passed"] and len(held) > 3
+    assert not any(held), held
+
+
 def test_kernel_floor_is_timed_beside_dilated_rows():
     impl = IMPLEMENTATIONS["improved"]
     case = Case(batch=1, seq_len=256, num_heads=4, head_dim=16, dtype="float32", mode="fwd_bwd",

@@ -127,6 +127,7 @@ class _RowRun:
         self.ranks.settle("inputs built")
 
     def forward(self) -> None:
+        self.out = None  # the previous call's output is not this call's memory (at long lengths, as large as q)
         self.out = self.model(*self.inputs)
 
     def zero_grads(self) -> None:
