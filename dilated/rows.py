@@ -208,15 +208,12 @@ def _aligned(c: KernelCall) -> int:
     return int(c.start % c.r == 0 and c.length % c.r == 0)
 
 
-#: A call's constants as the kernels read them (one int64 row of a call table, by position):
+#: A call's constants as the kernels read them (one int64 row of a table, by position):
 #: (start, count, length, r, diag, head offset or -1, first row, aligned).
 START, COUNT, LENGTH, R, DIAG, OFFSET, FIRST, ALIGNED = range(8)
-#: Entries per row of a call table: the constants, then (combine) the part's address and three
-#: strides and its lse's address and three strides, or (gather) the extents and the strides.
+#: Entries per row of the combine's table: the header, then one row per call (its constants and
+#: the strides of its part and of its lse).
 ROW = 16
-#: The combine table's first row: n, d, h, period, the aliased call or -1, number of calls, the
-#: output's three strides and the output lse's three strides.
-N_, D_, H_, PERIOD_, ALIAS_, CALLS_ = range(6)
 
 
 def _call_constants(c: KernelCall) -> tuple:
@@ -237,32 +234,71 @@ def _period(plan, n: int) -> int:
     return period if period <= min(_MAX_PERIOD, n) else 1
 
 
-_TABLES: dict = {}  # (device, entries) -> the table on the device, with its pinned host copy
+_TABLES: dict = {}  # (device, entries) -> the table on the device
 _MAX_TABLES = 1024
-_CAPTURED: list = []  # tables made while a CUDA graph was captured: its replays read them
+_CAPTURED: list = []  # tables made or read while a CUDA graph was captured: its replays read them
+_CHUNK = 8  # addresses written per launch of _write_addresses
 
 
-def _table(entries: tuple, device) -> torch.Tensor:
-    """``entries`` (int64) on ``device``, the kernels' call table. The plan, strides and addresses
-    are arguments, not compile-time constants: a new sequence length compiles nothing. A table
-    depends on the plan and the tensors' strides and addresses only, which repeat from step to
-    step: it is uploaded once (from pinned memory, asynchronously: no wait for the device, and
-    allowed while a CUDA graph is captured) and kept; tables made during a capture are never
-    dropped, since the graph's replays read them."""
-    key = (device, entries)
-    got = _TABLES.get(key)
-    if got is not None:
-        return got[0]
-    host = torch.tensor(entries, dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    table = host.to(device, non_blocking=True)
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _kept(key, table, device) -> torch.Tensor:
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.clear()
-    _TABLES[key] = (table, host)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _CAPTURED.append((table, host))
+    _TABLES[key] = table
+    if _capturing(device):
+        _CAPTURED.append(table)
     return table
+
+
+def _static_table(key: tuple, entries, device) -> torch.Tensor:
+    """What the kernels read of a plan (constants, strides, which calls each program runs), as an
+    int64 tensor on ``device``: ``entries()`` (a sequence of ints), made once per ``key`` (the plan
+    and the strides) and kept. The plan is data, not compile-time constants: a new sequence length
+    compiles nothing."""
+    key = (device,) + key
+    table = _TABLES.get(key)
+    if table is None:
+        if _capturing(device):  # an upload now would be a copy from pageable memory inside the graph
+            raise RuntimeError("dilated: a CUDA graph captures a call at a length this process has not run "
+                               "eagerly; run it once at that length before capturing it (as a warm-up)")
+        table = _kept(key, torch.tensor(entries(), dtype=torch.int64, device=device), device)
+    elif _capturing(device):
+        _CAPTURED.append(table)
+    return table
+
+
+def _vector(elements, tensors, dtype) -> int:
+    """Elements per 16-byte access the kernels may assume (``tl.multiple_of``): the largest power
+    of two up to 16 bytes dividing every offset in ``elements`` and the tensors' strides but the last."""
+    g = math.gcd(*elements, *(x for t in tensors for x in t.stride()[:-1]))
+    vec = 16 // dtype.itemsize
+    while g % vec:
+        vec //= 2
+    return vec
+
+
+def _address_table(parts, lses, device) -> torch.Tensor:
+    """``[2, n]`` int64: the parts' and their lses' addresses (n: the calls, rounded up to
+    :data:`_CHUNK`), written on the device by :func:`_write_addresses` (a kernel launch: no copy
+    from the host, so also while a CUDA graph is captured); kept, since they repeat from step to
+    step."""
+    lses = lses or parts  # not read
+    key = (device, tuple(p.data_ptr() for p in parts), tuple(x.data_ptr() for x in lses))
+    table = _TABLES.get(key)
+    if table is not None:
+        if _capturing(device):
+            _CAPTURED.append(table)
+        return table
+    n = len(parts)
+    table = torch.empty(2, -(-n // _CHUNK) * _CHUNK, dtype=torch.int64, device=device)
+    for s in range(0, n, _CHUNK):
+        chunk = [min(i, n - 1) for i in range(s, s + _CHUNK)]  # the last repeated into the padding
+        _write_addresses[(1,)](table[0, s:], table[1, s:], tuple(parts[i] for i in chunk),
+                               tuple(lses[i] for i in chunk))
+    return _kept(key, table, device)
 
 
 _TL_DTYPES = {}
@@ -276,19 +312,51 @@ def _blocks(d: int) -> tuple[int, int]:
     return max(1, _LAUNCH["elements"] // block_d), block_d
 
 
-def _row(values: tuple) -> tuple:
-    return values + (0,) * (ROW - len(values))
-
-
 def _gather_triton(c, sources, dests):
     d = sources[0].shape[3]
     bp, nc, hc, _ = dests[0].shape
     block_r, block_d = _blocks(d)
     strides = tuple(s for x in sources for s in x.stride()[:3])
-    table = _table(_call_constants(c) + (nc, hc, d) + strides, sources[0].device)
+    entries = _call_constants(c) + (nc, hc, d) + strides
     _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
-        tuple(sources), tuple(dests), table, N_T=len(sources), BLOCK_R=block_r, BLOCK_D=block_d,
+        tuple(sources), tuple(dests), _static_table(entries, lambda: entries, sources[0].device), D=d, N_T=len(sources),
+        VEC=_vector([d], list(sources) + list(dests), sources[0].dtype), BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=_LAUNCH["num_warps"])
+
+
+def _runs(k: tuple, hh: int, t: int, period: int) -> bool:
+    """Whether a call (constants ``k``) holds rows of head ``hh`` at positions ``t`` mod ``period``
+    (aligned calls: for all of them or none)."""
+    r, off, first = k[R], k[OFFSET], k[FIRST]
+    if k[ALIGNED] and period % r == 0:
+        return (hh % r == off and t % r == first) if off >= 0 else t % r == hh % r
+    return off < 0 or hh % r == off
+
+
+def _shift(x: int) -> int:
+    """log2 of a power of two (the kernel then divides by shifting), else -1."""
+    return x.bit_length() - 1 if x & (x - 1) == 0 else -1
+
+
+def _plan_entries(plan, parts, lses, out, out_lse, alias) -> list:
+    """The combine's static table: a header (n, d, h, period, the aliased call or -1, calls, the
+    output's and the output lse's strides, where the run lists start and their width), one
+    :data:`ROW` per call (constants, part strides, lse strides, log2 of length and r where they
+    are powers of two), and per program class (position
+    mod period, head) the calls that have rows there: a program loops over those only."""
+    b, n, h, d = out.shape
+    period = _period(plan, n)
+    consts = [_call_constants(c) for c in plan]
+    width = len(plan) + 1
+    entries = [n, d, h, period, alias, len(plan), *out.stride()[:3],
+               *(out_lse.stride() if out_lse is not None else (0, 0, 0)), ROW * (len(plan) + 1), width, 0, 0]
+    for i, k in enumerate(consts):
+        entries += [*k, *parts[i].stride()[:3], *(lses[i].stride() if lses is not None else (0, 0, 0)),
+                    _shift(k[LENGTH]), _shift(k[R])]
+    for th in range(period * h):
+        run = [i for i, k in enumerate(consts) if _runs(k, th % h, th // h, period)]
+        entries += [len(run), *run] + [0] * (width - 1 - len(run))
+    return entries
 
 
 def _combine_triton(plan, parts, lses, out, out_lse):
@@ -299,16 +367,20 @@ def _combine_triton(plan, parts, lses, out, out_lse):
         if store_lse:
             out_lse.fill_(float("-inf"))
         return
+    out_lse = out_lse if store_lse else None
+    alias = _alias(plan, parts, out)
+    key = (tuple(plan), tuple(p.stride() for p in parts), lses is not None and tuple(x.stride() for x in lses),
+           out.shape, out.stride(), out_lse is not None and out_lse.stride(), alias)
+    table = _static_table(key, lambda: _plan_entries(plan, parts, lses, out, out_lse, alias), out.device)
+    size = parts[0].element_size()
+    vec = min(_vector([(p.data_ptr() - parts[0].data_ptr()) // size for p in parts], parts, parts[0].dtype),
+              _vector([], [out], out.dtype))
     period = _period(plan, n)
-    lse_out_strides = out_lse.stride() if store_lse else (0, 0, 0)
-    entries = _row((n, d, h, period, _alias(plan, parts, out), len(plan)) + out.stride()[:3] + lse_out_strides)
-    for i, (c, part) in enumerate(zip(plan, parts)):
-        lse = (lses[i].data_ptr(),) + lses[i].stride() if has_lse else (0, 0, 0, 0)
-        entries += _row(_call_constants(c) + (part.data_ptr(),) + part.stride()[:3] + lse)
     block_p, block_d = _blocks(d)
     _combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
-        out, out_lse if store_lse else out, _table(entries, out.device), PART=_TL_DTYPES[parts[0].dtype],
-        HAS_LSE=has_lse, STORE_LSE=store_lse, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        out, out_lse if store_lse else out, parts[0], table, _address_table(parts, lses, out.device),
+        D=d, HAS_LSE=has_lse, STORE_LSE=store_lse, VEC=vec, BLOCK_P=block_p,
+        BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
 
 
 def _alias(plan, parts, out) -> int:
@@ -326,15 +398,10 @@ if triton is not None:
     from .merge import merge_finish, merge_step
 
     @triton.jit
-    def _runs(row, hh, t, period):
-        """Whether the call of table row ``row`` can hold rows of head ``hh`` at positions ``t``
-        mod ``period``."""
-        r = tl.load(row + 3).to(tl.int32)
-        off = tl.load(row + 5).to(tl.int32)
-        first = tl.load(row + 6).to(tl.int32)
-        by_period = (tl.load(row + 7) != 0) & (period % r == 0)
-        on_period = tl.where(off >= 0, (hh % r == off) & (t % r == first), t % r == hh % r)
-        return tl.where(by_period, on_period, (off < 0) | (hh % r == off))
+    def _write_addresses(part_at, lse_at, parts, lses):
+        for k in tl.static_range(8):  # _CHUNK
+            tl.store(part_at + k, parts[k].to(tl.int64))
+            tl.store(lse_at + k, lses[k].to(tl.int64))
 
     @triton.jit
     def _call_rows(row, p, pmask, hh, b, period):
@@ -349,35 +416,47 @@ if triton is not None:
         q = p - start
         member = pmask & (q >= 0) & (q < count * length)
         q = tl.where(member, q, 0)
-        seg = q // length
-        i = q - seg * length
+        shift_length = tl.load(row + 14).to(tl.int32)
+        shift_r = tl.load(row + 15).to(tl.int32)
+        if (shift_length >= 0) & (shift_r >= 0):  # powers of two (LongNet's): shifts, not divisions
+            seg = q >> shift_length
+            i = q - (seg << shift_length)
+            ni = i >> shift_r
+            im = i & (r - 1)
+        else:
+            seg = q // length
+            i = q - seg * length
+            ni = i // r
+            im = i % r
         mh = hh % r
-        # where the program's position period decided membership (``_runs``), any row is in
+        # where the program's position period decided membership (its run list), any row is in
         per_row = (tl.load(row + 7) == 0) | (period % r != 0)
-        member = member & tl.where(per_row, i % r == tl.where(off >= 0, first, mh), True)
+        member = member & tl.where(per_row, im == tl.where(off >= 0, first, mh), True)
         bi = b * count + seg
         bi = tl.where(tl.load(row + 4) != 0, bi * r + mh, bi)
-        return member, bi.to(tl.int64), (i // r).to(tl.int64), (hh // r).to(tl.int64)
+        return member, bi.to(tl.int64), ni.to(tl.int64), (hh // r).to(tl.int64)
 
     @triton.jit
-    def _lse_rows(row, member, bi, ni, hi):
-        """The lse of the call of table row ``row`` at its rows (``-inf`` off them)."""
-        at = tl.load(row + 12).to(tl.pointer_type(tl.float32))
-        return tl.load(at + bi * tl.load(row + 13) + hi * tl.load(row + 14) + ni * tl.load(row + 15),
+    def _lse_rows(row, lse_address, member, bi, ni, hi):
+        """The lse of a call (table row ``row``, address at ``lse_address``) at its rows (``-inf``
+        off them)."""
+        at = tl.load(lse_address).to(tl.pointer_type(tl.float32))
+        return tl.load(at + bi * tl.load(row + 11) + hi * tl.load(row + 12) + ni * tl.load(row + 13),
                        mask=member, other=float("-inf"))
 
     @triton.jit
-    def _combine_kernel(out_ptr, out_lse_ptr, table, PART: tl.constexpr, HAS_LSE: tl.constexpr,
-                        STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _combine_kernel(out_ptr, out_lse_ptr, part0, table, addresses, D: tl.constexpr, HAS_LSE: tl.constexpr,
+                        STORE_LSE: tl.constexpr, VEC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         # program (block of positions t, t + period, ...; head hh; batch b). Over such positions
-        # a head is in an aligned call for all of them or none: calls are skipped whole, and the
-        # calls a program runs are the ones with work for it (``_mix``). Without STORE_LSE, L is
-        # not written (a forward nothing differentiates). The plan is the table's (``_table``).
+        # a head is in an aligned call for all of them or none: a program runs only the calls of
+        # its run list (the table's, per (t, hh)). Without STORE_LSE, L is not written (a forward
+        # nothing differentiates). Plan and strides: ``table``; the parts' addresses: ``addresses``
+        # (read as offsets from ``part0``, multiples of VEC: 16-byte loads).
         n = tl.load(table + 0).to(tl.int32)
         h = tl.load(table + 2).to(tl.int32)
         period = tl.load(table + 3).to(tl.int32)
         alias = tl.load(table + 4).to(tl.int32)
-        n_calls = tl.load(table + 5).to(tl.int32)
+        lse_row = addresses + ((tl.load(table + 5) + 7) // 8) * 8  # the lse addresses (_address_table)
         # (t, hh) vary fastest: programs running together cover one range of positions, all heads
         th = tl.program_id(0) % (period * h)
         blk = tl.program_id(0) // (period * h)
@@ -388,53 +467,53 @@ if triton is not None:
         pmask = p < n
         lse_at = out_lse_ptr + b.to(tl.int64) * tl.load(table + 9) + p.to(tl.int64) * tl.load(table + 10) \
             + hh.to(tl.int64) * tl.load(table + 11)
-        others = 0  # out is call ``alias``'s part: nothing to mix where no other call runs
-        for c in range(tl.where(alias >= 0, n_calls, 0)):
-            if c != alias:
-                others += _runs(table + 16 * (c + 1), hh, t, period).to(tl.int32)
-        if (alias < 0) | (others > 0):
-            _mix(out_ptr, lse_at, table, n_calls, p, pmask, hh, t, b, period, PART, HAS_LSE, STORE_LSE,
-                 BLOCK_P, BLOCK_D)
-        else:
-            if STORE_LSE:  # only the aliased call covers these rows: they hold their result, L is its lse
+        run = table + tl.load(table + 12) + th * tl.load(table + 13)
+        n_run = tl.load(run).to(tl.int32)
+        if (alias >= 0) & (n_run == 1) & (tl.load(run + 1) == alias):
+            if STORE_LSE:  # only out's own call covers these rows: they hold their result, L is its lse
                 row = table + 16 * (alias + 1)
                 member, bi, ni, hi = _call_rows(row, p, pmask, hh, b, period)
-                tl.store(lse_at, _lse_rows(row, member, bi, ni, hi), mask=pmask)
+                tl.store(lse_at, _lse_rows(row, lse_row + alias, member, bi, ni, hi), mask=pmask)
+        else:
+            _mix(out_ptr, lse_at, part0, table, addresses, lse_row, run, n_run, p, pmask, hh, b, period, D, HAS_LSE,
+                 STORE_LSE, VEC, BLOCK_P, BLOCK_D)
 
     @triton.jit
-    def _mix(out_ptr, lse_at, table, n_calls, p, pmask, hh, t, b, period, PART: tl.constexpr,
-             HAS_LSE: tl.constexpr, STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-        """out = sum over the calls of exp(lse_c - L) o_c, L = logsumexp_c lse_c (or the sum of the
-        o_c), and L at ``lse_at`` (``STORE_LSE``), in one pass over the calls (the streaming merge of
-        :mod:`dilated.merge`): each call's rows and lse are loaded together, once."""
+    def _mix(out_ptr, lse_at, part0, table, addresses, lse_row, run, n_run, p, pmask, hh, b, period,
+             D: tl.constexpr, HAS_LSE: tl.constexpr, STORE_LSE: tl.constexpr, VEC: tl.constexpr, BLOCK_P: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+        """out = sum over the calls of the run list of exp(lse_c - L) o_c, L = logsumexp_c lse_c (or
+        the sum of the o_c), and L at ``lse_at`` (``STORE_LSE``), in one pass over the calls (the
+        streaming merge of :mod:`dilated.merge`): each call's rows and lse are loaded together, once."""
         d = tl.arange(0, BLOCK_D)
-        dmask = d < tl.load(table + 1).to(tl.int32)
+        dmask = d < D
         acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
         m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
         s_i = tl.zeros([BLOCK_P], tl.float32)
-        for c in range(n_calls):
+        for j in range(n_run):
+            c = tl.load(run + 1 + j).to(tl.int32)
             row = table + 16 * (c + 1)
-            if _runs(row, hh, t, period):
-                member, bi, ni, hi = _call_rows(row, p, pmask, hh, b, period)
-                part = tl.load(row + 8).to(tl.pointer_type(PART))
-                at = bi * tl.load(row + 9) + ni * tl.load(row + 10) + hi * tl.load(row + 11)
-                o = tl.load(part + at[:, None] + d[None, :], mask=member[:, None] & dmask[None, :],
-                            other=0.0).to(tl.float32)
-                if HAS_LSE:
-                    m_i, s_i, acc = merge_step(m_i, s_i, acc, o, _lse_rows(row, member, bi, ni, hi))
-                else:
-                    acc += o
+            member, bi, ni, hi = _call_rows(row, p, pmask, hh, b, period)
+            base = (tl.load(addresses + c) - part0.to(tl.int64)) // (part0.dtype.element_ty.primitive_bitwidth // 8)
+            at = tl.multiple_of(base + bi * tl.load(row + 8) + ni * tl.load(row + 9) + hi * tl.load(row + 10), VEC)
+            o = tl.load(part0 + at[:, None] + d[None, :], mask=member[:, None] & dmask[None, :],
+                        other=0.0).to(tl.float32)
+            if HAS_LSE:
+                m_i, s_i, acc = merge_step(m_i, s_i, acc, o, _lse_rows(row, lse_row + c, member, bi, ni, hi))
+            else:
+                acc += o
         if HAS_LSE:
             acc, lse = merge_finish(m_i, s_i, acc)
             if STORE_LSE:
                 tl.store(lse_at, lse, mask=pmask)
-        at = b.to(tl.int64) * tl.load(table + 6) + p.to(tl.int64) * tl.load(table + 7) \
-            + hh.to(tl.int64) * tl.load(table + 8)
+        at = tl.multiple_of(b.to(tl.int64) * tl.load(table + 6) + p.to(tl.int64) * tl.load(table + 7)
+                            + hh.to(tl.int64) * tl.load(table + 8), VEC)
         tl.store(out_ptr + at[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=pmask[:, None] & dmask[None, :])
 
     @triton.jit
-    def _gather_kernel(sources, dests, table, N_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _gather_kernel(sources, dests, table, D: tl.constexpr, N_T: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
         # program (row block, kernel batch index bi): rows (ni, hi) of bi, from every source
         start = tl.load(table + 0).to(tl.int32)
         count = tl.load(table + 1).to(tl.int32)
@@ -444,7 +523,6 @@ if triton is not None:
         first = tl.load(table + 6).to(tl.int32)
         nc = tl.load(table + 8).to(tl.int32)
         hc = tl.load(table + 9).to(tl.int32)
-        dd = tl.load(table + 10).to(tl.int32)
         bi = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < nc * hc
@@ -461,10 +539,10 @@ if triton is not None:
             hh = hi * r + off
         b = bs // count
         d = tl.arange(0, BLOCK_D)
-        mask = rmask[:, None] & (d < dd)[None, :]
-        dst = (bi.to(tl.int64) * nc * hc + rows.to(tl.int64)) * dd
+        mask = rmask[:, None] & (d < D)[None, :]
+        dst = tl.multiple_of((bi.to(tl.int64) * nc * hc + rows.to(tl.int64)) * D, VEC)
         for k in tl.static_range(N_T):
-            src = (b.to(tl.int64) * tl.load(table + 11 + 3 * k) + p.to(tl.int64) * tl.load(table + 12 + 3 * k)
-                   + hh.to(tl.int64) * tl.load(table + 13 + 3 * k))
+            src = tl.multiple_of(b.to(tl.int64) * tl.load(table + 11 + 3 * k) + p.to(tl.int64) * tl.load(
+                table + 12 + 3 * k) + hh.to(tl.int64) * tl.load(table + 13 + 3 * k), VEC)
             x = tl.load(sources[k] + src[:, None] + d[None, :], mask=mask)
             tl.store(dests[k] + dst[:, None] + d[None, :], x, mask=mask)
