@@ -16,9 +16,8 @@ A call ``c`` of a plan (:class:`~dilated.plan.KernelCall`) covers some rows
   merge. The output may alias the part of a ``view`` call covering every row in ``[B, N, H, D]``
   order (each program reads its rows before writing them).
 
-The kernels read the plan, the strides and the parts' addresses from a small int64 table on the
-device (:func:`_table`), so a new sequence length runs the kernels compiled for any other.
-Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
+The plan is compile-time for the kernels (divisions by constants); tensors and strides are
+arguments. Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
 ``DILATED_TRITON=0``) the same results come from strided views (float32 accumulator for combine).
 """
 from __future__ import annotations
@@ -141,9 +140,8 @@ def combines_on_triton(plan, parts, out: torch.Tensor, kv: bool = False) -> bool
     """Whether :func:`combine` runs the Triton kernel (one pass, any part may be ``out`` itself)
     rather than torch operations (which accumulate apart from the parts)."""
     gqa = kv and any(c.kv_heads is not None for c in plan)
-    return triton_enabled(out.device) and not gqa and out.dtype in _TL_DTYPES \
-        and all(p.stride(-1) == 1 and p.dtype == parts[0].dtype for p in parts) \
-        and (not parts or parts[0].dtype in _TL_DTYPES)
+    return triton_enabled(out.device) and not gqa and out.dtype != torch.float64 \
+        and all(p.stride(-1) == 1 for p in parts)
 
 
 def add_call(acc: torch.Tensor, c: KernelCall, g: torch.Tensor, kv: bool = False) -> None:
@@ -208,12 +206,10 @@ def _aligned(c: KernelCall) -> int:
     return int(c.start % c.r == 0 and c.length % c.r == 0)
 
 
-#: A call's constants as the kernels read them (one int64 row of a table, by position):
-#: (start, count, length, r, diag, head offset or -1, first row, aligned).
-START, COUNT, LENGTH, R, DIAG, OFFSET, FIRST, ALIGNED = range(8)
-#: Entries per row of the combine's table: the header, then one row per call (its constants and
-#: the strides of its part and of its lse).
-ROW = 16
+#: The kernels read a call's compile-time constants as a plain tuple, by position (built per step:
+#: plain tuples cost the host least): (start, count, length, r, diag, head offset or -1, first row,
+#: aligned), and for the combine two more, (index of its first part, number of parts).
+START, COUNT, LENGTH, R, DIAG, OFFSET, FIRST, ALIGNED, PART, SIZE = range(10)
 
 
 def _call_constants(c: KernelCall) -> tuple:
@@ -234,76 +230,29 @@ def _period(plan, n: int) -> int:
     return period if period <= min(_MAX_PERIOD, n) else 1
 
 
-_TABLES: dict = {}  # (device, entries) -> the table on the device
-_MAX_TABLES = 1024
-_CAPTURED: list = []  # tables made or read while a CUDA graph was captured: its replays read them
-_CHUNK = 8  # addresses written per launch of _write_addresses
-
-
-def _capturing(device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _kept(key, table, device) -> torch.Tensor:
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.clear()
-    _TABLES[key] = table
-    if _capturing(device):
-        _CAPTURED.append(table)
-    return table
-
-
-def _static_table(key: tuple, entries, device) -> torch.Tensor:
-    """What the kernels read of a plan (constants, strides, which calls each program runs), as an
-    int64 tensor on ``device``: ``entries()`` (a sequence of ints), made once per ``key`` (the plan
-    and the strides) and kept. The plan is data, not compile-time constants: a new sequence length
-    compiles nothing."""
-    key = (device,) + key
-    table = _TABLES.get(key)
-    if table is None:
-        if _capturing(device):  # an upload now would be a copy from pageable memory inside the graph
-            raise RuntimeError("dilated: a CUDA graph captures a call at a length this process has not run "
-                               "eagerly; run it once at that length before capturing it (as a warm-up)")
-        table = _kept(key, torch.tensor(entries(), dtype=torch.int64, device=device), device)
-    elif _capturing(device):
-        _CAPTURED.append(table)
-    return table
-
-
-def _vector(elements, tensors, dtype) -> int:
-    """Elements per 16-byte access the kernels may assume (``tl.multiple_of``): the largest power
-    of two up to 16 bytes dividing every offset in ``elements`` and the tensors' strides but the last."""
-    g = math.gcd(*elements, *(x for t in tensors for x in t.stride()[:-1]))
-    vec = 16 // dtype.itemsize
-    while g % vec:
-        vec //= 2
-    return vec
-
-
-def _address_table(parts, lses, device) -> torch.Tensor:
-    """``[2, n]`` int64: the parts' and their lses' addresses (n: the calls, rounded up to
-    :data:`_CHUNK`), written on the device by :func:`_write_addresses` (a kernel launch: no copy
-    from the host, so also while a CUDA graph is captured); kept, since they repeat from step to
-    step."""
-    lses = lses or parts  # not read
-    key = (device, tuple(p.data_ptr() for p in parts), tuple(x.data_ptr() for x in lses))
-    table = _TABLES.get(key)
-    if table is not None:
-        if _capturing(device):
-            _CAPTURED.append(table)
-        return table
-    n = len(parts)
-    table = torch.empty(2, -(-n // _CHUNK) * _CHUNK, dtype=torch.int64, device=device)
-    for s in range(0, n, _CHUNK):
-        chunk = [min(i, n - 1) for i in range(s, s + _CHUNK)]  # the last repeated into the padding
-        _write_addresses[(1,)](table[0, s:], table[1, s:], tuple(parts[i] for i in chunk),
-                               tuple(lses[i] for i in chunk))
-    return _kept(key, table, device)
-
-
-_TL_DTYPES = {}
-if triton is not None:
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+def _call_groups(plan, parts, lses, period: int) -> tuple:
+    """The combine's calls: ``_call_constants`` + (first part, parts). The r calls of one branch
+    block, one per head offset (in-place calls), become one call reading the part of its head's
+    offset (a pointer chosen per program), when aligned and alike in strides: a program then
+    runs one call body per branch instead of r predicated ones."""
+    groups, i = [], 0
+    while i < len(plan):
+        c, size = plan[i], 1
+        if c.mode == "offset" and c.offset == 0 and c.first_row == 0 and period % c.r == 0 \
+                and _aligned(c) and i + c.r <= len(plan):
+            run = plan[i:i + c.r]
+            alike = all(m.mode == "offset" and m.offset == j and m.first_row == j
+                        and (m.start, m.count, m.length, m.r) == (c.start, c.count, c.length, c.r)
+                        and parts[i + j].stride() == parts[i].stride() and parts[i + j].shape == parts[i].shape
+                        and (lses is None or lses[i + j].stride() == lses[i].stride())
+                        for j, m in enumerate(run))
+            size = c.r if alike else 1
+        if size > 1:  # position and head agree mod r, like a diagonal call without the batch fold
+            groups.append((c.start, c.count, c.length, c.r, 0, -1, 0, 1, i, size))
+        else:
+            groups.append(_call_constants(c) + (i, 1))
+        i += size
+    return tuple(groups)
 
 
 def _blocks(d: int) -> tuple[int, int]:
@@ -316,47 +265,10 @@ def _gather_triton(c, sources, dests):
     d = sources[0].shape[3]
     bp, nc, hc, _ = dests[0].shape
     block_r, block_d = _blocks(d)
-    strides = tuple(s for x in sources for s in x.stride()[:3])
-    entries = _call_constants(c) + (nc, hc, d) + strides
     _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
-        tuple(sources), tuple(dests), _static_table(entries, lambda: entries, sources[0].device), D=d, N_T=len(sources),
-        VEC=_vector([d], list(sources) + list(dests), sources[0].dtype), BLOCK_R=block_r, BLOCK_D=block_d,
+        tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d,
+        CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=_LAUNCH["num_warps"])
-
-
-def _runs(k: tuple, hh: int, t: int, period: int) -> bool:
-    """Whether a call (constants ``k``) holds rows of head ``hh`` at positions ``t`` mod ``period``
-    (aligned calls: for all of them or none)."""
-    r, off, first = k[R], k[OFFSET], k[FIRST]
-    if k[ALIGNED] and period % r == 0:
-        return (hh % r == off and t % r == first) if off >= 0 else t % r == hh % r
-    return off < 0 or hh % r == off
-
-
-def _shift(x: int) -> int:
-    """log2 of a power of two (the kernel then divides by shifting), else -1."""
-    return x.bit_length() - 1 if x & (x - 1) == 0 else -1
-
-
-def _plan_entries(plan, parts, lses, out, out_lse, alias) -> list:
-    """The combine's static table: a header (n, d, h, period, the aliased call or -1, calls, the
-    output's and the output lse's strides, where the run lists start and their width), one
-    :data:`ROW` per call (constants, part strides, lse strides, log2 of length and r where they
-    are powers of two), and per program class (position
-    mod period, head) the calls that have rows there: a program loops over those only."""
-    b, n, h, d = out.shape
-    period = _period(plan, n)
-    consts = [_call_constants(c) for c in plan]
-    width = len(plan) + 1
-    entries = [n, d, h, period, alias, len(plan), *out.stride()[:3],
-               *(out_lse.stride() if out_lse is not None else (0, 0, 0)), ROW * (len(plan) + 1), width, 0, 0]
-    for i, k in enumerate(consts):
-        entries += [*k, *parts[i].stride()[:3], *(lses[i].stride() if lses is not None else (0, 0, 0)),
-                    _shift(k[LENGTH]), _shift(k[R])]
-    for th in range(period * h):
-        run = [i for i, k in enumerate(consts) if _runs(k, th % h, th // h, period)]
-        entries += [len(run), *run] + [0] * (width - 1 - len(run))
-    return entries
 
 
 def _combine_triton(plan, parts, lses, out, out_lse):
@@ -367,28 +279,30 @@ def _combine_triton(plan, parts, lses, out, out_lse):
         if store_lse:
             out_lse.fill_(float("-inf"))
         return
-    out_lse = out_lse if store_lse else None
-    alias = _alias(plan, parts, out)
-    key = (tuple(plan), tuple(p.stride() for p in parts), lses is not None and tuple(x.stride() for x in lses),
-           out.shape, out.stride(), out_lse is not None and out_lse.stride(), alias)
-    table = _static_table(key, lambda: _plan_entries(plan, parts, lses, out, out_lse, alias), out.device)
-    size = parts[0].element_size()
-    vec = min(_vector([(p.data_ptr() - parts[0].data_ptr()) // size for p in parts], parts, parts[0].dtype),
-              _vector([], [out], out.dtype))
+    # The plan is compile-time (divisions by constants); tensors and their strides are arguments.
     period = _period(plan, n)
+    calls = _call_groups(plan, parts, lses, period)
+    strides = tuple(s for p in parts for s in p.stride()[:3])
+    if has_lse:
+        lse_parts, lse_strides = tuple(lses), tuple(s for l in lses for s in l.stride())
+    else:
+        lse_parts, lse_strides = tuple(parts), strides  # not read
+    lse_out, lse_out_strides = (out_lse, out_lse.stride()) if store_lse else (out, (0, 0, 0))  # not written
     block_p, block_d = _blocks(d)
     _combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
-        out, out_lse if store_lse else out, parts[0], table, _address_table(parts, lses, out.device),
-        D=d, HAS_LSE=has_lse, STORE_LSE=store_lse, VEC=vec, BLOCK_P=block_p,
-        BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        out, lse_out, tuple(parts), strides, lse_parts, lse_strides, n, d,
+        out.stride(0), out.stride(1), out.stride(2), *lse_out_strides,
+        CALLS=calls, N_CALLS=len(calls), H=h, PERIOD=period, HAS_LSE=has_lse, STORE_LSE=store_lse,
+        ALIAS=_alias(calls, parts, out), BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
 
 
-def _alias(plan, parts, out) -> int:
-    """The call whose part *is* ``out`` (an r = 1 call covering every row, overwritten in place),
-    or -1. Rows no other call covers then already hold their result: the kernel writes only
-    their lse (with the nested head offsets of LongNet's schedule, half the rows)."""
-    for i, (c, part) in enumerate(zip(plan, parts)):
-        if c.r == 1 and part.data_ptr() == out.data_ptr() and part.numel() == out.numel() \
+def _alias(calls, parts, out) -> int:
+    """The combine call whose part *is* ``out`` (an r = 1 call covering every row, overwritten in
+    place), or -1. Rows no other call covers then already hold their result: the kernel writes
+    only their lse (with the nested head offsets of LongNet's schedule, half the rows)."""
+    for i, g in enumerate(calls):
+        part = parts[g[PART]]
+        if g[SIZE] == 1 and g[R] == 1 and part.data_ptr() == out.data_ptr() and part.numel() == out.numel() \
                 and part.is_contiguous() and out.is_contiguous():
             return i
     return -1
@@ -398,137 +312,134 @@ if triton is not None:
     from .merge import merge_finish, merge_step
 
     @triton.jit
-    def _write_addresses(part_at, lse_at, parts, lses):
-        for k in tl.static_range(8):  # _CHUNK
-            tl.store(part_at + k, parts[k].to(tl.int64))
-            tl.store(lse_at + k, lses[k].to(tl.int64))
-
-    @triton.jit
-    def _call_rows(row, p, pmask, hh, b, period):
-        """Rows ``(p, hh)`` of batch ``b`` that the call of table row ``row`` covers, and their
-        place in its output (batch index, row, head)."""
-        start = tl.load(row + 0).to(tl.int32)
-        count = tl.load(row + 1).to(tl.int32)
-        length = tl.load(row + 2).to(tl.int32)
-        r = tl.load(row + 3).to(tl.int32)
-        off = tl.load(row + 5).to(tl.int32)
-        first = tl.load(row + 6).to(tl.int32)
+    def _call_rows(p, pmask, hh, b, start: tl.constexpr, count: tl.constexpr, length: tl.constexpr,
+                   r: tl.constexpr, diag: tl.constexpr, off: tl.constexpr, first: tl.constexpr,
+                   aligned: tl.constexpr, PERIOD: tl.constexpr):
+        """Rows ``(p, hh)`` of batch ``b`` that a call (``_call_constants``) covers, and their place
+        in its output (batch index, row, head)."""
         q = p - start
         member = pmask & (q >= 0) & (q < count * length)
         q = tl.where(member, q, 0)
-        shift_length = tl.load(row + 14).to(tl.int32)
-        shift_r = tl.load(row + 15).to(tl.int32)
-        if (shift_length >= 0) & (shift_r >= 0):  # powers of two (LongNet's): shifts, not divisions
-            seg = q >> shift_length
-            i = q - (seg << shift_length)
-            ni = i >> shift_r
-            im = i & (r - 1)
-        else:
-            seg = q // length
-            i = q - seg * length
-            ni = i // r
-            im = i % r
+        seg = q // length
+        i = q - seg * length
         mh = hh % r
-        # where the program's position period decided membership (its run list), any row is in
-        per_row = (tl.load(row + 7) == 0) | (period % r != 0)
-        member = member & tl.where(per_row, im == tl.where(off >= 0, first, mh), True)
+        if not aligned or PERIOD % r != 0:  # else the program's position period decided (_runs)
+            if off >= 0:  # one head offset; its rows start at ``first``
+                member = member & (i % r == first)
+            else:  # view (r = 1) or diagonal: position and head agree mod r
+                member = member & (i % r == mh)
         bi = b * count + seg
-        bi = tl.where(tl.load(row + 4) != 0, bi * r + mh, bi)
-        return member, bi.to(tl.int64), ni.to(tl.int64), (hh // r).to(tl.int64)
+        if diag:
+            bi = bi * r + mh
+        return member, bi.to(tl.int64), (i // r).to(tl.int64), (hh // r).to(tl.int64)
 
     @triton.jit
-    def _lse_rows(row, lse_address, member, bi, ni, hi):
-        """The lse of a call (table row ``row``, address at ``lse_address``) at its rows (``-inf``
-        off them)."""
-        at = tl.load(lse_address).to(tl.pointer_type(tl.float32))
-        return tl.load(at + bi * tl.load(row + 11) + hi * tl.load(row + 12) + ni * tl.load(row + 13),
+    def _lse_rows(lse_ptr, lse_strides, k: tl.constexpr, member, bi, ni, hi):
+        """A call's lse at its rows (``-inf`` off them); its strides are entries ``3k..3k+2``."""
+        return tl.load(lse_ptr + bi * lse_strides[3 * k] + hi * lse_strides[3 * k + 1] + ni * lse_strides[3 * k + 2],
                        mask=member, other=float("-inf"))
 
     @triton.jit
-    def _combine_kernel(out_ptr, out_lse_ptr, part0, table, addresses, D: tl.constexpr, HAS_LSE: tl.constexpr,
-                        STORE_LSE: tl.constexpr, VEC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-        # program (block of positions t, t + period, ...; head hh; batch b). Over such positions
-        # a head is in an aligned call for all of them or none: a program runs only the calls of
-        # its run list (the table's, per (t, hh)). Without STORE_LSE, L is not written (a forward
-        # nothing differentiates). Plan and strides: ``table``; the parts' addresses: ``addresses``
-        # (read as offsets from ``part0``, multiples of VEC: 16-byte loads).
-        n = tl.load(table + 0).to(tl.int32)
-        h = tl.load(table + 2).to(tl.int32)
-        period = tl.load(table + 3).to(tl.int32)
-        alias = tl.load(table + 4).to(tl.int32)
-        lse_row = addresses + ((tl.load(table + 5) + 7) // 8) * 8  # the lse addresses (_address_table)
-        # (t, hh) vary fastest: programs running together cover one range of positions, all heads
-        th = tl.program_id(0) % (period * h)
-        blk = tl.program_id(0) // (period * h)
-        hh = th % h
-        t = th // h
-        b = tl.program_id(1)
-        p = (blk * BLOCK_P + tl.arange(0, BLOCK_P)) * period + t
-        pmask = p < n
-        lse_at = out_lse_ptr + b.to(tl.int64) * tl.load(table + 9) + p.to(tl.int64) * tl.load(table + 10) \
-            + hh.to(tl.int64) * tl.load(table + 11)
-        run = table + tl.load(table + 12) + th * tl.load(table + 13)
-        n_run = tl.load(run).to(tl.int32)
-        if (alias >= 0) & (n_run == 1) & (tl.load(run + 1) == alias):
-            if STORE_LSE:  # only out's own call covers these rows: they hold their result, L is its lse
-                row = table + 16 * (alias + 1)
-                member, bi, ni, hi = _call_rows(row, p, pmask, hh, b, period)
-                tl.store(lse_at, _lse_rows(row, lse_row + alias, member, bi, ni, hi), mask=pmask)
-        else:
-            _mix(out_ptr, lse_at, part0, table, addresses, lse_row, run, n_run, p, pmask, hh, b, period, D, HAS_LSE,
-                 STORE_LSE, VEC, BLOCK_P, BLOCK_D)
+    def _runs(hh, t, r: tl.constexpr, off: tl.constexpr, first: tl.constexpr, aligned: tl.constexpr,
+              PERIOD: tl.constexpr):
+        """Whether a call can hold rows of head ``hh`` at positions ``t`` mod ``PERIOD``."""
+        if aligned and PERIOD % r == 0:
+            if off >= 0:
+                return (hh % r == off) & (t % r == first)
+            return t % r == hh % r
+        if off >= 0:
+            return hh % r == off
+        return hh >= 0
 
     @triton.jit
-    def _mix(out_ptr, lse_at, part0, table, addresses, lse_row, run, n_run, p, pmask, hh, b, period,
-             D: tl.constexpr, HAS_LSE: tl.constexpr, STORE_LSE: tl.constexpr, VEC: tl.constexpr, BLOCK_P: tl.constexpr,
-             BLOCK_D: tl.constexpr):
-        """out = sum over the calls of the run list of exp(lse_c - L) o_c, L = logsumexp_c lse_c (or
-        the sum of the o_c), and L at ``lse_at`` (``STORE_LSE``), in one pass over the calls (the
-        streaming merge of :mod:`dilated.merge`): each call's rows and lse are loaded together, once."""
+    def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, N, D,
+                        s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
+                        CALLS: tl.constexpr, N_CALLS: tl.constexpr, H: tl.constexpr, PERIOD: tl.constexpr,
+                        HAS_LSE: tl.constexpr, STORE_LSE: tl.constexpr, ALIAS: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        # program (block of positions t, t + PERIOD, ...; head hh; batch b). Over such positions
+        # a head is in an aligned call for all of them or none: calls are skipped whole, and the
+        # calls a program runs are the ones with work for it (``_mix``). Without STORE_LSE, L is
+        # not written (a forward nothing differentiates).
+        # (t, hh) vary fastest: programs running together cover one range of positions, all heads
+        th = tl.program_id(0) % (PERIOD * H)
+        blk = tl.program_id(0) // (PERIOD * H)
+        hh = th % H
+        t = th // H
+        b = tl.program_id(1)
+        p = (blk * BLOCK_P + tl.arange(0, BLOCK_P)) * PERIOD + t
+        pmask = p < N
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
+        others = 1
+        if ALIAS >= 0:  # out is call ALIAS's part: nothing to mix where no other call runs
+            others = 0
+            for c in tl.static_range(N_CALLS):
+                if c != ALIAS:
+                    others += _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD).to(tl.int32)
+        lse_at = out_lse_ptr + b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh
+        if others > 0:
+            _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
+                 CALLS, N_CALLS, PERIOD, HAS_LSE, STORE_LSE, BLOCK_P, BLOCK_D)
+        else:
+            if STORE_LSE:  # only the aliased call covers these rows: they hold their result, L is its lse
+                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[ALIAS][0], CALLS[ALIAS][1], CALLS[ALIAS][2],
+                                                CALLS[ALIAS][3], CALLS[ALIAS][4], CALLS[ALIAS][5], CALLS[ALIAS][6],
+                                                CALLS[ALIAS][7], PERIOD)
+                k: tl.constexpr = CALLS[ALIAS][8]
+                tl.store(lse_at, _lse_rows(lses[k], lse_strides, k, member, bi, ni, hi), mask=pmask)
+
+    @triton.jit
+    def _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
+             CALLS: tl.constexpr, N_CALLS: tl.constexpr, PERIOD: tl.constexpr, HAS_LSE: tl.constexpr,
+             STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        """out = sum over the calls of exp(lse_c - L) o_c, L = logsumexp_c lse_c (or the sum of the
+        o_c), and L at ``lse_at`` (``STORE_LSE``), in one pass over the calls (the streaming merge of
+        :mod:`dilated.merge`): each call's rows and lse are loaded together, once."""
         acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
         m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
         s_i = tl.zeros([BLOCK_P], tl.float32)
-        for j in range(n_run):
-            c = tl.load(run + 1 + j).to(tl.int32)
-            row = table + 16 * (c + 1)
-            member, bi, ni, hi = _call_rows(row, p, pmask, hh, b, period)
-            base = (tl.load(addresses + c) - part0.to(tl.int64)) // (part0.dtype.element_ty.primitive_bitwidth // 8)
-            at = tl.multiple_of(base + bi * tl.load(row + 8) + ni * tl.load(row + 9) + hi * tl.load(row + 10), VEC)
-            o = tl.load(part0 + at[:, None] + d[None, :], mask=member[:, None] & dmask[None, :],
-                        other=0.0).to(tl.float32)
-            if HAS_LSE:
-                m_i, s_i, acc = merge_step(m_i, s_i, acc, o, _lse_rows(row, lse_row + c, member, bi, ni, hi))
-            else:
-                acc += o
+        for c in tl.static_range(N_CALLS):
+            if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
+                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2], CALLS[c][3],
+                                                CALLS[c][4], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD)
+                k: tl.constexpr = CALLS[c][8]
+                size: tl.constexpr = CALLS[c][9]
+                part = parts[k]
+                lse_ptr = lses[k]
+                for j in tl.static_range(1, size):  # a group: the part of this head's offset
+                    part = tl.where(hh % CALLS[c][3] == j, parts[k + j], part)
+                    lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
+                o = tl.load(part + (bi * strides[3 * k] + ni * strides[3 * k + 1] + hi * strides[3 * k + 2])[:, None]
+                            + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                if HAS_LSE:
+                    m_i, s_i, acc = merge_step(m_i, s_i, acc, o, _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi))
+                else:
+                    acc += o
         if HAS_LSE:
             acc, lse = merge_finish(m_i, s_i, acc)
             if STORE_LSE:
                 tl.store(lse_at, lse, mask=pmask)
-        at = tl.multiple_of(b.to(tl.int64) * tl.load(table + 6) + p.to(tl.int64) * tl.load(table + 7)
-                            + hh.to(tl.int64) * tl.load(table + 8), VEC)
-        tl.store(out_ptr + at[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=pmask[:, None] & dmask[None, :])
+        tl.store(out_ptr + (b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh)[:, None]
+                 + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & dmask[None, :])
 
     @triton.jit
-    def _gather_kernel(sources, dests, table, D: tl.constexpr, N_T: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+    def _gather_kernel(sources, strides, dests, NC, D, CALL: tl.constexpr, N_T: tl.constexpr, HC: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         # program (row block, kernel batch index bi): rows (ni, hi) of bi, from every source
-        start = tl.load(table + 0).to(tl.int32)
-        count = tl.load(table + 1).to(tl.int32)
-        length = tl.load(table + 2).to(tl.int32)
-        r = tl.load(table + 3).to(tl.int32)
-        off = tl.load(table + 5).to(tl.int32)
-        first = tl.load(table + 6).to(tl.int32)
-        nc = tl.load(table + 8).to(tl.int32)
-        hc = tl.load(table + 9).to(tl.int32)
+        start = CALL[0]
+        count = CALL[1]
+        length = CALL[2]
+        r = CALL[3]
+        diag = CALL[4]
+        off = CALL[5]
+        first = CALL[6]
         bi = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rows < nc * hc
-        ni = rows // hc
-        hi = rows % hc
-        if tl.load(table + 4) != 0:  # diagonal
+        rmask = rows < NC * HC
+        ni = rows // HC
+        hi = rows % HC
+        if diag:
             m = bi % r
             bs = bi // r
             p = start + (bs % count) * length + ni * r + m
@@ -540,9 +451,9 @@ if triton is not None:
         b = bs // count
         d = tl.arange(0, BLOCK_D)
         mask = rmask[:, None] & (d < D)[None, :]
-        dst = tl.multiple_of((bi.to(tl.int64) * nc * hc + rows.to(tl.int64)) * D, VEC)
-        for k in tl.static_range(N_T):
-            src = tl.multiple_of(b.to(tl.int64) * tl.load(table + 11 + 3 * k) + p.to(tl.int64) * tl.load(
-                table + 12 + 3 * k) + hh.to(tl.int64) * tl.load(table + 13 + 3 * k), VEC)
-            x = tl.load(sources[k] + src[:, None] + d[None, :], mask=mask)
-            tl.store(dests[k] + dst[:, None] + d[None, :], x, mask=mask)
+        dst = (bi.to(tl.int64) * NC * HC + rows.to(tl.int64)) * D
+        for t in tl.static_range(N_T):
+            src = (b.to(tl.int64) * strides[3 * t] + p.to(tl.int64) * strides[3 * t + 1]
+                   + hh.to(tl.int64) * strides[3 * t + 2])
+            x = tl.load(sources[t] + src[:, None] + d[None, :], mask=mask)
+            tl.store(dests[t] + dst[:, None] + d[None, :], x, mask=mask)

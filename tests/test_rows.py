@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import dilated
-from conftest import rand
 from dilated.rows import _combine_torch, branch_view, combine, gather, to_kernel_shape
 from dilated.plan import KernelCall, build_plan
 
@@ -109,91 +107,14 @@ def test_combine_writes_in_place_over_the_full_view_part():
     torch.testing.assert_close(got, want)
 
 
-class _Launches:
-    """Stands in for a Triton kernel: records what would decide its compilation (the grid aside,
-    the arguments' kinds: dtype for tensors, values for the rest), runs nothing."""
+def test_in_place_calls_of_a_branch_are_one_combine_call():
+    """The r in-place calls of a branch (one per head offset) are read by one call body of the kernel."""
+    from dilated.rows import PART, SIZE, _call_groups
 
-    def __init__(self):
-        self.signatures = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            kinds = [(type(a).__name__, a.dtype if isinstance(a, torch.Tensor) else
-                      tuple(x.dtype for x in a) if isinstance(a, tuple) else a) for a in args]
-            self.signatures.append((tuple(kinds), tuple(sorted(kwargs.items(), key=str))))
-        return launch
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-def test_a_new_sequence_length_launches_the_same_kernels(monkeypatch):
-    """The plan is data, not compile-time constants: plans of different lengths (tails, in-place
-    and gathered calls, diagonal and offset calls) launch gather and combine with one signature."""
-    import dilated.rows as rows
-
-    combine_k, gather_k = _Launches(), _Launches()
-    monkeypatch.setattr(rows, "_combine_kernel", combine_k)
-    monkeypatch.setattr(rows, "_gather_kernel", gather_k)
-    monkeypatch.setattr(rows, "_write_addresses", _Launches())
-    monkeypatch.setattr(rows, "_TABLES", {})
-    for n, tiles in ((256, None), (200, None), (312, 0), (96, 0)):
-        plan = build_plan(n, 4, 4, [16, 32, 64], [1, 2, 4], "cpu", in_place_tiles=tiles)
-        q = torch.randn(1, n, 4, 8)
-        gathered = [c for c in plan if not (c.mode == "view" or c.in_place)]
-        for c in gathered:
-            views = [to_kernel_shape(branch_view(x, c)) for x in (q, q, q)]
-            rows._gather_triton(c, [q, q, q], [torch.empty(v.shape) for v in views])
-        parts = [to_kernel_shape(branch_view(q, c)).contiguous() for c in plan]
-        lses = [torch.randn(p.shape[0], p.shape[2], p.shape[1]) for p in parts]
-        rows._combine_triton(plan, parts, lses, torch.empty_like(q), torch.empty(1, n, 4))
-    assert len(combine_k.signatures) == 4 and len(set(combine_k.signatures)) == 1, set(combine_k.signatures)
-    assert len(gather_k.signatures) >= 2 and len(set(gather_k.signatures)) == 1, set(gather_k.signatures)
-    tables = [t for t in rows._TABLES.values() if t.dim() == 1]  # the plans' and calls' (not the addresses)
-    assert len({tuple(t.tolist()) for t in tables}) == len(tables) > 4  # each plan and call its own table
-
-
-def _compiled(kernel) -> int:
-    return sum(len(entry[0]) for entry in kernel.device_caches.values())
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["sdpa_math", "sdpa_cudnn"])  # gathered, then in-place calls
-def test_gpu_new_lengths_compile_nothing_and_capture(backend, gen):
-    """On the GPU: after the first lengths, new lengths (forward and backward) compile no gather or
-    combine kernel; a forward at yet another length, warmed up then captured in a CUDA graph,
-    replays on new inputs to the eager result."""
-    import dilated.rows as rows
-
-    segs, dils = [256, 512, 1024], [1, 2, 4]
-
-    def step(n, grad=True):
-        q, k, v = (rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_(grad) for _ in range(3))
-        out = dilated.improved_dilated_attention(q, k, v, segs, dils, backend=backend)
-        if grad:
-            out.backward(torch.randn_like(out))
-        return q, k, v, out
-
-    for n in (1024, 1000, 1500):  # the kernels' variants: forward, backward, vector widths (by head_dim, strides)
-        step(n)
-    compiled = _compiled(rows._combine_kernel), _compiled(rows._gather_kernel)
-    for n in (2100, 3333, 1111, 2500):
-        step(n)
-    torch.cuda.synchronize()
-    assert (_compiled(rows._combine_kernel), _compiled(rows._gather_kernel)) == compiled, \
-        [list(entry[0]) for kernel in (rows._combine_kernel, rows._gather_kernel) for entry in kernel.device_caches.values()]
-
-    q, k, v, _ = step(2900, grad=False)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # a warm-up at this length before the capture, as CUDA graphs need
-        dilated.improved_dilated_attention(q, k, v, segs, dils, backend=backend)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # the parts' addresses are new here: their tables are made in the capture
-        out = dilated.improved_dilated_attention(q, k, v, segs, dils, backend=backend)
-    rows._TABLES.clear()  # the graph keeps what it reads
-    for _ in range(2):
-        for x in (q, k, v):
-            x.copy_(torch.randn_like(x))
-        graph.replay()
-        want = dilated.improved_dilated_attention(q, k, v, segs, dils, backend=backend)
-        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    plan = build_plan(64, 4, 4, [8, 16], [1, 2], "cpu", in_place_tiles=0)
+    x = torch.randn(1, 64, 4, 8)
+    parts = [gather(c, [x])[0][0].contiguous() for c in plan]
+    assert [c.in_place for c in plan] == [False, True, True]
+    groups = _call_groups(plan, parts, None, period=2)
+    assert [(g[PART], g[SIZE]) for g in groups] == [(0, 1), (1, 2)]
+    assert [(g[PART], g[SIZE]) for g in _call_groups(plan, parts, None, period=1)] == [(0, 1), (1, 1), (2, 1)]
