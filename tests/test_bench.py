@@ -516,3 +516,11 @@ def test_varied_lengths_scenario_reports_each_first_call(tmp_path):
     assert all(r["first_call_ms"] > 0 and r["kernels"] for r in rows)
     table = run.stdout.split("first call at each new length")[1]
     assert all(f" {n} " in table for n in (500, 600, 700, 1000))
+
+
+def test_nonfinite_entries_are_counted_across_chunks():
+    from dilated.bench.runner import _nonfinite
+
+    x = torch.randn(10, 100)
+    x[0, 3], x[9, 99], x[5, 50] = float("nan"), float("inf"), float("-inf")
+    assert _nonfinite(x, chunk=64) == 3 and _nonfinite(x.t(), chunk=7) == 3 and _nonfinite(x[:, :50]) == 2
