@@ -103,13 +103,22 @@ def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, 
 
     dq, dk, dv = run(dout, v_e, out)
     if dlse is not None and bool((dlse != 0).any()):
-        unit = torch.zeros_like(v_e)
-        unit[..., 0] = 1
-        dout_l = torch.zeros_like(dout)
-        dout_l[..., 0] = dlse.transpose(1, 2).to(dout.dtype)
-        dq_l, dk_l, _ = run(dout_l, unit, torch.zeros_like(out))
+        dq_l, dk_l = lse_gradient(run, dout, v_e, out, dlse.transpose(1, 2))
         dq, dk = dq + dq_l, dk + dk_l
     return dq, _reduce(dk, groups), _reduce(dv, groups)
+
+
+def lse_gradient(run, dout, v, out, dlse_rows):
+    """``(dq, dk)`` from the gradient of the log-sum-exp, by one more kernel backward
+    ``run(dout_, v_, out_) -> (dq, dk, dv)`` with ``v`` a unit vector, ``dout = dlse`` along it and
+    ``out = 0`` (then ``dP = dlse`` and ``D = 0``, so ``dS = P * dlse``). ``dlse_rows``: the lse
+    gradient laid out like ``dout[..., 0]``."""
+    unit = torch.zeros_like(v)
+    unit[..., 0] = 1
+    dout_l = torch.zeros_like(dout)
+    dout_l[..., 0] = dlse_rows.to(dout.dtype)
+    dq_l, dk_l, _ = run(dout_l, unit, torch.zeros_like(out))
+    return dq_l, dk_l
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -159,11 +168,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"cu_seqlens packs q and k/v alike: they need one length, got {q.shape[1]} and "
                              f"{k.shape[1]}")
-        from .packed import check_cu_seqlens, packed_attention, varlen_attention, varlen_reason
+        from .backends.varlen import varlen_kernel
+        from .packed import check_cu_seqlens, packed_attention, varlen_attention
 
-        if varlen_reason(q, k, v, backend) is None:  # the kernel's own varlen entry point
+        kernel = varlen_kernel(q, k, v, backend)
+        if kernel is not None:  # the kernel's own varlen entry point
             q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
-            out, lse = varlen_attention(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), causal, scale, backend)
+            out, lse = varlen_attention(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), causal, scale, kernel)
         else:
             out, lse = packed_attention(q, k, v, cu_seqlens, lambda a, b_, c: attention(
                 a, b_, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)

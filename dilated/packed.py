@@ -3,9 +3,11 @@
 a document boundary; causal applies within each document.
 
 On CUDA, with half-precision inputs, documents go to a kernel's own varlen entry point in one
-call over all of them: torch's varlen flash kernel (``torch.nn.attention.varlen.varlen_attn``,
-where the installed torch has it) with ``backend="auto"``, flash-attn 4's
-``flash_attn_varlen_func`` with ``backend="flash_attn_4"``. Elsewhere, documents run in batched kernel calls, not one call per document: non-causal documents of one
+call over all of them (:mod:`dilated.backends.varlen`): torch's varlen flash kernel (the ops
+behind ``torch.nn.attention.varlen``, where the installed torch has them) with ``backend="auto"``,
+flash-attn 4's with ``backend="flash_attn_4"``; forward and backward are the kernel's own, the
+backward given the (merged) out and lse, so ring attention calls them too. Elsewhere, documents
+run in batched kernel calls, not one call per document: non-causal documents of one
 length share a call (their batch is the number of such documents); causal ones are padded at
 their end to a bucket length (four buckets per octave, so at most a quarter of a call is padding)
 and share the bucket's call. Padding at the end is exact under causality: a real query sees only
@@ -18,6 +20,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+
+from .backends.varlen import VarlenCall, VarlenKernel
 
 
 def check_cu_seqlens(cu_seqlens, n: int) -> list[int]:
@@ -125,87 +129,65 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool):
     return tuple(grads)
 
 
-def varlen_kernel():
-    """torch's varlen flash attention (``varlen_attn``, ``AuxRequest``), or None in a torch without it."""
-    try:
-        from torch.nn.attention.varlen import AuxRequest, varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, AuxRequest
-
-
-def varlen_reason(q, k, v, backend: str) -> str | None:
-    """Why packed documents do not go to a kernel's own varlen entry point here (torch's varlen
-    kernel for ``auto``, flash-attn 4's ``flash_attn_varlen_func`` for ``flash_attn_4``), or None."""
-    if backend not in ("auto", "flash_attn_4"):
-        return (f"backend {backend!r} asked for by name (torch's varlen kernel serves 'auto', flash-attn 4's "
-                "'flash_attn_4')")
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return "the varlen kernels are flash attention: CUDA and float16/bfloat16 only"
-    if q.shape[-1] > 256 or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:
-        return "flash attention needs one head_dim, a multiple of 8 up to 256"
-    if backend == "flash_attn_4":
-        from .backends import backend_reason
-
-        return backend_reason("flash_attn_4", q.device)
-    if varlen_kernel() is None:
-        return "this torch has no torch.nn.attention.varlen"
-    return None
-
-
-def varlen_attention(q, k, v, cu: list[int], causal: bool, scale: float, backend: str = "auto"):
-    """``(out, lse)`` of the packed documents by one call of a varlen kernel (torch's for
-    ``auto``, flash-attn 4's for ``flash_attn_4``) over every batch row's documents (the rows
-    are packed one after another). Differentiable."""
-    b, n, h, d = q.shape
-    starts = torch.tensor(cu, dtype=torch.int32, device=q.device)
-    cu_all = torch.cat([starts[:-1] + i * n for i in range(b)] + [starts[-1:] + (b - 1) * n])
+def varlen_call(cu: list[int], b: int, n: int, causal: bool, scale: float, device) -> VarlenCall:
+    """The :class:`VarlenCall` of the documents ``cu`` in each of ``b`` batch rows of length ``n``
+    (the rows packed one after another)."""
+    cu_all = [s + i * n for i in range(b) for s in cu[:-1]] + [b * n]
+    cu_t = torch.tensor(cu_all, dtype=torch.int32, device=device)
     longest = max(e - s for s, e in zip(cu, cu[1:]))
-    packed = q.reshape(b * n, h, d), k.reshape(b * n, k.shape[2], d), v.reshape(b * n, v.shape[2], d)
-    if backend == "flash_attn_4":
-        out, lse = _flash_attn_4_varlen(packed, cu_all, longest, causal, scale)  # lse [H, T]
-        return out.reshape(b, n, h, d), lse.reshape(h, b, n).transpose(0, 1).float()
-    out, lse = _torch_varlen(packed, cu_all, longest, causal, scale)
-    if lse.shape == (h, b * n) and lse.shape != (b * n, h):  # [H, T] in releases that return it so
-        lse = lse.transpose(0, 1)
-    return out.reshape(b, n, h, d), lse.reshape(b, n, h).transpose(1, 2).float()
+    return VarlenCall(cu_t, cu_t, longest, longest, causal, scale)
 
 
-def _flash_attn_4_varlen(packed, cu_all, longest: int, causal: bool, scale: float):
-    """flash-attn 4's ``flash_attn_varlen_func`` (an autograd Function; GQA native) on packed
-    ``(q, k, v)`` ``[T, H, D]`` rows: ``(out [T, H, D], lse [H, T])``."""
-    from .backends._signature import call_by_name
-    from .backends.flash_attn_4 import _import
-
-    q, k, v = packed
-    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_all, cu_seqlens_k=cu_all, max_seqlen_q=longest,
-                max_seqlen_k=longest, softmax_scale=scale, causal=causal, return_lse=True)
-    return call_by_name(_import().flash_attn_varlen_func, args, required=tuple(args))[:2]
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, N, H, D]`` as packed ``[B * N, H, D]`` rows."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _torch_varlen(packed, cu_all, longest: int, causal: bool, scale: float):
-    """torch's ``varlen_attn`` over packed ``(q, k, v)`` ``[T, H, D]`` rows: ``(out, lse)`` (lse
-    ``[T, H]`` or ``[H, T]``, by release)."""
-    from .backends._signature import parameters
+def _lse_packed(lse: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N]`` as the varlen kernels' ``[H, B * N]``."""
+    return lse.transpose(0, 1).reshape(lse.shape[1], -1)
 
-    q, k, v = packed
-    varlen_attn, aux_request = varlen_kernel()
-    h, d = q.shape[1], q.shape[2]
-    params = parameters(varlen_attn)
-    kwargs = {"return_aux": aux_request(lse=True)}
-    if "scale" in params:
-        kwargs["scale"] = scale
-    elif abs(scale - d ** -0.5) > 1e-12 * scale:
-        raise NotImplementedError("this torch's varlen_attn takes no scale")
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
-    elif "is_causal" in params:
-        kwargs["is_causal"] = causal
-    else:
-        raise NotImplementedError("this torch's varlen_attn takes neither window_size nor is_causal")
-    if k.shape[1] != h:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            k, v = (x.repeat_interleave(h // k.shape[1], 1) for x in (k, v))
-    return varlen_attn(q, k, v, cu_all, cu_all, longest, longest, **kwargs)
+
+def varlen_forward(kernel: VarlenKernel, q, k, v, cu: list[int], causal: bool, scale: float):
+    """``(out [B, N, H, D], lse [B, H, N] float32)`` of the packed documents ``cu`` (the same in every
+    batch row) by one call of ``kernel``; no autograd."""
+    b, n, h, _ = q.shape
+    out, lse = kernel.forward(_rows(q), _rows(k), _rows(v), varlen_call(cu, b, n, causal, scale, q.device))
+    return out.view(b, n, h, out.shape[-1]), lse.view(h, b, n).transpose(0, 1)
+
+
+def varlen_backward(kernel: VarlenKernel, tensors, cu: list[int], causal: bool, scale: float, dlse=None):
+    """``(dq, dk, dv)`` of :func:`varlen_forward` given ``tensors = (dout, q, k, v, out, lse)``, the
+    (merged) out and lse ``[B, H, N]``; ``dlse`` (``[B, H, N]`` or None) is the gradient of lse."""
+    dout, q, k, v, out, lse = tensors
+    b, n = q.shape[:2]
+    grads = kernel.backward(_rows(dout), _rows(q), _rows(k), _rows(v), _rows(out), _lse_packed(lse),
+                            varlen_call(cu, b, n, causal, scale, q.device),
+                            None if dlse is None else _lse_packed(dlse))
+    return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
+
+
+class VarlenFunction(torch.autograd.Function):
+    """Autograd over :func:`varlen_forward` / :func:`varlen_backward`: gradients flow through out
+    and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel: VarlenKernel, cu: tuple, causal: bool, scale: float):
+        out, lse = varlen_forward(kernel, q, k, v, list(cu), causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.cu, ctx.causal, ctx.scale = kernel, list(cu), causal, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dlse = dlse if dlse is not None and bool((dlse != 0).any()) else None
+        dq, dk, dv = varlen_backward(ctx.kernel, (dout, q, k, v, out, lse), ctx.cu, ctx.causal, ctx.scale, dlse)
+        return dq, dk, dv, None, None, None, None
+
+
+def varlen_attention(q, k, v, cu: list[int], causal: bool, scale: float, kernel: VarlenKernel):
+    """``(out, lse)`` of the packed documents ``cu`` by one call of a varlen kernel over every batch
+    row's documents; differentiable (through out and lse)."""
+    return VarlenFunction.apply(q, k, v, kernel, tuple(cu), causal, scale)

@@ -43,7 +43,8 @@ from .agreement import signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import empty_accumulators, merge_
-from .packed import check_cu_seqlens, documents_backward, documents_forward
+from .backends.varlen import VarlenKernel, varlen_kernel
+from .packed import check_cu_seqlens, documents_backward, documents_forward, varlen_backward, varlen_forward
 from .plan import AttentionSpec
 
 
@@ -211,7 +212,8 @@ def _blocks(transport: str, ring: _Ring, k, v, n, causal, layout, overlap):
 class RingCall:
     """What one ring attention call needs besides its tensors: the kernel spec (backend, causal,
     scale), the ring (layout, group, transport, overlap, stats) and packed documents (``cu``,
-    global cumulative lengths, or None)."""
+    global cumulative lengths, or None; ``varlen``: the kernel's own varlen entry point that runs
+    the documents of a chunk with itself in one call, or None where there is none)."""
 
     spec: AttentionSpec
     layout: str
@@ -220,6 +222,7 @@ class RingCall:
     overlap: bool
     transport: str
     cu: tuple | None = None
+    varlen: VarlenKernel | None = None
 
     def steps(self, ring: _Ring, k, v, n: int):
         """``(k block, v block, kernel calls)`` per ring step."""
@@ -227,33 +230,46 @@ class RingCall:
             yield kb, vb, _pieces(plan, src, ring.rank, ring.size, n, self.layout, self.cu)
 
 
-def _forward_piece(spec: AttentionSpec, qkv, causal: bool, docs):
-    """``(out, lse)`` of one kernel call of a step on ``qkv``, or of the documents ``docs`` it holds."""
+def _forward_piece(call: RingCall, qkv, causal: bool, docs):
+    """``(out, lse)`` of one kernel call of a step on ``qkv``, or of the documents ``docs`` it holds
+    (in one varlen call where the kernel has one, else in batched calls per document length)."""
+    spec = call.spec
+
     def attend(qd, kd, vd):
         return attention_forward(spec.backend, qd, kd, vd, causal, spec.scale)
 
-    return attend(*qkv) if docs is None else documents_forward(*qkv, docs, attend, causal)
+    if docs is None:
+        return attend(*qkv)
+    if call.varlen is not None:
+        return varlen_forward(call.varlen, *qkv, docs, causal, spec.scale)
+    return documents_forward(*qkv, docs, attend, causal)
 
 
-def _backward_piece(spec: AttentionSpec, tensors, causal: bool, docs):
+def _backward_piece(call: RingCall, tensors, causal: bool, docs):
     """``(dq, dk, dv)`` of one kernel call of a step on ``tensors = (dout, q, k, v, out, lse)``, or
-    of the documents ``docs`` it holds."""
+    of the documents ``docs`` it holds (as :func:`_forward_piece`)."""
+    spec = call.spec
+
     def grads(*ts):
         return attention_backward(spec.backend, *ts, causal, spec.scale)
 
-    return grads(*tensors) if docs is None else documents_backward(tensors, docs, grads, causal)
+    if docs is None:
+        return grads(*tensors)
+    if call.varlen is not None:
+        return varlen_backward(call.varlen, tensors, docs, causal, spec.scale)
+    return documents_backward(tensors, docs, grads, causal)
 
 
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: RingCall):
-        spec, ring, n = call.spec, _Ring(call.group, call.stats), q.shape[1]
+        ring, n = _Ring(call.group, call.stats), q.shape[1]
         acc, acc_lse = empty_accumulators(*q.shape[:3], v.shape[3], q.device, acc_dtype(q.dtype))
         failure = None
         for kb, vb, pieces in call.steps(ring, k, v, n):
             for qs, ks, c, docs in pieces if failure is None else ():
                 try:
-                    o, lse = _forward_piece(spec, (q[:, qs], kb[:, ks], vb[:, ks]), c, docs)
+                    o, lse = _forward_piece(call, (q[:, qs], kb[:, ks], vb[:, ks]), c, docs)
                     merge_(acc[:, qs], acc_lse[:, qs], o, lse.transpose(1, 2))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
                     failure = e
@@ -270,7 +286,7 @@ class _RingFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         call = ctx.call
-        spec, ring = call.spec, _Ring(call.group, call.stats)
+        ring = _Ring(call.group, call.stats)
         p, n = ring.size, q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
@@ -279,7 +295,7 @@ class _RingFunction(torch.autograd.Function):
             grads = []  # (kv slice, dk, dv) of this step's calls
             for qs, ks, c, docs in pieces if failure is None else ():
                 try:
-                    g = _backward_piece(spec, (dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
+                    g = _backward_piece(call, (dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
                                                lse[:, :, qs].contiguous()), c, docs)
                     dq[:, qs] += g[0]
                     grads.append((ks, g[1], g[2]))
@@ -357,19 +373,22 @@ class RingAttention(nn.Module):
             self.group)))
         fields = signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, transport=self.transport,
                            overlap=self.overlap, documents=docs)
-        return (AttentionSpec(impl, self.causal, scale), docs), fields
+        varlen = None if docs is None else varlen_kernel(q, k, v, self.backend)
+        return (AttentionSpec(impl, self.causal, scale), docs, varlen), fields
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
         ``[0, ..., N]`` in sequence order, the same on every rank); attention stays within each
-        document (one kernel call per document and pair of chunks it meets in a step)."""
+        document (the documents of a chunk with itself in one varlen call where the kernel has
+        a varlen entry point, else in batched calls per length; one call per document and pair of
+        different chunks it meets in a step)."""
         if not dist.is_initialized():
             raise RuntimeError("RingAttention needs torch.distributed initialised (see dilated.init_distributed)")
-        spec, docs = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
+        spec, docs, varlen = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
                                            lambda: self._validate(q, k, v, cu_seqlens))
         q, k, v = dense_rows(q), k.contiguous(), v.contiguous()
         self.transport_used = self._resolve_transport(k, v)
-        call = RingCall(spec, self.layout, self.group, self.stats, self.overlap, self.transport_used, docs)
+        call = RingCall(spec, self.layout, self.group, self.stats, self.overlap, self.transport_used, docs, varlen)
         return _RingFunction.apply(q, k, v, call)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:

@@ -42,3 +42,27 @@ def check_gpu_bf16(fn, causal, gen):
     dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
     for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
         assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]
+
+
+def flash_grads(dout, q, k, v, out, lse, scale, causal, dlse=None):
+    """dq, dk, dv from the saved out and lse ``[B, H, N]`` (a flash backward's contract), in float64;
+    GQA by kv head groups; ``dlse``: a gradient of lse as well (it adds ``P * dlse`` to ``dS``)."""
+    b, n, h, d = q.shape
+    g = h // k.shape[2]
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(g, 2), vd.repeat_interleave(g, 2)
+    s = torch.einsum("bnhd,bmhd->bhnm", qd, kd) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(n, k.shape[1], dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(s - lse.double().unsqueeze(-1))
+    do = dout.double()
+    dv = torch.einsum("bhnm,bnhd->bmhd", p, do)
+    dp = torch.einsum("bnhd,bmhd->bhnm", do, vd)
+    delta = (do * out.double()).sum(-1).transpose(1, 2).unsqueeze(-1)
+    if dlse is not None:
+        delta = delta - dlse.double().unsqueeze(-1)
+    ds = p * (dp - delta) * scale
+    dq = torch.einsum("bhnm,bmhd->bnhd", ds, kd)
+    dk = torch.einsum("bhnm,bnhd->bmhd", ds, qd)
+    hk = k.shape[2]
+    return dq, dk.view(b, -1, hk, g, d).sum(3), dv.view(b, -1, hk, g, d).sum(3)

@@ -141,16 +141,24 @@ def _per_document(q, k, v, cu, causal):
 
 
 @worker
-def ring_documents(rank, world):
+def ring_documents(rank, world, varlen=None):
     """Ring (contiguous and zigzag) and the hybrid with packed documents that cross shard and
-    chunk boundaries, forward and gradients, against each document run alone."""
+    chunk boundaries, forward and gradients, against each document run alone. ``varlen="torch"``:
+    with ``backend="auto"`` served by a stand-in of torch's varlen ops (tests/varlen_standins.py),
+    which must then run the documents of every chunk with itself."""
+    backend = "manual"
+    if varlen is not None:
+        import varlen_standins
+
+        varlen_standins.install(None, varlen)
+        backend = "auto"
     n = 8 * world
     # documents inside a chunk, and across chunk and shard boundaries with several positions on each side
     cu = sorted({0, 1, 3, n // 2 - 3, n // 2 + 3, n - 2, n})
-    modules = [lambda c: dilated.RingAttention(causal=c, layout="contiguous", backend="manual"),
-               lambda c: dilated.RingAttention(causal=c, layout="zigzag", backend="manual")]
+    modules = [lambda c: dilated.RingAttention(causal=c, layout="contiguous", backend=backend),
+               lambda c: dilated.RingAttention(causal=c, layout="zigzag", backend=backend)]
     if world == 4:
-        modules.append(lambda c: dilated.HybridAttention(2, 2, causal=c, backend="manual"))
+        modules.append(lambda c: dilated.HybridAttention(2, 2, causal=c, backend=backend))
     for make in modules:
         for causal in (False, True):
             module = make(causal)
@@ -166,6 +174,9 @@ def ring_documents(rank, world):
             assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9, name
             for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
                 assert _rel(module.unshard(local.grad), full.grad) < 1e-9, f"{name} d{t}"
+    if varlen is not None:  # every ring call ran its chunks' own documents in the varlen kernel
+        calls = varlen_standins.CALLS
+        assert calls["torch_forward"] >= 2 * len(modules) and calls["torch_backward"] >= 2 * len(modules), calls
 
 
 @worker

@@ -37,6 +37,12 @@ def test_ring_and_hybrid_keep_attention_within_packed_documents(world):
     mp.spawn(cp_worker.ring_documents, args=(world, _port()), nprocs=world, join=True)
 
 
+def test_ring_runs_a_chunks_documents_in_the_kernels_varlen_entry_point():
+    """With a varlen kernel (a stand-in of torch's ops), ring and zigzag ring run the documents of
+    each chunk with itself in it, forward and backward on the merged out and lse: exact."""
+    mp.spawn(cp_worker.ring_documents, args=(2, _port(), "torch"), nprocs=2, join=True)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_the_documents_of_a_chunk_with_itself_are_one_batched_entry(layout):
     """A ring step's pair of a chunk with itself holds all of the chunk's documents: one entry

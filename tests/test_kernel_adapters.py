@@ -23,34 +23,13 @@ from dilated.backends import flash_attn_4 as fa4_mod
 from dilated.backends._signature import call_by_name, parameters
 from dilated.reference import dense_reference
 
-from conftest import rand, rel_err
+from conftest import flash_grads as _grads, rand, rel_err
 
 
 def _forward(q, k, v, scale, causal):
     """(out in q's dtype, lse [B, H, N] float32), GQA by repeating kv heads."""
     out, lse = dense_reference(q, k, v, causal=causal, scale=scale)
     return out.to(q.dtype), lse.float()
-
-
-def _grads(dout, q, k, v, out, lse, scale, causal):
-    """dq, dk, dv from the saved out and lse (the flash backward's contract), in float64."""
-    b, n, h, d = q.shape
-    g = h // k.shape[2]
-    qd, kd, vd = (t.double() for t in (q, k, v))
-    kd, vd = kd.repeat_interleave(g, 2), vd.repeat_interleave(g, 2)
-    s = torch.einsum("bnhd,bmhd->bhnm", qd, kd) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(n, k.shape[1], dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.exp(s - lse.double().unsqueeze(-1))
-    do = dout.double()
-    dv = torch.einsum("bhnm,bnhd->bmhd", p, do)
-    dp = torch.einsum("bnhd,bmhd->bhnm", do, vd)
-    delta = (do * out.double()).sum(-1).transpose(1, 2).unsqueeze(-1)
-    ds = p * (dp - delta) * scale
-    dq = torch.einsum("bhnm,bmhd->bnhd", ds, kd)
-    dk = torch.einsum("bhnm,bnhd->bmhd", ds, qd)
-    hk = k.shape[2]
-    return dq, dk.view(b, -1, hk, g, d).sum(3), dv.view(b, -1, hk, g, d).sum(3)
 
 
 # -- flash-attn 2 (flash_attn/flash_attn_interface.py, 2.7+) ---------------------------------

@@ -66,112 +66,98 @@ def test_bad_cu_seqlens_is_a_clear_error(bad, exc, says, gen):
         dilated.attention(q, q, q, cu_seqlens=bad)
 
 
-class _Aux:
-    def __init__(self, lse=False):
-        self.lse = lse
-
-
-def _varlen_standin(newer: bool):
-    """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` with the signature of torch
-    2.13 (``window_size``, ``scale``, ``enable_gqa``, lse ``[T, H]``) or of an older release
-    (``is_causal``, no scale, lse ``[H, T]``): each document computed alone in float64."""
-    def run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, gqa, return_aux):
-        assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
-        cu = cu_seq_q.tolist()
-        assert max_q == max(b - a for a, b in zip(cu, cu[1:]))
-        if key.shape[1] != query.shape[1]:
-            assert gqa, "fewer kv heads without enable_gqa"
-        outs, lses = [], []
-        for a, b in zip(cu, cu[1:]):
-            o, l = dense_reference(query[None, a:b], key[None, a:b], value[None, a:b], causal=causal, scale=scale)
-            outs.append(o[0].to(query.dtype))
-            lses.append(l[0])
-        out, lse = torch.cat(outs), torch.cat(lses, 1).float()  # lse [H, T]
-        if return_aux is not None and return_aux.lse:
-            return out, (lse.t() if newer else lse)
-        return out
-
-    if newer:
-        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                        window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
-            return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale, enable_gqa,
-                       return_aux)
-    else:
-        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
-            return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, None, False, return_aux)
-    return varlen_attn
-
-
-@pytest.mark.parametrize("newer", [True, False])
+@pytest.mark.parametrize("kernel, release", [("torch", "new"), ("torch", "old"), ("fa4", "new")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed_documents_through_torch_varlen_kernel(newer, causal, monkeypatch, gen):
-    from dilated import packed
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_packed_documents_through_a_kernels_varlen_entry_point(kernel, release, causal, hkv, monkeypatch, gen):
+    """``backend="auto"`` (torch's varlen ops, the 2.13 schema and the first one) and
+    ``"flash_attn_4"`` (its ``_flash_attn_fwd`` / ``_flash_attn_bwd``) send packed documents to
+    the kernel's varlen entry point, one call forward and one backward (two for torch's op when
+    lse has a gradient), with lse ``[H, T]`` back to ``[B, H, N]``: against float64, forward and
+    the gradients through out and lse."""
+    import varlen_standins
 
-    monkeypatch.setattr(packed, "varlen_kernel", lambda: (_varlen_standin(newer), _Aux))
-    monkeypatch.setattr(packed, "varlen_reason", lambda q, k, v, backend: None)
+    if release == "old" and hkv != 4:
+        pytest.skip("the first torch varlen op takes no GQA: kv heads are repeated, covered with hkv=4")
+    varlen_standins.install(monkeypatch, kernel, release)
+    varlen_standins.CALLS.clear()
     cu = DOCS["varied"]
     q = rand(2, 40, 4, 8, gen=gen, requires_grad=True)
-    k, v = rand(2, 40, 2, 8, gen=gen, requires_grad=True), rand(2, 40, 2, 8, gen=gen, requires_grad=True)
-    out, lse = dilated.attention(q, k, v, causal=causal, return_lse=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = _per_document(qd, kd, vd, cu, causal)
-    assert rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
-    dout = rand(*out.shape, gen=gen)
-    for name, g, rg in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
-                           torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
-        assert rel_err(g, rg) < 4e-4, f"d{name}"
-
-
-def _fa4_varlen_standin(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                        min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
-                        softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0,
-                        num_splits=1, pack_gqa=None, deterministic=False, return_lse=False, **more):
-    """A CPU stand-in for flash-attn 4's ``flash_attn_varlen_func`` (flash_attn/cute/interface.py,
-    4.0.0b36: packed ``[T, H, D]`` rows, GQA native, returns ``(out, lse [H, T])``): each document
-    computed alone in float64 (differentiable)."""
-    assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k) and return_lse
-    cu = cu_seqlens_q.tolist()
-    assert max_seqlen_q == max_seqlen_k == max(b - a for a, b in zip(cu, cu[1:]))
-    g = q.shape[1] // k.shape[1]
-    outs, lses = [], []
-    for a, b in zip(cu, cu[1:]):
-        kk, vv = (x[a:b].repeat_interleave(g, 1) for x in (k, v))
-        o, l = dense_reference(q[None, a:b], kk[None], vv[None], causal=causal, scale=softmax_scale)
-        outs.append(o[0].to(q.dtype))
-        lses.append(l[0])
-    return torch.cat(outs), torch.cat(lses, 1).float()
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_packed_documents_through_flash_attn_4_varlen(causal, monkeypatch, gen):
-    """``backend="flash_attn_4"`` sends packed documents to flash-attn 4's own varlen entry point
-    (one call, lse ``[H, T]`` back to ``[B, H, N]``): against float64, forward and gradients."""
-    import types
-
-    from dilated import packed
-    from dilated.backends import flash_attn_4
-
-    monkeypatch.setattr(flash_attn_4, "_import", lambda: types.SimpleNamespace(flash_attn_varlen_func=_fa4_varlen_standin))
-    monkeypatch.setattr(packed, "varlen_reason", lambda q, k, v, backend: None)
-    monkeypatch.setattr(packed, "varlen_kernel", lambda: pytest.fail("torch's varlen kernel was called"))
-    cu = DOCS["varied"]
-    q = rand(2, 40, 4, 8, gen=gen, requires_grad=True)
-    k, v = rand(2, 40, 2, 8, gen=gen, requires_grad=True), rand(2, 40, 2, 8, gen=gen, requires_grad=True)
-    out, lse = dilated.attention(q, k, v, causal=causal, return_lse=True, backend="flash_attn_4",
+    k, v = rand(2, 40, hkv, 8, gen=gen, requires_grad=True), rand(2, 40, hkv, 8, gen=gen, requires_grad=True)
+    scale = None if release == "old" else 0.3
+    out, lse = dilated.attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                 backend="auto" if kernel == "torch" else "flash_attn_4",
                                  cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = _per_document(qd, kd, vd, cu, causal)
+    outs, lses = zip(*(dense_reference(qd[:, a:b], kd[:, a:b], vd[:, a:b], causal=causal, scale=scale)
+                       for a, b in zip(cu, cu[1:])))
+    ref, ref_lse = torch.cat(outs, 1), torch.cat(lses, 2)
     assert lse.shape == (2, 4, 40) and rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
-    dout = rand(*out.shape, gen=gen)
-    for name, g, rg in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
-                           torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+    dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
+    for name, g, rg in zip("qkv", grads, ref_grads):
         assert rel_err(g, rg) < 4e-4, f"d{name}"
+    expected = {"torch": {"torch_forward": 1, "torch_backward": 2}, "fa4": {"fa4_forward": 1, "fa4_backward": 1}}
+    assert dict(varlen_standins.CALLS) == expected[kernel]
 
 
 def test_when_the_varlen_kernel_is_not_used(gen):
-    from dilated.packed import varlen_reason
+    from dilated.backends.varlen import varlen_reason
 
     q = rand(1, 16, 2, 64, gen=gen)
     assert "by name" in varlen_reason(q, q, q, "manual")
     assert "CUDA" in varlen_reason(q, q, q, "auto")  # a CPU tensor
     assert "CUDA" in varlen_reason(q, q, q, "flash_attn_4")
+
+
+def _gpu_varlen_cases():
+    if not torch.cuda.is_available():
+        return []
+    from dilated.backends.varlen import varlen_reason
+
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
+    return [b for b in ("auto", "flash_attn_4") if varlen_reason(q, q, q, b) is None]
+
+
+GPU_DOCS = [0, 100, 101, 357, 640, 1000]  # 1000 positions: 5 documents, one of 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", _gpu_varlen_cases())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [8, 2])
+def test_gpu_varlen_kernels_in_bf16(backend, causal, hkv, gen):
+    """The real varlen kernels in bf16 against float64, forward and gradients through out and lse;
+    then ring attention on one rank (zigzag: its chunks with themselves go to the varlen kernel,
+    the pair across them to the dense one) against the same reference."""
+    import torch.distributed as dist
+
+    from conftest import TOL
+
+    tol = TOL[torch.bfloat16]
+    q = rand(2, 1000, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_()
+    k, v = (rand(2, 1000, hkv, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(2))
+    cu = torch.tensor(GPU_DOCS, dtype=torch.int32)
+    out, lse = dilated.attention(q, k, v, causal=causal, backend=backend, return_lse=True, cu_seqlens=cu)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _per_document(qd, kd, vd, GPU_DOCS, causal)
+    assert rel_err(out, ref) < tol and rel_err(lse, ref_lse) < 1e-3
+    dout, dlse = rand(*out.shape, gen=gen, dtype=torch.bfloat16).cuda(), rand(*lse.shape, gen=gen).cuda()
+    ref_out_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double(), retain_graph=True)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert rel_err(g, rg) < 2 * tol, f"d{name}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        for layout in ("contiguous", "zigzag"):
+            ring = dilated.RingAttention(causal=causal, backend=backend, layout=layout)
+            out = ring(q, k, v, cu_seqlens=cu)
+            assert rel_err(out, ref) < tol, layout
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            for name, g, rg in zip("qkv", grads, ref_out_grads):
+                assert rel_err(g, rg) < 2 * tol, f"ring {layout} d{name}"
+    finally:
+        dist.destroy_process_group()

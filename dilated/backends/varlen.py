@@ -1,0 +1,182 @@
+"""Kernels' own varlen entry points: packed ``[T, H, D]`` rows whose documents are given by int32
+cumulative lengths (``cu_seqlens``, the flash-attn varlen convention), all documents in one call.
+
+A :class:`VarlenKernel` has a forward ``(out [T, H, D], lse [H, T] float32)`` and a backward that
+takes the (merged) ``out`` and ``lse`` like the dense backends' backward, so ring attention can
+call it on its merged results. Two kernels:
+
+* ``torch``: torch's varlen flash kernel, the ``torch_attn::_varlen_attn`` and
+  ``torch_attn::_varlen_attn_backward`` ops behind ``torch.nn.attention.varlen`` (serves
+  ``backend="auto"``). Its arguments changed across releases (``is_causal`` or ``window_size``,
+  ``scale``, ``enable_gqa``): they are passed by the names in the op's schema.
+* ``flash_attn_4``: flash-attn 4's ``_flash_attn_fwd`` / ``_flash_attn_bwd`` with
+  ``cu_seqlens_q`` / ``cu_seqlens_k`` (GQA native; its backward takes ``dlse``).
+
+The gradient of lse (``dlse``) is part of the backward: flash-attn 4 takes it, torch's op does not
+(its autograd drops it), so there it is one more backward pass with a unit ``v`` (see
+:func:`dilated.functional.lse_gradient`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._signature import call_by_name, parameters
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """The documents and flags of one varlen call: int32 cumulative lengths of the q and kv rows
+    (on the inputs' device), the longest document of each, causal (within each document, top-left
+    aligned as the documents' q and kv rows coincide) and the softmax scale."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+    scale: float
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _reduce(g: torch.Tensor, groups: int) -> torch.Tensor:
+    return g if groups == 1 else g.view(g.shape[0], -1, groups, g.shape[2]).sum(2)
+
+
+def _lse_rows_last(lse: torch.Tensor, t: int, h: int) -> torch.Tensor:
+    """A kernel's lse as ``[H, T]`` in float32 or wider (releases return ``[H, T]``, ``[T, H]`` or
+    ``[H, T, 1]``)."""
+    if lse.dim() == 3 and lse.shape[-1] == 1:
+        lse = lse[..., 0]
+    if lse.shape == (t, h) and lse.shape != (h, t):
+        lse = lse.t()
+    if lse.shape != (h, t):
+        raise RuntimeError(f"the varlen kernel returned lse of shape {tuple(lse.shape)}, expected [H, T] = {(h, t)}")
+    return lse if lse.dtype == torch.float64 else lse.float()
+
+
+class VarlenKernel:
+    """A kernel's varlen forward and backward on packed ``[T, H, D]`` rows."""
+
+    name = "varlen"
+
+    def forward(self, q, k, v, call: VarlenCall):
+        """``(out [T, H, D], lse [H, T] float32)`` (float64 for float64 inputs)."""
+        raise NotImplementedError
+
+    def backward(self, dout, q, k, v, out, lse, call: VarlenCall, dlse=None):
+        """``(dq, dk, dv)`` given the (merged) ``out`` and ``lse [H, T]``; ``dlse`` (``[H, T]`` or None)
+        is the gradient of lse."""
+        raise NotImplementedError
+
+
+def torch_varlen_ops():
+    """torch's varlen forward and backward ops, or None in a torch without ``torch.nn.attention.varlen``."""
+    try:
+        import torch.nn.attention.varlen  # noqa: F401 - registers the torch_attn ops
+        return torch.ops.torch_attn._varlen_attn, torch.ops.torch_attn._varlen_attn_backward
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+class TorchVarlen(VarlenKernel):
+    name = "torch_varlen"
+
+    def _args(self, op, call: VarlenCall, d: int) -> dict:
+        params = parameters(op)
+        args = dict(cu_seq_q=call.cu_q, cu_seq_k=call.cu_k, max_q=call.max_q, max_k=call.max_k, is_causal=call.causal)
+        if "scale" in params:
+            args["scale"] = call.scale
+        elif abs(call.scale - d ** -0.5) > 1e-12 * call.scale:
+            raise NotImplementedError(f"this torch's {op} takes no scale; use another backend for scale != D^-0.5")
+        if "window_size" in params:
+            args["window_size"] = [-1, 0] if call.causal else [-1, -1]
+        return args
+
+    def _groups(self, q, k) -> int:
+        """kv head repeats this torch needs (1 where its forward takes ``enable_gqa``)."""
+        groups = q.shape[1] // k.shape[1]
+        return 1 if "enable_gqa" in parameters(torch_varlen_ops()[0]) else groups
+
+    def forward(self, q, k, v, call):
+        fwd, _ = torch_varlen_ops()
+        groups = self._groups(q, k)
+        args = dict(self._args(fwd, call, q.shape[-1]), query=q, key=_expand(k, groups), value=_expand(v, groups),
+                    enable_gqa=k.shape[1] != q.shape[1])
+        out, lse = call_by_name(fwd, args, required=("query", "key", "value", "cu_seq_q", "is_causal"))[:2]
+        return out, _lse_rows_last(lse, q.shape[0], q.shape[1])
+
+    def backward(self, dout, q, k, v, out, lse, call, dlse=None):
+        from ..functional import lse_gradient
+
+        _, bwd = torch_varlen_ops()
+        groups = self._groups(q, k)
+        ke, ve = _expand(k, groups), _expand(v, groups)
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
+        base = dict(self._args(bwd, call, q.shape[-1]), query=q, key=ke, lse=lse.contiguous(), rng_state=rng)
+        required = ("grad_out", "query", "key", "value", "out", "lse", "cu_seq_q", "is_causal")
+
+        def run(dout_, v_, out_):
+            return call_by_name(bwd, dict(base, grad_out=dout_.contiguous(), value=v_, out=out_.contiguous()),
+                                required=required)[:3]
+
+        dq, dk, dv = run(dout, ve, out)
+        if dlse is not None:
+            dq_l, dk_l = lse_gradient(run, dout, ve, out, dlse.t())
+            dq, dk = dq + dq_l, dk + dk_l
+        return dq, _reduce(dk, groups), _reduce(dv, groups)
+
+
+class FlashAttn4Varlen(VarlenKernel):
+    name = "flash_attn_4_varlen"
+
+    def _args(self, call: VarlenCall) -> dict:
+        return dict(cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
+                    max_seqlen_k=call.max_k, softmax_scale=call.scale, causal=call.causal)
+
+    def forward(self, q, k, v, call):
+        from .flash_attn_4 import _import
+
+        out, lse = call_by_name(_import()._flash_attn_fwd, dict(self._args(call), q=q, k=k, v=v, return_lse=True),
+                                required=("q", "k", "v", "cu_seqlens_q", "causal", "return_lse"))[:2]
+        return out, _lse_rows_last(lse, q.shape[0], q.shape[1])
+
+    def backward(self, dout, q, k, v, out, lse, call, dlse=None):
+        from .flash_attn_4 import _import
+
+        args = dict(self._args(call), q=q, k=k, v=v, out=out.to(q.dtype).contiguous(),
+                    dout=dout.to(q.dtype).contiguous(), lse=lse.contiguous(),
+                    dlse=None if dlse is None else dlse.contiguous())
+        return call_by_name(_import()._flash_attn_bwd, args,
+                            required=("q", "k", "v", "out", "dout", "lse", "cu_seqlens_q", "causal", "dlse"))[:3]
+
+
+_KERNELS = {"auto": TorchVarlen(), "flash_attn_4": FlashAttn4Varlen()}
+
+
+def varlen_reason(q, k, v, backend: str) -> str | None:
+    """Why packed documents do not go to a kernel's own varlen entry point here (torch's varlen
+    kernel for ``auto``, flash-attn 4's for ``flash_attn_4``), or None."""
+    if backend not in _KERNELS:
+        return (f"backend {backend!r} asked for by name (torch's varlen kernel serves 'auto', flash-attn 4's "
+                "'flash_attn_4')")
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return "the varlen kernels are flash attention: CUDA and float16/bfloat16 only"
+    if q.shape[-1] > 256 or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:
+        return "flash attention needs one head_dim, a multiple of 8 up to 256"
+    if backend == "flash_attn_4":
+        from . import backend_reason
+
+        return backend_reason("flash_attn_4", q.device)
+    if torch_varlen_ops() is None:
+        return "this torch has no torch.nn.attention.varlen"
+    return None
+
+
+def varlen_kernel(q, k, v, backend: str) -> VarlenKernel | None:
+    """The varlen kernel that serves ``backend`` for these inputs, or None (see :func:`varlen_reason`)."""
+    return _KERNELS[backend] if varlen_reason(q, k, v, backend) is None else None
