@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import torch
 
+from .backends.kernel_log import note_kernel
 from .backends.varlen import VarlenCall, VarlenKernel
 
 
@@ -152,6 +153,7 @@ def varlen_forward(kernel: VarlenKernel, q, k, v, cu: list[int], causal: bool, s
     """``(out [B, N, H, D], lse [B, H, N] float32)`` of the packed documents ``cu`` (the same in every
     batch row) by one call of ``kernel``; no autograd."""
     b, n, h, _ = q.shape
+    note_kernel(kernel.name)
     out, lse = kernel.forward(_rows(q), _rows(k), _rows(v), varlen_call(cu, b, n, causal, scale, q.device))
     return out.view(b, n, h, out.shape[-1]), lse.view(h, b, n).transpose(0, 1)
 
@@ -161,6 +163,7 @@ def varlen_backward(kernel: VarlenKernel, tensors, cu: list[int], causal: bool, 
     (merged) out and lse ``[B, H, N]``; ``dlse`` (``[B, H, N]`` or None) is the gradient of lse."""
     dout, q, k, v, out, lse = tensors
     b, n = q.shape[:2]
+    note_kernel(kernel.name)
     grads = kernel.backward(_rows(dout), _rows(q), _rows(k), _rows(v), _rows(out), _lse_packed(lse),
                             varlen_call(cu, b, n, causal, scale, q.device),
                             None if dlse is None else _lse_packed(dlse))

@@ -287,6 +287,25 @@ def test_kernel_floor_is_timed_beside_dilated_rows():
     assert row["one_call_floor_calls"] == 1  # w / r = 64 in both branches: one dense call
 
 
+def test_the_floors_run_the_kernel_the_step_ran(monkeypatch):
+    """``auto`` resolves per shape class and the floors' calls have other shapes than the step's
+    inputs: both floors are given the kernel the step ran, and the row names it."""
+    from dilated.bench.problems import DilatedAttention
+
+    given = []
+    for name in ("kernel_floor", "one_call_floor"):
+        real = getattr(DilatedAttention, name)
+        monkeypatch.setattr(DilatedAttention, name, lambda self, inputs, case, backend, real=real: (
+            given.append(backend), real(self, inputs, case, backend))[1])
+    case = Case(batch=1, seq_len=256, num_heads=4, head_dim=16, dtype="float32", mode="fwd",
+                segment_lengths=(64, 256), dilation_rates=(1, 4))
+    row = run_sweep([(IMPLEMENTATIONS["improved"], case, "auto")], RunOptions(warmup=1, reps=2, floor=True,
+                                                                             device="cpu"), None, "t",
+                    progress=False)[0]
+    assert row["status"] == "ok" and len(row["kernels"]) == 1 and row["kernels"][0] != "auto"
+    assert given == [row["kernels"][0]] * 2 and row["floor_kernel"] == row["kernels"][0]
+
+
 def test_the_kernel_floor_is_freed_before_the_one_call_floor_is_made(monkeypatch):
     """At long lengths the step and both floors' tensors do not fit together: the kernel floor's
     tensors are gone when the one-call floor's are made."""

@@ -45,9 +45,9 @@ def kernel_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, ba
     """A callable running exactly the kernel calls of one ``ImprovedDilatedAttention`` step in
     ``mode`` (``fwd``: forwards; ``fwd_bwd``/``bwd``: forwards and/or backwards) on pre-gathered
     branch tensors."""
+    impl = get_backend(backend, q, k, causal)  # as the step resolves it (gradients included)
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
-        impl = get_backend(backend, q, k, causal)
         scale = default_scale(q.shape[-1], None)
         plan = build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device)
         calls = [_prepared(impl, *(x.contiguous() for x in gather(c, (q, k, v), (False, True, True))[0]), causal,
@@ -59,6 +59,7 @@ def one_call_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, 
     """A callable running the plan's attention rows as one dense call per distinct row count
     (heads folded into the batch; GQA kv heads repeated), in ``mode``; and each call's
     ``(batch, rows)``."""
+    impl = get_backend(backend, q, k, causal)  # the step's kernel, not one resolved for the folded shape
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
         scale = default_scale(q.shape[-1], None)
@@ -70,7 +71,6 @@ def one_call_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, 
             kb, vb = (x.repeat_interleave(g, 2) if g > 1 else x for x in (kb, vb))
             folded = [x.transpose(1, 2).reshape(-1, x.shape[1], 1, x.shape[3]) for x in (qb, kb, vb)]
             by_rows.setdefault(qb.shape[1], []).append(folded)
-        impl = get_backend(backend, q[:, :1], k[:, :1], causal)
         calls = [_prepared(impl, *(torch.cat([p[i] for p in parts]) for i in range(3)), causal, scale, mode)
                  for parts in by_rows.values()]
     return _step(impl, calls, causal, scale, mode), [(qf.shape[0], qf.shape[1]) for qf, *_ in calls]

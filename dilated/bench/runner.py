@@ -213,8 +213,8 @@ class _RowRun:
         # take turns with the step one after the other, each freed before the next is built (at long
         # lengths the step and both floors' tensors do not fit together)
         timed = [(ranks.guard(self.step), timed_setup)]
-        floor = impl.problem.kernel_floor(self.inputs, self.case, self.backend) if opts.floor and not self.spread \
-            else None
+        floor_backend = self.floor_backend() if opts.floor and not self.spread else None
+        floor = None if floor_backend is None else impl.problem.kernel_floor(self.inputs, self.case, floor_backend)
         if opts.settle_s > 0:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -244,7 +244,7 @@ class _RowRun:
         else:  # [step, kernel floor, step, one-call floor]
             runs = in_turns(timed + [(floor, None)])
             floor = None  # its tensors are freed before the one-call floor's are made
-            one_call = impl.problem.one_call_floor(self.inputs, self.case, self.backend)
+            one_call = impl.problem.one_call_floor(self.inputs, self.case, floor_backend)
             if one_call is not None:
                 runs += in_turns(timed + [(one_call[0], None)])
                 self.row["one_call_floor_calls"] = len(one_call[1])
@@ -254,6 +254,17 @@ class _RowRun:
             self.row["gpu_state"] = {"before": state_before, "after": envmod.gpu_state(device),
                                      "settle_s": opts.settle_s}
         return runs, len(runs) == 1 and not graphed
+
+    def floor_backend(self) -> str:
+        """The kernel the floors run: the one the step ran (``auto`` resolves by shape class, and the
+        floors' calls have other shapes than the step's inputs, so they would not resolve alike);
+        recorded in the row as ``floor_kernel``."""
+        from dilated.backends import backend_names
+
+        ran = self.row.get("kernels") or []
+        name = ran[0] if self.backend == "auto" and len(ran) == 1 and ran[0] in backend_names() else self.backend
+        self.row["floor_kernel"] = name
+        return name
 
     def record_speed(self, runs) -> float:
         """Time, FLOP/s, throughput, bandwidth and the floor ratio; returns seconds per call."""
