@@ -171,7 +171,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
         from .backends.varlen import varlen_kernel
         from .packed import check_cu_seqlens, packed_attention, varlen_attention
 
-        kernel = varlen_kernel(q, k, v, backend)
+        kernel = varlen_kernel(q, k, v, backend, causal)
         if kernel is not None:  # the kernel's own varlen entry point
             q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
             out, lse = varlen_attention(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), causal, scale, kernel)

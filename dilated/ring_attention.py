@@ -373,7 +373,7 @@ class RingAttention(nn.Module):
             self.group)))
         fields = signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, transport=self.transport,
                            overlap=self.overlap, documents=docs)
-        varlen = None if docs is None else varlen_kernel(q, k, v, self.backend)
+        varlen = None if docs is None else varlen_kernel(q, k, v, self.backend, self.causal)
         return (AttentionSpec(impl, self.causal, scale), docs, varlen), fields
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):

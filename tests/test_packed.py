@@ -106,8 +106,9 @@ def test_when_the_varlen_kernel_is_not_used(gen):
     from dilated.backends.varlen import varlen_reason
 
     q = rand(1, 16, 2, 64, gen=gen)
-    assert "by name" in varlen_reason(q, q, q, "manual")
-    assert "CUDA" in varlen_reason(q, q, q, "auto")  # a CPU tensor
+    assert "'manual' has no varlen entry point" in varlen_reason(q, q, q, "manual")
+    assert "'sdpa_cudnn' has no varlen entry point" in varlen_reason(q, q, q, "sdpa_cudnn")
+    assert "CUDA" in varlen_reason(q, q, q, "sdpa_flash")  # a CPU tensor
     assert "CUDA" in varlen_reason(q, q, q, "flash_attn_4")
 
 
@@ -117,7 +118,7 @@ def _gpu_varlen_cases():
     from dilated.backends.varlen import varlen_reason
 
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
-    return [b for b in ("auto", "flash_attn_4") if varlen_reason(q, q, q, b) is None]
+    return [b for b in ("sdpa_flash", "flash_attn_4") if varlen_reason(q, q, q, b) is None]
 
 
 GPU_DOCS = [0, 100, 101, 357, 640, 1000]  # 1000 positions: 5 documents, one of 1

@@ -139,13 +139,14 @@ class FA4:
 
 
 def install(monkeypatch_or_none, kernel: str, release: str = "new"):
-    """Route ``backend="auto"`` (``kernel="torch"``, ops of ``release``) or ``backend="flash_attn_4"``
-    (``kernel="fa4"``) packed documents to these stand-ins. With a pytest ``monkeypatch`` the
+    """Route ``backend="auto"`` (resolving to ``sdpa_flash``: ``kernel="torch"``, ops of ``release``) or
+    ``backend="flash_attn_4"`` (``kernel="fa4"``) packed documents to these stand-ins. With a pytest ``monkeypatch`` the
     change is undone after the test; with None (a spawned worker) it lasts for the process."""
     from dilated.backends import flash_attn_4, varlen
 
     served = "auto" if kernel == "torch" else "flash_attn_4"
-    patches = [(varlen, "varlen_reason", lambda q, k, v, backend: None if backend == served else f"not {served}")]
+    patches = [(varlen, "varlen_reason", lambda q, k, v, backend, causal=False: None if backend == served else "no"),
+               (varlen, "dense_kernel", lambda q, k, v, backend, causal: "sdpa_flash" if backend == "auto" else backend)]
     if kernel == "torch":
         patches.append((varlen, "torch_varlen_ops", lambda: TORCH_OPS[release]))
     else:
