@@ -3,7 +3,9 @@
 ``flash_attn.cute.interface._flash_attn_fwd(..., return_lse=True)`` returns ``(out, lse)``;
 backward is ``_flash_attn_bwd(q, k, v, out, dout, lse, ...)`` with the (merged) ``out`` and
 ``lse``. Both are called by keyword. GQA is native. Its backward asserts that q, out and dout
-share a dtype: out and dout are passed in q's.
+share a dtype: out and dout are passed in q's. Both entry points read any 16-byte-aligned
+layout with a contiguous last dim in place (``maybe_contiguous`` of its ``cute_dsl_utils``): q,
+k, v, out and dout are passed as they lie.
 
 Written against the published CuTe interface; where flash-attn 4 is not installed it reports
 itself unavailable.
@@ -46,7 +48,6 @@ class FlashAttn4Backend(Backend):
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         fa4 = _import()
         dq, dk, dv = call_by_name(fa4._flash_attn_bwd, dict(
-            q=q, k=k, v=v, out=out.to(q.dtype).contiguous(), dout=dout.to(q.dtype).contiguous(),
-            lse=lse.contiguous(), softmax_scale=scale, causal=causal),
+            q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.contiguous(), softmax_scale=scale, causal=causal),
             required=("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal"))[:3]
         return dq, dk, dv
