@@ -306,6 +306,29 @@ def test_the_floors_run_the_kernel_the_step_ran(monkeypatch):
     assert given == [row["kernels"][0]] * 2 and row["floor_kernel"] == row["kernels"][0]
 
 
+def test_the_kernel_floor_makes_the_steps_kernel_calls(monkeypatch):
+    """A kernel that reads strided rows gets a plan of more, smaller calls in place: the kernel
+    floor makes the same calls as the step (of the same shapes), not those of the gathered plan."""
+    import dilated
+    from dilated.backends.manual import ManualBackend
+    from dilated.bench.floor import kernel_floor_step
+
+    shapes = []
+    real = ManualBackend.forward
+    monkeypatch.setattr(ManualBackend, "reads_strided_rows", lambda self, q, k, causal: True)
+    monkeypatch.setattr(ManualBackend, "forward", lambda self, q, k, v, c, s: (
+        shapes.append(tuple(q.shape)), real(self, q, k, v, c, s))[1])
+    segs, dils = (32, 64, 128), (1, 2, 4)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 128, 4, 8, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        dilated.ImprovedDilatedAttention(segs, dils, backend="manual")(q, k, v)
+    step_calls = sorted(shapes)
+    shapes.clear()
+    kernel_floor_step(q, k, v, segs, dils, False, "manual", "fwd")()
+    assert sorted(shapes) == step_calls and len(step_calls) > len(segs)
+
+
 def test_the_kernel_floor_is_freed_before_the_one_call_floor_is_made(monkeypatch):
     """At long lengths the step and both floors' tensors do not fit together: the kernel floor's
     tensors are gone when the one-call floor's are made."""

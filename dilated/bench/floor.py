@@ -1,8 +1,9 @@
 """Two floors of dilated attention, each timed in turns with the step (``RunOptions.floor``) so the
 ratios are not the machine's drift:
 
-* the kernel floor (:func:`kernel_floor_step`): the backend's attention calls of the plan alone, on
-  segment tensors gathered beforehand (no gather, no merge, no scatter, no launch of anything but
+* the kernel floor (:func:`kernel_floor_step`): the backend's attention calls of the step's plan
+  alone (the same calls: in place where the kernel reads strided rows), on segment tensors
+  gathered beforehand (no gather, no merge, no scatter, no launch of anything but
   the kernels): ``ImprovedDilatedAttention``'s time over it is what its own machinery costs;
 * the one-call floor (:func:`one_call_floor_step`): the same rows as one dense call per distinct
   row count, every call's heads folded into the batch (``[sum of B' * h, rows, 1, D]``). Where every
@@ -16,7 +17,7 @@ import torch
 from dilated.backends import get_backend
 from dilated.functional import attention_backward, attention_forward, default_scale
 from dilated.rows import gather
-from dilated.plan import build_plan
+from dilated.plan import build_plan, plan_for
 
 
 def _prepared(impl, qb, kb, vb, causal: bool, scale: float, mode: str) -> tuple:
@@ -49,7 +50,8 @@ def kernel_floor_step(q, k, v, segment_lengths, dilation_rates, causal: bool, ba
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
         scale = default_scale(q.shape[-1], None)
-        plan = build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device)
+        # the step's own plan: a kernel that reads strided rows makes more, smaller calls in place
+        plan = plan_for(q, k, segment_lengths, dilation_rates, impl.reads_strided_rows(q, k, causal))
         calls = [_prepared(impl, *(x.contiguous() for x in gather(c, (q, k, v), (False, True, True))[0]), causal,
                            scale, mode) for c in plan]
     return _step(impl, calls, causal, scale, mode)
