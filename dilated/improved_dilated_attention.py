@@ -38,7 +38,7 @@ from .rows import add_call, combine, gather, merge_call, merged_lse_for
 from .ops import dilated_forward_op
 from .memory_pool import MemoryPool
 from .pattern_cache import PatternCache
-from .plan import AttentionSpec, KernelCall, plan_for
+from .plan import AttentionSpec, KernelCall, largest_call_inputs, plan_for
 
 
 def _covering_part(plan, parts, shape):
@@ -229,7 +229,7 @@ def resolve_dilated(q, k, v, segment_lengths, dilation_rates, causal, scale, bac
 
     def resolve():
         segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal)
-        impl = get_backend(backend, q, k, causal)
+        impl = get_backend(backend, *largest_call_inputs(q, k, segs, dils), causal, v=v)  # auto: by the calls
         plan = plan_for(q, k, segs, dils, impl.reads_strided_rows(q, k, causal))
         return AttentionSpec(impl, causal, default_scale(q.shape[-1], scale)), plan
 

@@ -119,6 +119,19 @@ def _in_place_form(n, count, length, h, r, diag, batch, min_tiles) -> str | None
     return "per_offset" if viewable and not diag else None
 
 
+def largest_call_inputs(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates):
+    """``(q, k)`` as views shaped like the largest kernel call of the plan (``[B * segments, rows,
+    heads, head_dim]``), for choosing a kernel by the calls that will run, not by the whole
+    sequence. Their rows are not the call's (only the shape, dtype, device and need of gradients
+    are read); inputs that are not contiguous are returned as they are (a view would be a copy)."""
+    b, n = q.shape[:2]
+    count, rows = max(((count, -(-length // r)) for w, r in zip(segment_lengths, dilation_rates)
+                       for _, count, length in segment_blocks(n, min(w, n))), key=lambda c: c[0] * c[1])
+    if not (q.is_contiguous() and k.is_contiguous()):
+        return q, k
+    return tuple(x[:, :count * rows].reshape(b * count, rows, *x.shape[2:]) for x in (q, k))
+
+
 def plan_for(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, in_place: bool = False):
     """:func:`build_plan` for these inputs (``in_place``: the kernel reads strided rows)."""
     return build_plan(q.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates, q.device,

@@ -100,3 +100,29 @@ def test_rows_record_the_kernel_that_ran_and_the_first_call():
     assert rows[1]["kernels"] == [dilated.backends.AUTO_ORDER["cpu"][0]]  # auto on CPU: the first that works
     assert rows[2]["kernels"] is None  # not through dilated's backends: nothing to say
     assert all(r["first_call_ms"] > 0 for r in rows)
+
+
+def test_the_batch_is_part_of_the_class_up_to_a_device_filling_call(gen):
+    """A call of many short sequences (a dilated branch) is timed as a batch that fills the GPU,
+    not as one sequence (whose time is mostly host overhead)."""
+    assert auto.shape_class(rand(1, 2048, 2, 16, gen=gen), *[rand(1, 2048, 2, 16, gen=gen)] * 2, False)["batch"] == 1
+    assert auto.shape_class(*[rand(3, 64, 2, 16, gen=gen)] * 3, False)["batch"] == 4
+    big = torch.empty(1, 1, 2, 16).expand(512, 2048, 2, 16)
+    assert auto.shape_class(big, big, big, False)["batch"] == auto.ROWS_TIMED // 2048
+
+
+def test_dilated_attention_chooses_its_kernel_by_the_calls_it_makes(monkeypatch, gen):
+    """``auto`` in ``ImprovedDilatedAttention`` is resolved on the shape of the plan's largest
+    call (segments folded into the batch), not on the whole sequence."""
+    seen = []
+
+    def fastest(candidates, q, k, v, causal):
+        seen.append(tuple(q.shape))
+        return candidates[0]
+
+    monkeypatch.setattr(auto, "fastest", fastest)
+    q, k, v = (rand(1, 8192, 2, 8, gen=gen) for _ in range(3))
+    out = dilated.ImprovedDilatedAttention([1024, 2048, 4096], [1, 2, 4])(q, k, v)
+    assert seen == [(8, 1024, 2, 8)]  # 8 segments of 1024 rows; the r > 1 branches have fewer
+    ref = dilated.ImprovedDilatedAttention([1024, 2048, 4096], [1, 2, 4], backend="manual")(q, k, v)
+    assert torch.allclose(out, ref, atol=1e-5)

@@ -3,9 +3,12 @@ fastest on that device and shape class, found by a short timed run and remembere
 and on disk.
 
 A *shape class* is what decides which kernel wins: the GPU, dtype, head dims, GQA or not, causal,
-whether gradients are needed (forward and backward are timed together then), and the query and
+whether gradients are needed (forward and backward are timed together then), the query and
 key lengths rounded up to a power of two and capped at :data:`LONGEST_TIMED` (beyond it the
-ranking no longer changes, and timing stays short). Each candidate runs :data:`WARMUP` calls
+ranking no longer changes, and timing stays short), and the batch rounded up to a power of two and
+capped at :data:`ROWS_TIMED` query rows in all: a call of many short sequences (a dilated branch:
+hundreds of segments of 2048 rows) is timed as a device-filling batch, not as one sequence, whose
+time is mostly a kernel's host overhead. Each candidate runs :data:`WARMUP` calls
 (which absorb a first call's compilation) then :data:`REPS` timed ones (CUDA events on a GPU) on
 random inputs of the class's representative shape; the lowest median wins.
 
@@ -27,6 +30,7 @@ import time
 import torch
 
 LONGEST_TIMED = 4096
+ROWS_TIMED = 65536  # batch x query rows of a representative call at most: enough to fill a GPU
 WARMUP, REPS = 2, 5
 #: device types on which ``auto`` measures (elsewhere: the fixed order)
 MEASURED_DEVICES = {"cuda"}
@@ -47,9 +51,11 @@ def shape_class(q, k, v, causal: bool) -> dict:
     """What decides which kernel is fastest for these inputs."""
     name = _device_name(q.device)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
+    nq = _bucket(q.shape[1])
     return {"device": name, "dtype": str(q.dtype).removeprefix("torch."), "head_dim": q.shape[3],
             "head_dim_v": (v if v is not None else k).shape[3], "heads": q.shape[2], "kv_heads": k.shape[2],
-            "causal": causal, "grad": needs_grad, "nq": _bucket(q.shape[1]), "nk": _bucket(k.shape[1])}
+            "causal": causal, "grad": needs_grad, "nq": nq, "nk": _bucket(k.shape[1]),
+            "batch": min(_bucket(q.shape[0]), max(1, ROWS_TIMED // nq))}
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +107,7 @@ def _time_ms(backend, shape: dict, device) -> float:
     gen = torch.Generator(device=device).manual_seed(0)
 
     def r(n, h, d):
-        return torch.randn(1, n, h, d, generator=gen, device=device, dtype=dtype)
+        return torch.randn(shape["batch"], n, h, d, generator=gen, device=device, dtype=dtype)
 
     q, k, v = r(shape["nq"], shape["heads"], shape["head_dim"]), r(shape["nk"], shape["kv_heads"], shape["head_dim"]), \
         r(shape["nk"], shape["kv_heads"], shape["head_dim_v"])
