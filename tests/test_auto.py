@@ -126,3 +126,24 @@ def test_dilated_attention_chooses_its_kernel_by_the_calls_it_makes(monkeypatch,
     assert seen == [(8, 1024, 2, 8)]  # 8 segments of 1024 rows; the r > 1 branches have fewer
     ref = dilated.ImprovedDilatedAttention([1024, 2048, 4096], [1, 2, 4], backend="manual")(q, k, v)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_kernels_that_materialise_the_scores_are_not_timed_beside_fused_ones(measured, monkeypatch, gen):
+    """Their scores would take gigabytes at a device-filling shape: with a fused kernel working,
+    a score-materialising one is neither timed nor chosen, even where it would time fastest."""
+    slow, fast, _ = measured
+    scores = register_backend(_Timed("scores_for_test", 0.0))
+    scores.materializes_scores = True
+    try:
+        monkeypatch.setitem(AUTO_ORDER, "cpu", ["scores_for_test", "slow_for_test", "fast_for_test"])
+        q = rand(1, 64, 2, 16, gen=gen)
+        from dilated.backends import backend_reason
+
+        assert backend_reason("scores_for_test", q.device) is None  # its availability probe, one call
+        calls = scores.calls
+        assert get_backend("auto", q, q, False, v=q) is fast and scores.calls == calls
+        monkeypatch.setitem(AUTO_ORDER, "cpu", ["scores_for_test"])  # the only one: taken
+        auto.clear()
+        assert get_backend("auto", q, q, False, v=q) is scores
+    finally:
+        del _REGISTRY["scores_for_test"]

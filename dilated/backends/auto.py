@@ -10,7 +10,10 @@ capped at :data:`ROWS_TIMED` query rows in all: a call of many short sequences (
 hundreds of segments of 2048 rows) is timed as a device-filling batch, not as one sequence, whose
 time is mostly a kernel's host overhead. Each candidate runs :data:`WARMUP` calls
 (which absorb a first call's compilation) then :data:`REPS` timed ones (CUDA events on a GPU) on
-random inputs of the class's representative shape; the lowest median wins.
+random inputs of the class's representative shape; the lowest median wins. Kernels that
+materialise the score matrix (``manual``, ``sdpa_math``) are not timed where a fused one works:
+they never win there, and at a device-filling shape their scores alone take gigabytes (the
+first call's peak memory includes the measurement).
 
 The disk cache (``$DILATED_AUTO_CACHE``, default ``~/.cache/dilated/auto.json``; ``0`` turns it
 off) is keyed by the GPU, torch, CUDA, cuDNN, triton and the installed kernel libraries' versions,
@@ -148,6 +151,11 @@ def fastest(candidates: list, q, k, v, causal: bool):
     device = q.device
     if len(candidates) == 1 or device.type not in MEASURED_DEVICES or os.environ.get("DILATED_AUTO") == "order":
         return candidates[0]
+    fused = [c for c in candidates if not c.materializes_scores]
+    if fused and len(fused) < len(candidates):  # never the fastest, and their scores take gigabytes
+        candidates = fused
+        if len(candidates) == 1:
+            return candidates[0]
     shape = shape_class(q, k, v, causal)
     names = tuple(c.name for c in candidates)
     key = (names, tuple(shape.values()))

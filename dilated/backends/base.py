@@ -25,6 +25,9 @@ class Backend:
     native_gqa: bool = False
     #: whether backward() is implemented.
     supports_backward: bool = True
+    #: whether it materialises the score matrix (memory quadratic in the length): ``auto`` does not
+    #: time such a kernel where a fused one works.
+    materializes_scores: bool = False
 
     # -- availability -------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> str | None:

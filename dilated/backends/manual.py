@@ -59,6 +59,7 @@ def _pv(p, v, s):
 class ManualBackend(Backend):
     name = "manual"
     native_gqa = False
+    materializes_scores = True
 
     def value_head_dim_reason(self, q, v):
         return None  # any value head_dim

@@ -58,6 +58,7 @@ class SDPABackend(Backend):
     def __init__(self, kernel: str | None):
         self.kernel = kernel
         self.name = "sdpa" if kernel is None else f"sdpa_{kernel}"
+        self.materializes_scores = kernel == "math"
 
     # -- availability -------------------------------------------------------------------
     def unavailable_reason(self, device):
