@@ -48,6 +48,7 @@ class FlashAttn4Backend(Backend):
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         fa4 = _import()
         dq, dk, dv = call_by_name(fa4._flash_attn_bwd, dict(
-            q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.contiguous(), softmax_scale=scale, causal=causal),
+            q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.contiguous(), softmax_scale=scale,
+            causal=causal),
             required=("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal"))[:3]
         return dq, dk, dv

@@ -7,8 +7,9 @@ call it on its merged results. Two kernels:
 
 * ``torch``: torch's varlen flash kernel, the ``torch_attn::_varlen_attn`` and
   ``torch_attn::_varlen_attn_backward`` ops behind ``torch.nn.attention.varlen``: the varlen entry
-  point of ``sdpa_flash`` (and of ``auto`` where that resolves to it). Its arguments changed across releases (``is_causal`` or ``window_size``,
-  ``scale``, ``enable_gqa``): they are passed by the names in the op's schema.
+  point of ``sdpa_flash`` (and of ``auto`` where that resolves to it). Its arguments changed across
+  releases (``is_causal`` or ``window_size``, ``scale``, ``enable_gqa``): they are passed by the
+  names in the op's schema.
 * ``flash_attn_4``: flash-attn 4's ``_flash_attn_fwd`` / ``_flash_attn_bwd`` with
   ``cu_seqlens_q`` / ``cu_seqlens_k`` (GQA native; its backward takes ``dlse``). On an H200
   (ring attention on one rank, causal, lognormal documents of mean 8K packed to 256K) it ran a
