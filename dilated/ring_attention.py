@@ -30,6 +30,7 @@ harness does) can stop them all together.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -122,8 +123,9 @@ def _pieces(plan, src: int, rank: int, p: int, n: int, layout: str, cu):
     visible), so a document's part of a pair is all visible or square causal the same way. Two
     different chunks share at most one document (a document meeting both holds every position
     between them); a chunk with itself holds all of its documents, whose q and kv rows are the
-    same: that pair is one entry whose ``documents`` are their cumulative lengths within it (run
-    batched, :func:`dilated.packed.documents_forward`); elsewhere ``documents`` is None."""
+    same: that pair is one entry whose ``documents`` are their cumulative lengths within it (one
+    varlen call, or batched calls per length); elsewhere ``documents`` is None. Documents are found
+    by bisection: the cost does not grow with their number."""
     if plan is None:
         return []
     if cu is None:
@@ -138,14 +140,16 @@ def _pieces(plan, src: int, rank: int, p: int, n: int, layout: str, cu):
                 continue  # keys after the queries
             square = causal and kg == qg
             if (kg, kn) == (qg, qn):  # one chunk with itself: its documents tile it
-                inside = sorted({qg, qg + qn, *(c for c in cu if qg < c < qg + qn)})
+                inside = [qg, *cu[bisect.bisect_right(cu, qg):bisect.bisect_left(cu, qg + qn)], qg + qn]
                 docs = [c - qg for c in inside] if len(inside) > 2 else None
                 out.append((slice(ql, ql + qn), slice(kl, kl + kn), square, docs))
                 continue
-            for a, b in zip(cu, cu[1:]):  # the document meeting both chunks, if any
-                q0, q1, k0, k1 = max(a, qg), min(b, qg + qn), max(a, kg), min(b, kg + kn)
-                if q0 < q1 and k0 < k1:
-                    out.append((slice(ql + q0 - qg, ql + q1 - qg), slice(kl + k0 - kg, kl + k1 - kg), square, None))
+            # the one document that can meet both: the one holding the earlier chunk's last position
+            i = bisect.bisect_right(cu, min(qg + qn, kg + kn) - 1) - 1
+            a, b = cu[i], cu[i + 1]
+            q0, q1, k0, k1 = max(a, qg), min(b, qg + qn), max(a, kg), min(b, kg + kn)
+            if q0 < q1 and k0 < k1:
+                out.append((slice(ql + q0 - qg, ql + q1 - qg), slice(kl + k0 - kg, kl + k1 - kg), square, None))
     return out
 
 
