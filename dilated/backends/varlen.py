@@ -43,11 +43,17 @@ class VarlenCall:
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+    """Packed ``[T, Hkv, D]`` kv rows with each head repeated ``groups`` times (as the dense path does)."""
+    from ..functional import _expand as expand_heads
+
+    return expand_heads(x[None], groups)[0]
 
 
 def _reduce(g: torch.Tensor, groups: int) -> torch.Tensor:
-    return g if groups == 1 else g.view(g.shape[0], -1, groups, g.shape[2]).sum(2)
+    """The gradient of :func:`_expand`: each head group's rows summed back."""
+    from ..functional import _reduce as reduce_heads
+
+    return reduce_heads(g[None], groups)[0]
 
 
 def _lse_rows_last(lse: torch.Tensor, t: int, h: int) -> torch.Tensor:
