@@ -16,8 +16,11 @@ A call ``c`` of a plan (:class:`~dilated.plan.KernelCall`) covers some rows
   merge. The output may alias the part of a ``view`` call covering every row in ``[B, N, H, D]``
   order (each program reads its rows before writing them).
 
-The plan is compile-time for the kernels (divisions by constants); tensors and strides are
-arguments. Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
+What a call's rows are (dilation, head offset, segment length when it has several segments) is
+compile-time for the kernels (divisions by constants); where they lie (start, span), the sequence
+length, tensors and strides are arguments that Triton does not specialize on: a new sequence
+length compiles nothing unless it changes the plan's structure (which branches have a shorter
+last segment, in-place forms, which calls are aligned), a few dozen classes over all lengths. Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
 ``DILATED_TRITON=0``) the same results come from strided views (float32 accumulator for combine).
 """
 from __future__ import annotations
@@ -207,17 +210,23 @@ def _aligned(c: KernelCall) -> int:
 
 
 #: The kernels read a call's compile-time constants as a plain tuple, by position (built per step:
-#: plain tuples cost the host least): (start, count, length, r, diag, head offset or -1, first row,
-#: aligned), and for the combine two more, (index of its first part, number of parts).
-START, COUNT, LENGTH, R, DIAG, OFFSET, FIRST, ALIGNED, PART, SIZE = range(10)
+#: plain tuples cost the host least): (segment length, or 0 for a call of one segment, r, diag,
+#: head offset or -1, first row, aligned), and for the combine two more, (index of its first part,
+#: number of parts). Its place, (start, span = count * length), is a runtime argument.
+SEGMENT, R, DIAG, OFFSET, FIRST, ALIGNED, PART, SIZE = range(8)
 
 
 def _call_constants(c: KernelCall) -> tuple:
-    """A call's constants in the order of :data:`START` ... :data:`ALIGNED`."""
-    aligned = _aligned(c)
+    """A call's constants in the order of :data:`SEGMENT` ... :data:`ALIGNED`."""
+    segment = c.length if c.count > 1 else 0
     if c.mode == "offset":
-        return (c.start, c.count, c.length, c.r, 0, c.offset, c.first_row, aligned)
-    return (c.start, c.count, c.length, c.r, int(c.mode == "diag"), -1, 0, aligned)
+        return (segment, c.r, 0, c.offset, c.first_row, _aligned(c))
+    return (segment, c.r, int(c.mode == "diag"), -1, 0, _aligned(c))
+
+
+def _place(c: KernelCall) -> tuple:
+    """Where a call's rows lie, (start, span): runtime arguments of the kernels."""
+    return (c.start, c.count * c.length)
 
 
 _MAX_PERIOD = 64  # largest position period of the combine's programs (lcm of the dilations)
@@ -230,12 +239,13 @@ def _period(plan, n: int) -> int:
     return period if period <= min(_MAX_PERIOD, n) else 1
 
 
-def _call_groups(plan, parts, lses, period: int) -> tuple:
-    """The combine's calls: ``_call_constants`` + (first part, parts). The r calls of one branch
+def _call_groups(plan, parts, lses, period: int) -> tuple[tuple, tuple]:
+    """The combine's calls: ``_call_constants`` + (first part, parts), and their places
+    (:func:`_place`, flat). The r calls of one branch
     block, one per head offset (in-place calls), become one call reading the part of its head's
     offset (a pointer chosen per program), when aligned and alike in strides: a program then
     runs one call body per branch instead of r predicated ones."""
-    groups, i = [], 0
+    groups, places, i = [], [], 0
     while i < len(plan):
         c, size = plan[i], 1
         if c.mode == "offset" and c.offset == 0 and c.first_row == 0 and period % c.r == 0 \
@@ -248,11 +258,12 @@ def _call_groups(plan, parts, lses, period: int) -> tuple:
                         for j, m in enumerate(run))
             size = c.r if alike else 1
         if size > 1:  # position and head agree mod r, like a diagonal call without the batch fold
-            groups.append((c.start, c.count, c.length, c.r, 0, -1, 0, 1, i, size))
+            groups.append((c.length if c.count > 1 else 0, c.r, 0, -1, 0, 1, i, size))
         else:
             groups.append(_call_constants(c) + (i, 1))
+        places += _place(c)
         i += size
-    return tuple(groups)
+    return tuple(groups), tuple(places)
 
 
 def _blocks(d: int) -> tuple[int, int]:
@@ -266,8 +277,8 @@ def _gather_triton(c, sources, dests):
     bp, nc, hc, _ = dests[0].shape
     block_r, block_d = _blocks(d)
     _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
-        tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d,
-        CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d,
+        tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d, c.start, c.count,
+        c.length, CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=_LAUNCH["num_warps"])
 
 
@@ -279,9 +290,9 @@ def _combine_triton(plan, parts, lses, out, out_lse):
         if store_lse:
             out_lse.fill_(float("-inf"))
         return
-    # The plan is compile-time (divisions by constants); tensors and their strides are arguments.
+    # The plan's structure is compile-time (divisions by constants); places, tensors and strides are arguments.
     period = _period(plan, n)
-    calls = _call_groups(plan, parts, lses, period)
+    calls, places = _call_groups(plan, parts, lses, period)
     strides = tuple(s for p in parts for s in p.stride()[:3])
     if has_lse:
         lse_parts, lse_strides = tuple(lses), tuple(s for l in lses for s in l.stride())
@@ -290,7 +301,7 @@ def _combine_triton(plan, parts, lses, out, out_lse):
     lse_out, lse_out_strides = (out_lse, out_lse.stride()) if store_lse else (out, (0, 0, 0))  # not written
     block_p, block_d = _blocks(d)
     _combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
-        out, lse_out, tuple(parts), strides, lse_parts, lse_strides, n, d,
+        out, lse_out, tuple(parts), strides, lse_parts, lse_strides, places, n, d,
         out.stride(0), out.stride(1), out.stride(2), *lse_out_strides,
         CALLS=calls, N_CALLS=len(calls), H=h, PERIOD=period, HAS_LSE=has_lse, STORE_LSE=store_lse,
         ALIAS=_alias(calls, parts, out), BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
@@ -312,16 +323,21 @@ if triton is not None:
     from .merge import merge_finish, merge_step
 
     @triton.jit
-    def _call_rows(p, pmask, hh, b, start: tl.constexpr, count: tl.constexpr, length: tl.constexpr,
-                   r: tl.constexpr, diag: tl.constexpr, off: tl.constexpr, first: tl.constexpr,
-                   aligned: tl.constexpr, PERIOD: tl.constexpr):
-        """Rows ``(p, hh)`` of batch ``b`` that a call (``_call_constants``) covers, and their place
-        in its output (batch index, row, head)."""
+    def _call_rows(p, pmask, hh, b, start, span, segment: tl.constexpr, r: tl.constexpr, diag: tl.constexpr,
+                   off: tl.constexpr, first: tl.constexpr, aligned: tl.constexpr, PERIOD: tl.constexpr):
+        """Rows ``(p, hh)`` of batch ``b`` that a call (``_call_constants``, place ``start, span``)
+        covers, and their place in its output (batch index, row, head)."""
         q = p - start
-        member = pmask & (q >= 0) & (q < count * length)
+        member = pmask & (q >= 0) & (q < span)
         q = tl.where(member, q, 0)
-        seg = q // length
-        i = q - seg * length
+        if segment > 0:
+            seg = q // segment
+            i = q - seg * segment
+            count = span // segment
+        else:  # one segment
+            seg = q * 0
+            i = q
+            count = 1
         mh = hh % r
         if not aligned or PERIOD % r != 0:  # else the program's position period decided (_runs)
             if off >= 0:  # one head offset; its rows start at ``first``
@@ -351,8 +367,8 @@ if triton is not None:
             return hh % r == off
         return hh >= 0
 
-    @triton.jit
-    def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, N, D,
+    @triton.jit(do_not_specialize=["lse_strides", "places", "N", "s_lb", "s_ln", "s_lh"])
+    def _combine_kernel(out_ptr, out_lse_ptr, parts, strides, lses, lse_strides, places, N, D,
                         s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
                         CALLS: tl.constexpr, N_CALLS: tl.constexpr, H: tl.constexpr, PERIOD: tl.constexpr,
                         HAS_LSE: tl.constexpr, STORE_LSE: tl.constexpr, ALIAS: tl.constexpr,
@@ -376,21 +392,22 @@ if triton is not None:
             others = 0
             for c in tl.static_range(N_CALLS):
                 if c != ALIAS:
-                    others += _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD).to(tl.int32)
+                    others += _runs(hh, t, CALLS[c][1], CALLS[c][3], CALLS[c][4], CALLS[c][5], PERIOD).to(tl.int32)
         lse_at = out_lse_ptr + b.to(tl.int64) * s_lb + p.to(tl.int64) * s_ln + hh.to(tl.int64) * s_lh
         if others > 0:
-            _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
+            _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, places, p, pmask, hh, t, b, d, dmask, s_ob, s_on,
+                 s_oh,
                  CALLS, N_CALLS, PERIOD, HAS_LSE, STORE_LSE, BLOCK_P, BLOCK_D)
         else:
             if STORE_LSE:  # only the aliased call covers these rows: they hold their result, L is its lse
-                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[ALIAS][0], CALLS[ALIAS][1], CALLS[ALIAS][2],
-                                                CALLS[ALIAS][3], CALLS[ALIAS][4], CALLS[ALIAS][5], CALLS[ALIAS][6],
-                                                CALLS[ALIAS][7], PERIOD)
-                k: tl.constexpr = CALLS[ALIAS][8]
+                member, bi, ni, hi = _call_rows(p, pmask, hh, b, places[2 * ALIAS], places[2 * ALIAS + 1],
+                                                CALLS[ALIAS][0], CALLS[ALIAS][1], CALLS[ALIAS][2], CALLS[ALIAS][3],
+                                                CALLS[ALIAS][4], CALLS[ALIAS][5], PERIOD)
+                k: tl.constexpr = CALLS[ALIAS][6]
                 tl.store(lse_at, _lse_rows(lses[k], lse_strides, k, member, bi, ni, hi), mask=pmask)
 
     @triton.jit
-    def _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
+    def _mix(out_ptr, lse_at, parts, strides, lses, lse_strides, places, p, pmask, hh, t, b, d, dmask, s_ob, s_on, s_oh,
              CALLS: tl.constexpr, N_CALLS: tl.constexpr, PERIOD: tl.constexpr, HAS_LSE: tl.constexpr,
              STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         """out = sum over the calls of exp(lse_c - L) o_c, L = logsumexp_c lse_c (or the sum of the
@@ -400,16 +417,16 @@ if triton is not None:
         m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
         s_i = tl.zeros([BLOCK_P], tl.float32)
         for c in tl.static_range(N_CALLS):
-            if _runs(hh, t, CALLS[c][3], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD):
-                member, bi, ni, hi = _call_rows(p, pmask, hh, b, CALLS[c][0], CALLS[c][1], CALLS[c][2], CALLS[c][3],
-                                                CALLS[c][4], CALLS[c][5], CALLS[c][6], CALLS[c][7], PERIOD)
-                k: tl.constexpr = CALLS[c][8]
-                size: tl.constexpr = CALLS[c][9]
+            if _runs(hh, t, CALLS[c][1], CALLS[c][3], CALLS[c][4], CALLS[c][5], PERIOD):
+                member, bi, ni, hi = _call_rows(p, pmask, hh, b, places[2 * c], places[2 * c + 1], CALLS[c][0],
+                                                CALLS[c][1], CALLS[c][2], CALLS[c][3], CALLS[c][4], CALLS[c][5], PERIOD)
+                k: tl.constexpr = CALLS[c][6]
+                size: tl.constexpr = CALLS[c][7]
                 part = parts[k]
                 lse_ptr = lses[k]
                 for j in tl.static_range(1, size):  # a group: the part of this head's offset
-                    part = tl.where(hh % CALLS[c][3] == j, parts[k + j], part)
-                    lse_ptr = tl.where(hh % CALLS[c][3] == j, lses[k + j], lse_ptr)
+                    part = tl.where(hh % CALLS[c][1] == j, parts[k + j], part)
+                    lse_ptr = tl.where(hh % CALLS[c][1] == j, lses[k + j], lse_ptr)
                 o = tl.load(part + (bi * strides[3 * k] + ni * strides[3 * k + 1] + hi * strides[3 * k + 2])[:, None]
                             + d[None, :], mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 if HAS_LSE:
@@ -423,17 +440,14 @@ if triton is not None:
         tl.store(out_ptr + (b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh)[:, None]
                  + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & dmask[None, :])
 
-    @triton.jit
-    def _gather_kernel(sources, strides, dests, NC, D, CALL: tl.constexpr, N_T: tl.constexpr, HC: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    @triton.jit(do_not_specialize=["NC", "start", "count", "length"])
+    def _gather_kernel(sources, strides, dests, NC, D, start, count, length, CALL: tl.constexpr, N_T: tl.constexpr,
+                       HC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         # program (row block, kernel batch index bi): rows (ni, hi) of bi, from every source
-        start = CALL[0]
-        count = CALL[1]
-        length = CALL[2]
-        r = CALL[3]
-        diag = CALL[4]
-        off = CALL[5]
-        first = CALL[6]
+        r = CALL[1]
+        diag = CALL[2]
+        off = CALL[3]
+        first = CALL[4]
         bi = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < NC * HC

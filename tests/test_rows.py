@@ -115,6 +115,106 @@ def test_in_place_calls_of_a_branch_are_one_combine_call():
     x = torch.randn(1, 64, 4, 8)
     parts = [gather(c, [x])[0][0].contiguous() for c in plan]
     assert [c.in_place for c in plan] == [False, True, True]
-    groups = _call_groups(plan, parts, None, period=2)
+    groups, places = _call_groups(plan, parts, None, period=2)
     assert [(g[PART], g[SIZE]) for g in groups] == [(0, 1), (1, 2)]
-    assert [(g[PART], g[SIZE]) for g in _call_groups(plan, parts, None, period=1)] == [(0, 1), (1, 1), (2, 1)]
+    assert places == (0, 64, 0, 64)  # (start, span) of each group
+    assert [(g[PART], g[SIZE]) for g in _call_groups(plan, parts, None, period=1)[0]] == [(0, 1), (1, 1), (2, 1)]
+
+
+class _Compilations:
+    """Stands in for a Triton kernel at launch: records what Triton compiles a kernel for (the
+    values of its constexpr parameters; for the others, a tensor's dtype and an int's class, 1,
+    multiple of 16 or neither, unless the parameter is not specialized), runs nothing."""
+
+    def __init__(self, kernel):
+        self.params = kernel.params
+        self.keys = []
+
+    @staticmethod
+    def _kind(x):
+        if isinstance(x, torch.Tensor):
+            return x.dtype
+        if isinstance(x, tuple):
+            return tuple(_Compilations._kind(y) for y in x)
+        return 1 if x == 1 else 16 if x % 16 == 0 else "int"
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            values = dict(zip((p.name for p in self.params), args), **kwargs)
+            self.keys.append(tuple((p.name, values[p.name] if p.is_constexpr else None if p.do_not_specialize
+                                    else self._kind(values[p.name])) for p in self.params if p.name in values))
+        return launch
+
+
+def _structure(plan):
+    from dilated.rows import _call_constants
+
+    return [(c.mode, c.in_place, _call_constants(c)) for c in plan]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("tiles,lengths", [(None, (200, 268, 340)), (0, (264, 332, 404))])  # gathered, in place
+def test_new_lengths_of_one_plan_structure_compile_nothing(monkeypatch, tiles, lengths):
+    """Lengths whose plans differ only in where the calls lie (more segments, last segments of
+    other lengths, alike mod every r) launch gather and combine with one compilation key each: the calls' places,
+    the length and the lse strides are runtime arguments Triton does not specialize on."""
+    import dilated.rows as rows
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter has no compilation keys")
+    combine_k, gather_k = _Compilations(rows._combine_kernel), _Compilations(rows._gather_kernel)
+    monkeypatch.setattr(rows, "_combine_kernel", combine_k)
+    monkeypatch.setattr(rows, "_gather_kernel", gather_k)
+    plans = [build_plan(n, 4, 4, [16, 32, 64], [1, 2, 4], "cpu", in_place_tiles=tiles) for n in lengths]
+    assert len({str(_structure(p)) for p in plans}) == 1 and len({len(p) for p in plans}) == 1
+    assert len({tuple(c.start for c in p) + tuple(c.count for c in p) for p in plans}) == len(lengths)
+    for n, plan in zip(lengths, plans):
+        q = torch.randn(1, n, 4, 16)  # head_dim a multiple of 16: every row stride is one (as Triton sees it)
+        for c in plan:
+            if not (c.mode == "view" or c.in_place):
+                views = [to_kernel_shape(branch_view(x, c)) for x in (q, q, q)]
+                rows._gather_triton(c, [q, q, q], [torch.empty(v.shape) for v in views])
+        parts = [to_kernel_shape(branch_view(q, c)).contiguous() for c in plan]
+        lses = [torch.randn(p.shape[0], p.shape[2], p.shape[1]) for p in parts]
+        rows._combine_triton(plan, parts, lses, torch.empty_like(q), torch.empty(1, n, 4))
+        rows._combine_triton(plan, parts, None, torch.empty_like(q), None)
+    per_length = len(combine_k.keys) // len(lengths)
+    assert len(set(combine_k.keys)) == per_length == 2  # with lse and without, the same at every length
+    assert len(set(gather_k.keys)) == len(gather_k.keys) // len(lengths)
+    assert (tiles is None) == (len(gather_k.keys) > 0)
+
+
+def _compiled(kernel) -> int:
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a CUDA device and Triton")
+@pytest.mark.parametrize("backend", ["sdpa_math", "sdpa_cudnn"])  # gathered, then in-place calls
+def test_gpu_new_lengths_of_one_plan_structure_compile_nothing(backend):
+    """On the GPU: after one length, forward and backward at new lengths of the same plan
+    structure compile no gather or combine kernel."""
+    import dilated
+    import dilated.rows as rows
+    from dilated.plan import plan_for
+
+    segs, dils = [256, 512, 1024], [1, 2, 4]
+
+    def structure(n):
+        q = torch.empty(1, n, 8, 64, device="cuda")
+        return str(_structure(plan_for(q, q, segs, dils, in_place=backend == "sdpa_cudnn")))
+
+    lengths = [n for n in (3172, 4196, 5220, 6244, 7268, 3108, 5156) if structure(n) == structure(3172)]
+    assert len(lengths) >= 4, lengths
+
+    def step(n):
+        q, k, v = (torch.randn(1, n, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = dilated.improved_dilated_attention(q, k, v, segs, dils, backend=backend)
+        out.backward(torch.randn_like(out))
+
+    step(lengths[0])
+    compiled = _compiled(rows._combine_kernel), _compiled(rows._gather_kernel)
+    for n in lengths[1:]:
+        step(n)
+    torch.cuda.synchronize()
+    assert (_compiled(rows._combine_kernel), _compiled(rows._gather_kernel)) == compiled, lengths
