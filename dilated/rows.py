@@ -20,7 +20,7 @@ What a call's rows are (dilation, head offset, segment length when it has severa
 compile-time for the kernels (divisions by constants); where they lie (start, span), the sequence
 length, tensors and strides are arguments that Triton does not specialize on: a new sequence
 length compiles nothing unless it changes the plan's structure (which branches have a shorter
-last segment, in-place forms, which calls are aligned), a few dozen classes over all lengths. Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
+last segment, which calls are aligned, the in-place forms: below about 512K tokens, most lengths). Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
 ``DILATED_TRITON=0``) the same results come from strided views (float32 accumulator for combine).
 """
 from __future__ import annotations
