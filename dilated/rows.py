@@ -20,7 +20,8 @@ What a call's rows are (dilation, head offset, segment length when it has severa
 compile-time for the kernels (divisions by constants); where they lie (start, span), the sequence
 length, tensors and strides are arguments that Triton does not specialize on: a new sequence
 length compiles nothing unless it changes the plan's structure (which branches have a shorter
-last segment, which calls are aligned, the in-place forms: below about 512K tokens, most lengths). Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
+last segment, which calls are aligned, the in-place forms: below about 512K tokens, most lengths).
+Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
 ``DILATED_TRITON=0``) the same results come from strided views (float32 accumulator for combine).
 """
 from __future__ import annotations
@@ -258,7 +259,7 @@ def _call_groups(plan, parts, lses, period: int) -> tuple[tuple, tuple]:
                         for j, m in enumerate(run))
             size = c.r if alike else 1
         if size > 1:  # position and head agree mod r, like a diagonal call without the batch fold
-            groups.append((c.length if c.count > 1 else 0, c.r, 0, -1, 0, 1, i, size))
+            groups.append((_call_constants(c)[SEGMENT], c.r, 0, -1, 0, 1, i, size))
         else:
             groups.append(_call_constants(c) + (i, 1))
         places += _place(c)
