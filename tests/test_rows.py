@@ -156,8 +156,9 @@ def _structure(plan):
 @pytest.mark.parametrize("tiles,lengths", [(None, (200, 268, 340)), (0, (264, 332, 404))])  # gathered, in place
 def test_new_lengths_of_one_plan_structure_compile_nothing(monkeypatch, tiles, lengths):
     """Lengths whose plans differ only in where the calls lie (more segments, last segments of
-    other lengths, alike mod every r) launch gather and combine with one compilation key each: the calls' places,
-    the length and the lse strides are runtime arguments Triton does not specialize on."""
+    other lengths, alike mod every r) launch gather and combine with one compilation key each:
+    the calls' places, the length and the lse strides are runtime arguments Triton does not
+    specialize on."""
     import dilated.rows as rows
 
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -169,7 +170,7 @@ def test_new_lengths_of_one_plan_structure_compile_nothing(monkeypatch, tiles, l
     assert len({str(_structure(p)) for p in plans}) == 1 and len({len(p) for p in plans}) == 1
     assert len({tuple(c.start for c in p) + tuple(c.count for c in p) for p in plans}) == len(lengths)
     for n, plan in zip(lengths, plans):
-        q = torch.randn(1, n, 4, 16)  # head_dim a multiple of 16: every row stride is one (as Triton sees it)
+        q = torch.randn(1, n, 4, 16)  # head_dim a multiple of 16, so is every row stride (as models have it)
         for c in plan:
             if not (c.mode == "view" or c.in_place):
                 views = [to_kernel_shape(branch_view(x, c)) for x in (q, q, q)]
