@@ -31,6 +31,9 @@ class KernelCall:
     kv_heads: torch.Tensor | None = field(default=None, compare=False)
     row_offset: int | None = None  # "offset" calls: first row of each segment, when not ``offset``
     in_place: bool = False  # the kernel reads the strided rows (no gather): "offset" or one-segment "diag"
+    #: (index, w) of the schedule's branch the call reads, for calls of a whole schedule's plan
+    #: (:func:`build_plan`): the combine then needs no kernel per length (:mod:`dilated.branch_combine`)
+    branch: tuple | None = field(default=None, compare=False)
 
     @property
     def first_row(self) -> int:
@@ -77,26 +80,28 @@ def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device
     fixed stride, ``(H + 1) * D``), whichever makes fewer calls; None: gather them."""
     groups = h // hkv
     calls = []
-    for w, r in zip(segment_lengths, dilation_rates):
-        w = min(w, n)
-        for start, count, length in segment_blocks(n, w):
+    for branch, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        tag = (branch, w)
+        for start, count, length in segment_blocks(n, min(w, n)):
             if r == 1:
-                calls.append(KernelCall(start, count, length, 1, "view"))
+                calls.append(KernelCall(start, count, length, 1, "view", branch=tag))
                 continue
             diag = length % r == 0 and h % r == 0 and groups == 1
             form = None
             if in_place_tiles is not None and groups == 1:
                 form = _in_place_form(n, count, length, h, r, diag, batch, in_place_tiles)
             if form == "per_segment":
-                calls += [KernelCall(start + s * length, 1, length, r, "diag", in_place=True) for s in range(count)]
+                calls += [KernelCall(start + s * length, 1, length, r, "diag", in_place=True, branch=tag)
+                          for s in range(count)]
             elif form is None and diag:
-                calls.append(KernelCall(start, count, length, r, "diag"))
+                calls.append(KernelCall(start, count, length, r, "diag", branch=tag))
             else:  # one call per head offset, in place or each gathered
                 for off in range(min(r, length, h)):
                     kvh = None
                     if groups > 1:
                         kvh = torch.arange(off, h, r, device=device) // groups
-                    calls.append(KernelCall(start, count, length, r, "offset", off, kvh, in_place=form == "per_offset"))
+                    calls.append(KernelCall(start, count, length, r, "offset", off, kvh, in_place=form == "per_offset",
+                                            branch=tag))
     return calls
 
 

@@ -32,6 +32,7 @@ import os
 import torch
 
 from ._checks import acc_dtype
+from .branch_combine import branch_layout, combine_branches
 from .memory_pool import MemoryPool
 from .merge import merge_
 from .plan import KernelCall
@@ -134,7 +135,11 @@ def combine(plan, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None =
     covers get 0 (and lse ``-inf``). Returns ``out``.
     """
     if combines_on_triton(plan, parts, out, kv):
-        _combine_triton(plan, parts, lses, out, out_lse)
+        layout = branch_layout(plan, out.shape[1], out.shape[2])
+        if layout is not None:  # the kernel of the plan's schedule, the same at every length
+            combine_branches(layout, parts, lses, out, out_lse)
+        else:
+            _combine_triton(plan, parts, lses, out, out_lse)
     else:
         _combine_torch(plan, parts, lses, out, out_lse, kv)
     return out
@@ -279,7 +284,8 @@ def _gather_triton(c, sources, dests):
     block_r, block_d = _blocks(d)
     _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
         tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d, c.start, c.count,
-        c.length, CALL=_call_constants(c), N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d,
+        c.length, c.r, c.offset if c.mode == "offset" else 0, c.first_row if c.mode == "offset" else 0,
+        DIAG=c.mode == "diag", N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=_LAUNCH["num_warps"])
 
 
@@ -441,20 +447,17 @@ if triton is not None:
         tl.store(out_ptr + (b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh)[:, None]
                  + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & dmask[None, :])
 
-    @triton.jit(do_not_specialize=["NC", "start", "count", "length"])
-    def _gather_kernel(sources, strides, dests, NC, D, start, count, length, CALL: tl.constexpr, N_T: tl.constexpr,
-                       HC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        # program (row block, kernel batch index bi): rows (ni, hi) of bi, from every source
-        r = CALL[1]
-        diag = CALL[2]
-        off = CALL[3]
-        first = CALL[4]
+    @triton.jit(do_not_specialize=["NC", "start", "count", "length", "r", "off", "first"])
+    def _gather_kernel(sources, strides, dests, NC, D, start, count, length, r, off, first, DIAG: tl.constexpr,
+                       N_T: tl.constexpr, HC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # program (row block, kernel batch index bi): rows (ni, hi) of bi, from every source. Only
+        # the form (diagonal or one head offset) is compile-time: any call of it, any length.
         bi = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < NC * HC
         ni = rows // HC
         hi = rows % HC
-        if diag:
+        if DIAG:
             m = bi % r
             bs = bi // r
             p = start + (bs % count) * length + ni * r + m

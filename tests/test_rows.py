@@ -20,6 +20,8 @@ PLANS = [  # (N, H, Hkv, segments, dilations)
     (64, 4, 4, [8, 16], [1, 2]),       # view + diag
     (72, 6, 6, [8, 32], [1, 4]),       # partial last segments, offset calls
     (40, 3, 3, [16, 32], [2, 3]),      # rows no call covers
+    (83, 8, 8, [8, 32], [1, 8]),       # in place: one call per segment; a last segment not a multiple of r
+    (20, 4, 4, [8, 32], [1, 4]),       # a segment longer than the sequence
 ]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
@@ -123,26 +125,24 @@ def test_in_place_calls_of_a_branch_are_one_combine_call():
 
 class _Compilations:
     """Stands in for a Triton kernel at launch: records what Triton compiles a kernel for (the
-    values of its constexpr parameters; for the others, a tensor's dtype and an int's class, 1,
-    multiple of 16 or neither, unless the parameter is not specialized), runs nothing."""
+    values of its constexpr parameters; for the others, the type and specialization Triton's own
+    ``specialize_impl`` gives them: a tensor's dtype and alignment, an int's width and value 1 or
+    multiple of 16, inside tuples too), runs nothing."""
 
     def __init__(self, kernel):
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+
         self.params = kernel.params
         self.keys = []
-
-    @staticmethod
-    def _kind(x):
-        if isinstance(x, torch.Tensor):
-            return x.dtype
-        if isinstance(x, tuple):
-            return tuple(_Compilations._kind(y) for y in x)
-        return 1 if x == 1 else 16 if x % 16 == 0 else "int"
+        self._specialize = lambda x, p: native_specialize_impl(
+            BaseBackend, x, False, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             values = dict(zip((p.name for p in self.params), args), **kwargs)
-            self.keys.append(tuple((p.name, values[p.name] if p.is_constexpr else None if p.do_not_specialize
-                                    else self._kind(values[p.name])) for p in self.params if p.name in values))
+            self.keys.append(tuple((p.name, values[p.name] if p.is_constexpr else self._specialize(values[p.name], p))
+                                   for p in self.params if p.name in values))
         return launch
 
 
@@ -181,8 +181,46 @@ def test_new_lengths_of_one_plan_structure_compile_nothing(monkeypatch, tiles, l
         rows._combine_triton(plan, parts, None, torch.empty_like(q), None)
     per_length = len(combine_k.keys) // len(lengths)
     assert len(set(combine_k.keys)) == per_length == 2  # with lse and without, the same at every length
-    assert len(set(gather_k.keys)) == len(gather_k.keys) // len(lengths)
+    first = gather_k.keys[:len(gather_k.keys) // len(lengths)]
+    assert set(gather_k.keys) == set(first)
     assert (tiles is None) == (len(gather_k.keys) > 0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_lengths_of_any_plan_structure_share_one_combine_kernel(monkeypatch):
+    """Plans of one schedule at lengths that change their structure (the number of calls, the
+    forms of the last segments, which calls are aligned, gathered or in place) combine with one
+    compilation key with lse and one without, and gather with one per form (diagonal or head
+    offset) and heads per call."""
+    import dilated.branch_combine as branch_combine
+    import dilated.rows as rows
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter has no compilation keys")
+    combine_k, gather_k = _Compilations(branch_combine._branch_combine_kernel), _Compilations(rows._gather_kernel)
+    monkeypatch.setattr(branch_combine, "_branch_combine_kernel", combine_k)
+    monkeypatch.setattr(rows, "_gather_kernel", gather_k)
+    lengths, forms = (40, 77, 200, 263, 341, 1000, 1001), set()
+    structures = set()
+    for tiles in (None, 0):
+        for n in lengths:
+            plan = build_plan(n, 4, 4, [16, 32, 64], [1, 2, 4], "cpu", in_place_tiles=tiles)
+            structures.add(str(_structure(plan)))
+            q = torch.randn(1, n, 4, 16)
+            for c in plan:
+                if not (c.mode == "view" or c.in_place):
+                    views = [to_kernel_shape(branch_view(x, c)) for x in (q, q, q)]
+                    rows._gather_triton(c, [q, q, q], [torch.empty(v.shape) for v in views])
+                    forms.add((c.mode, views[0].shape[2]))
+            parts = [to_kernel_shape(branch_view(q, c)).contiguous() for c in plan]
+            lses = [torch.randn(p.shape[0], p.shape[2], p.shape[1]) for p in parts]
+            layout = branch_combine.branch_layout(plan, n, 4)
+            assert layout is not None
+            branch_combine.combine_branches(layout, parts, lses, torch.empty_like(q), torch.empty(1, n, 4))
+            branch_combine.combine_branches(layout, parts, None, torch.empty_like(q), None)
+    assert len(structures) > len(lengths)
+    assert len(combine_k.keys) == 4 * len(lengths) and len(set(combine_k.keys)) == 2
+    assert len(gather_k.keys) > len(forms) == len(set(gather_k.keys))
 
 
 def _compiled(kernel) -> int:
@@ -192,30 +230,30 @@ def _compiled(kernel) -> int:
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a CUDA device and Triton")
 @pytest.mark.parametrize("backend", ["sdpa_math", "sdpa_cudnn"])  # gathered, then in-place calls
-def test_gpu_new_lengths_of_one_plan_structure_compile_nothing(backend):
-    """On the GPU: after one length, forward and backward at new lengths of the same plan
-    structure compile no gather or combine kernel."""
+def test_gpu_new_lengths_compile_no_gather_or_combine(backend):
+    """On the GPU: once a length with even and one with odd last segments ran (every gather form),
+    forward and backward at new lengths, whatever their plans' structure, compile no gather or
+    combine kernel."""
     import dilated
+    import dilated.branch_combine as branch_combine
     import dilated.rows as rows
-    from dilated.plan import plan_for
 
     segs, dils = [256, 512, 1024], [1, 2, 4]
-
-    def structure(n):
-        q = torch.empty(1, n, 8, 64, device="cuda")
-        return str(_structure(plan_for(q, q, segs, dils, in_place=backend == "sdpa_cudnn")))
-
-    lengths = [n for n in (3172, 4196, 5220, 6244, 7268, 3108, 5156) if structure(n) == structure(3172)]
-    assert len(lengths) >= 4, lengths
 
     def step(n):
         q, k, v = (torch.randn(1, n, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         out = dilated.improved_dilated_attention(q, k, v, segs, dils, backend=backend)
         out.backward(torch.randn_like(out))
 
-    step(lengths[0])
-    compiled = _compiled(rows._combine_kernel), _compiled(rows._gather_kernel)
-    for n in lengths[1:]:
+    def compiled():
+        return [_compiled(k) for k in (branch_combine._branch_combine_kernel, rows._combine_kernel, rows._gather_kernel)]
+
+    for n in (3172, 3173):
         step(n)
     torch.cuda.synchronize()
-    assert (_compiled(rows._combine_kernel), _compiled(rows._gather_kernel)) == compiled, lengths
+    before = compiled()
+    assert before[0] > 0  # the combine of the schedule ran
+    for n in (4196, 5221, 6243, 7268, 3108, 5157, 9999, 700, 1025):
+        step(n)
+    torch.cuda.synchronize()
+    assert compiled() == before
