@@ -136,14 +136,22 @@ def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tens
                 ptrs.append(parts[k or 0])
                 lptrs.append(lses[k or 0] if has_lse else parts[0])
                 values += (0,) * 6 if k is None else parts[k].stride()[:3] + (lses[k].stride() if has_lse else (0,) * 3)
-    period = period_of(branches)
     from .rows import _blocks, _LAUNCH
 
+    period = period_of(branches)
     block_p, block_d = _blocks(d)
+    # a branch whose segments are whole multiples of a program's positions (and aligned: r | w,
+    # r | period) finds where a program's rows lie once per program, not per row
+    span = block_p * period
+    constants = [c + (int(c[0] % span == 0 and c[0] % c[1] == 0 and period % c[1] == 0),) for c in constants]
+    # row offsets are multiples of this (in elements): loads and stores of whole rows are vectorized
+    align = math.gcd(d, 16)
+    strides = values[:3] + [s for p in ptrs for s in p.stride()[:3]]
     _branch_combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
         out, lse_out, tuple(ptrs), tuple(lptrs), _descriptor(tuple(values), out.device), n, d,
-        _alias(branches, runs, parts, out), BRANCHES=tuple(constants), H=h, PERIOD=period, HAS_LSE=has_lse,
-        STORE_LSE=store_lse, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        _alias(branches, runs, parts, out), BRANCHES=tuple(constants), H=h, PERIOD=period,
+        ALIGN=align if all(s % align == 0 for s in strides) else 1, HAS_LSE=has_lse, STORE_LSE=store_lse,
+        BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
 
 
 def _alias(branches, runs, parts, out) -> int:
@@ -199,6 +207,38 @@ if triton is not None:
         return member, e, row, lse_row
 
     @triton.jit
+    def _strides(at, form, m_at, s_at):
+        """Stride ``at`` of the entry a program reads: entry 0 (one call), the one of its head
+        offset (``m_at``) or of its segment (``s_at``), by form; all loaded at once."""
+        return tl.where(form == 3, tl.load(m_at + at), tl.where(form == 2, tl.load(s_at + at), tl.load(at)))
+
+    @triton.jit
+    def _block_rows(p0, p, hh, b, N, desc, base: tl.constexpr, w: tl.constexpr, r: tl.constexpr):
+        """:func:`_branch_rows` for a program whose positions ``p`` lie in one segment (the one of
+        ``p0``) and are all members: the run, entry and strides are found once (scalars), every
+        integer loaded at once (no load waits for another)."""
+        seg = p0 // w
+        last = (seg >= N // w).to(tl.int32)  # the run of the clipped last segment
+        head = desc + base + last * (2 + 6 * r)
+        s = seg * (1 - last)
+        m = hh % r
+        form = tl.load(head)
+        count = tl.load(head + 1)
+        first = head + 2
+        m_at = m * 6  # the entry of head offset m, or of segment s (a run has at most r)
+        s_at = tl.minimum(s, r - 1) * 6
+        folded = (form == 1) | (form == 2)
+        bi = (b * count + tl.where(form == 2, 0, s)) * tl.where(folded, r, 1) + tl.where(folded, m, 0)
+        e = tl.where(form == 3, m, tl.where(form == 2, s, 0))
+        ni = ((p - seg * w) // r).to(tl.int64)
+        hi = hh // r
+        row = (bi * _strides(first, form, m_at, s_at) + hi * _strides(first + 2, form, m_at, s_at)
+               + ni * _strides(first + 1, form, m_at, s_at))
+        lse_row = (bi * _strides(first + 3, form, m_at, s_at) + hi * _strides(first + 4, form, m_at, s_at)
+                   + ni * _strides(first + 5, form, m_at, s_at))
+        return e + last * r, row, lse_row
+
+    @triton.jit
     def _entry(ptrs, first: tl.constexpr, r: tl.constexpr, e):
         """``ptrs[first + e]`` per row."""
         ptr = ptrs[first]
@@ -208,10 +248,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["N", "alias"])
     def _branch_combine_kernel(out_ptr, out_lse_ptr, parts, lses, desc, N, D, alias, BRANCHES: tl.constexpr,
-                               H: tl.constexpr, PERIOD: tl.constexpr, HAS_LSE: tl.constexpr,
+                               H: tl.constexpr, PERIOD: tl.constexpr, ALIGN: tl.constexpr, HAS_LSE: tl.constexpr,
                                STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         # program: positions t, t + PERIOD, ... of one block, head hh, batch b (as the per-call
-        # kernel); BRANCHES: (w, r, first integer, first entry) per branch; desc[0:6]: the
+        # kernel); BRANCHES: (w, r, first integer, first entry, uniform) per branch; desc[0:6]: the
         # strides of out and of out_lse
         th = tl.program_id(0) % (PERIOD * H)
         blk = tl.program_id(0) // (PERIOD * H)
@@ -231,15 +271,20 @@ if triton is not None:
             m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
             s_i = tl.zeros([BLOCK_P], tl.float32)
             for i in tl.static_range(len(BRANCHES)):
-                w: tl.constexpr = BRANCHES[i][0]
-                r: tl.constexpr = BRANCHES[i][1]
-                if _runs(hh, t, w, r, PERIOD):
-                    member, e, row, lse_row = _branch_rows(p, pmask, hh, b, N, desc, BRANCHES[i][2], w, r, PERIOD)
-                    part = _entry(parts, BRANCHES[i][3], r, e)
-                    o = tl.load(part[:, None] + row[:, None] + d[None, :], mask=member[:, None] & dmask[None, :],
-                                other=0.0).to(tl.float32)
+                if _runs(hh, t, BRANCHES[i][0], BRANCHES[i][1], PERIOD):
+                    if BRANCHES[i][4]:
+                        e, row, lse_row = _block_rows(blk * BLOCK_P * PERIOD, p, hh, b, N, desc, BRANCHES[i][2],
+                                                      BRANCHES[i][0], BRANCHES[i][1])
+                        member = pmask
+                    else:
+                        member, e, row, lse_row = _branch_rows(p, pmask, hh, b, N, desc, BRANCHES[i][2],
+                                                               BRANCHES[i][0], BRANCHES[i][1], PERIOD)
+                    part = _entry(parts, BRANCHES[i][3], BRANCHES[i][1], e)
+                    o = tl.load((part + tl.multiple_of(row, ALIGN))[:, None] + d[None, :],
+                                mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                     if HAS_LSE:
-                        lse = tl.load(_entry(lses, BRANCHES[i][3], r, e) + lse_row, mask=member, other=float("-inf"))
+                        lse = tl.load(_entry(lses, BRANCHES[i][3], BRANCHES[i][1], e) + lse_row, mask=member,
+                                      other=float("-inf"))
                         m_i, s_i, acc = merge_step(m_i, s_i, acc, o, lse)
                     else:
                         acc += o
@@ -247,7 +292,7 @@ if triton is not None:
                 acc, lse = merge_finish(m_i, s_i, acc)
                 if STORE_LSE:
                     tl.store(lse_at, lse, mask=pmask)
-            out_at = b * tl.load(desc) + p.to(tl.int64) * tl.load(desc + 1) + hh * tl.load(desc + 2)
+            out_at = tl.multiple_of(b * tl.load(desc) + p.to(tl.int64) * tl.load(desc + 1) + hh * tl.load(desc + 2), ALIGN)
             tl.store(out_ptr + out_at[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=pmask[:, None] & dmask[None, :])
         else:

@@ -32,9 +32,22 @@ def _interpreted(args):
 
 
 def check_plans():
-    """Run in the interpreter: gather and combine (Triton) equal the torch path."""
+    """Run in the interpreter: gather and combine (Triton) equal the torch path; the combine with
+    programs of the default size and of a few rows (then a program's rows lie in one segment of
+    each branch and the schedule's kernel finds their place once per program)."""
+    import dilated.rows as rows
+
+    _check_plans(PLANS, (torch.float32, torch.bfloat16))
+    elements = rows._LAUNCH["elements"]
+    rows._LAUNCH["elements"] = 16  # the interpreter is slow over many programs: two plans
+    _check_plans([PLANS[0], PLANS[3]], (torch.float32,))
+    rows._LAUNCH["elements"] = elements
+    print("plans ok")
+
+
+def _check_plans(plans, dtypes):
     gen = torch.Generator().manual_seed(0)
-    runs = [(c, t, 2) for c in PLANS for t in (None, 0)] + [(c, 0, 1) for c in PLANS] + [(None, None, 2)]
+    runs = [(c, t, 2) for c in plans for t in (None, 0)] + [(c, 0, 1) for c in plans] + [(None, None, 2)]
     aliased = 0
     for case, in_place, b in runs:  # batch 1: in-place calls of one segment with all offsets
         if case is None:  # what a rank adds for a segment spanning ranks: rows 2::3 of heads 1::3
@@ -54,7 +67,7 @@ def check_plans():
         lses = [torch.randn(p.shape[0], p.shape[2], p.shape[1], generator=gen) for p in parts]
         for c in plan:  # in-place calls are views of x, not copies
             assert not c.in_place or gather(c, [x])[0][0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             for with_lse in (True, False):
                 ps, ls = [p.to(dtype) for p in parts], (lses if with_lse else None)
                 got, want = torch.empty_like(x, dtype=dtype), torch.empty_like(x, dtype=dtype)
@@ -80,7 +93,6 @@ def check_plans():
                             torch.testing.assert_close(lse_out, want_lse)
                     aliased += 1
     assert aliased > 0
-    print("plans ok")
 
 
 @needs_triton
