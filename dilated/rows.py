@@ -16,11 +16,12 @@ A call ``c`` of a plan (:class:`~dilated.plan.KernelCall`) covers some rows
   merge. The output may alias the part of a ``view`` call covering every row in ``[B, N, H, D]``
   order (each program reads its rows before writing them).
 
-What a call's rows are (dilation, head offset, segment length when it has several segments) is
-compile-time for the kernels (divisions by constants); where they lie (start, span), the sequence
-length, tensors and strides are arguments that Triton does not specialize on: a new sequence
-length compiles nothing unless it changes the plan's structure (which branches have a shorter
-last segment, which calls are aligned, the in-place forms: below about 512K tokens, most lengths).
+The plan of a whole schedule is combined by :mod:`dilated.branch_combine`, one kernel per schedule
+whatever the length. For other call lists (a rank's share of a distributed schedule, pieces
+merged as they go) what a call's rows are (dilation, head offset, segment length when it has
+several segments) is compile-time for the kernel (divisions by constants); where they lie (start,
+span), the sequence length, tensors and strides are arguments. The gather is compiled per form
+(diagonal or one head offset) and heads per call only.
 Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
 ``DILATED_TRITON=0``) the same results come from strided views (float32 accumulator for combine).
 """
