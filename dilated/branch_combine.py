@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 VIEW, DIAG, PER_SEGMENT, PER_OFFSET = range(4)
-_MAX_PERIOD = 64  # largest position period of the programs (lcm of the dilations)
+MAX_PERIOD = 64  # largest position period of the combine programs (lcm of the dilations)
 
 
 def _run_form(plan, idx: list[int], start: int, count: int, length: int, h: int):
@@ -95,7 +95,7 @@ def period_of(branches) -> int:
     """Positions ``t, t + R, ...`` share every aligned branch's membership; R = lcm of the
     dilations when small, else 1."""
     period = math.lcm(*(r for _, r in branches))
-    return period if period <= _MAX_PERIOD else 1
+    return period if period <= MAX_PERIOD else 1
 
 
 _DESCRIPTORS: dict = {}  # (device, integers) -> the same integers on the device

@@ -33,7 +33,7 @@ import os
 import torch
 
 from ._checks import acc_dtype
-from .branch_combine import branch_layout, combine_branches
+from .branch_combine import MAX_PERIOD, branch_layout, combine_branches
 from .memory_pool import MemoryPool
 from .merge import merge_
 from .plan import KernelCall
@@ -236,14 +236,13 @@ def _place(c: KernelCall) -> tuple:
     return (c.start, c.count * c.length)
 
 
-_MAX_PERIOD = 64  # largest position period of the combine's programs (lcm of the dilations)
 
 
 def _period(plan, n: int) -> int:
     """Positions ``t, t + R, t + 2R, ...`` share each aligned call's membership; R = lcm of the
     dilations when small, else 1 (membership is then per row)."""
     period = math.lcm(*(c.r for c in plan))
-    return period if period <= min(_MAX_PERIOD, n) else 1
+    return period if period <= min(MAX_PERIOD, n) else 1
 
 
 def _call_groups(plan, parts, lses, period: int) -> tuple[tuple, tuple]:
