@@ -80,15 +80,15 @@ def branch_layout(plan, n: int, h: int):
             if count == 0 or length == 0:
                 if part:
                     return None
-                described.append((-1, 0, []))
+                described.append((-1, 0, ()))
                 continue
             form = _run_form(plan, part, start, count, length, h) if part else None
             if form is None:
                 return None
-            described.append((form[0], 1 if form[0] == PER_SEGMENT else count, form[1]))
+            described.append((form[0], 1 if form[0] == PER_SEGMENT else count, tuple(form[1])))
         branches.append((w, r))
         runs.append(tuple(described))
-    return tuple(branches), runs
+    return tuple(branches), tuple(runs)
 
 
 def period_of(branches) -> int:
@@ -98,44 +98,78 @@ def period_of(branches) -> int:
     return period if period <= MAX_PERIOD else 1
 
 
-_DESCRIPTORS: dict = {}  # (device, integers) -> the same integers on the device
-_MAX_DESCRIPTORS = 256
+ENTRY = 9  # integers per entry of a descriptor table (see :func:`_table`)
+_TABLES: dict = {}  # (device, layout, strides) -> the plan's descriptor table on the device
+_MAX_TABLES = 256
 
 
-def _descriptor(values: tuple, device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, made once per distinct values (a plan's layout:
-    a new length copies it once; later steps find it here)."""
-    key = (device, values)
-    t = _DESCRIPTORS.get(key)
-    if t is None:
-        if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
-            _DESCRIPTORS.clear()
-        t = _DESCRIPTORS[key] = torch.tensor(values, dtype=torch.int64, device=device)
-    return t
+def _table(branches, runs, parts, lses, h: int) -> tuple:
+    """Where each program finds its rows, as integers: per branch ``(w, r)``, run ``u`` (full segments, clipped last), head ``hh``
+    and segment ``sc`` (the segment index up to r - 1: one call per segment has at most r) an
+    entry ``BG, G, K, Sn, e, lBG, lG, lK, lSn``: rows ``(position, hh)`` of batch ``b`` in segment
+    ``s`` lie in entry ``e`` of the branch's tensors at row ``b BG + s G + K + i Sn`` (``i`` the
+    row within the segment's dilated rows), their lse at ``b lBG + s lG + lK + i lSn``.
+
+    Forms and head offsets are resolved here, so a program loads one entry per branch and does
+    no arithmetic on the plan's layout. Returns ``(values, bases)``: where each branch's entries
+    start."""
+    values, bases = [], []
+    for (_, r), described in zip(branches, runs):
+        bases.append(len(values))
+        for u, (form, count, idx) in enumerate(described):
+            folded = form in (DIAG, PER_SEGMENT)
+            f = r if folded else 1  # batches per segment of the calls' kernel batch
+            for hh in range(h):
+                m, hi = hh % r, hh // r
+                for sc in range(r):
+                    e = m if form == PER_OFFSET else sc if form == PER_SEGMENT else 0
+                    if form < 0 or e >= len(idx):  # no rows of this run, head and segment
+                        values += (0,) * ENTRY
+                        continue
+                    sb, sn, sh = parts[idx[e]].stride()[:3]
+                    lb, lh, ln = lses[idx[e]].stride() if lses is not None else (0, 0, 0)
+                    by_s = int(form != PER_SEGMENT)  # one call per segment: s picks the entry
+                    mf = m if folded else 0
+                    values += (count * f * sb, by_s * f * sb, mf * sb + hi * sh, sn, e + u * r,
+                               count * f * lb, by_s * f * lb, mf * lb + hi * lh, ln)
+    return values, bases
+
+
+def _descriptor(layout, parts, lses, h: int):
+    """:func:`_table` as an int64 tensor on the device and the branches' bases, made once per
+    layout and strides (a new length builds it once; later steps find it here)."""
+    branches, runs = layout
+    key = (parts[0].device, h, branches, runs, tuple(p.stride()[:3] for p in parts),
+           tuple(l.stride() for l in lses) if lses is not None else None)
+    found = _TABLES.get(key)
+    if found is None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        values, bases = _table(branches, runs, parts, lses, h)
+        found = _TABLES[key] = torch.tensor(values, dtype=torch.int64, device=parts[0].device), bases
+    return found
 
 
 def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None) -> None:
     """:func:`dilated.rows.combine` of a plan described by ``layout`` (:func:`branch_layout`).
 
     The kernel's arguments are the tensors (r entries per run, unused ones repeat the first), the
-    length, and a small int64 tensor of the runs' forms, counts and strides and of the result's
-    strides: Triton specializes integers (value 1, multiples of 16, 32 or 64 bits) and does so
-    inside tuples, so the integers that follow the length travel in memory."""
+    length, and the plan's descriptor table (:func:`_table`), an int64 tensor: Triton specializes
+    integers (value 1, multiples of 16, 32 or 64 bits) and does so inside tuples, so the integers
+    that follow the length travel in memory."""
     branches, runs = layout
     b, n, h, d = out.shape
     has_lse, store_lse = lses is not None, lses is not None and out_lse is not None
+    table, bases = _descriptor(layout, parts, lses if has_lse else None, h)
     lse_out, lse_out_strides = (out_lse, out_lse.stride()) if store_lse else (out, (0, 0, 0))  # not written
     ptrs, lptrs, constants = [], [], []
-    values = [*out.stride()[:3], *lse_out_strides]
-    for (w, r), described in zip(branches, runs):
-        constants.append((w, r, len(values), len(ptrs)))  # where its integers and entries start
-        for form, count, idx in described:
-            values += (form, count)
+    for (w, r), described, base in zip(branches, runs, bases):
+        constants.append((w, r, base, len(ptrs)))  # where its table entries and tensors start
+        for _, _, idx in described:
             for e in range(r):
-                k = idx[e] if e < len(idx) else None  # None: not read (a tensor of the same dtype)
-                ptrs.append(parts[k or 0])
-                lptrs.append(lses[k or 0] if has_lse else parts[0])
-                values += (0,) * 6 if k is None else parts[k].stride()[:3] + (lses[k].stride() if has_lse else (0,) * 3)
+                k = idx[e] if e < len(idx) else 0  # unread entries repeat a tensor of the same dtype
+                ptrs.append(parts[k])
+                lptrs.append(lses[k] if has_lse else parts[0])
     from .rows import _blocks, _LAUNCH
 
     period = period_of(branches)
@@ -146,9 +180,9 @@ def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tens
     constants = [c + (int(c[0] % span == 0 and c[0] % c[1] == 0 and period % c[1] == 0),) for c in constants]
     # row offsets are multiples of this (in elements): loads and stores of whole rows are vectorized
     align = math.gcd(d, 16)
-    strides = values[:3] + [s for p in ptrs for s in p.stride()[:3]]
+    strides = list(out.stride()[:3]) + [s for p in ptrs for s in p.stride()[:3]]
     _branch_combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
-        out, lse_out, tuple(ptrs), tuple(lptrs), _descriptor(tuple(values), out.device), n, d,
+        out, lse_out, tuple(ptrs), tuple(lptrs), table, n, d, *out.stride()[:3], *lse_out_strides,
         _alias(branches, runs, parts, out), BRANCHES=tuple(constants), H=h, PERIOD=period,
         ALIGN=align if all(s % align == 0 for s in strides) else 1, HAS_LSE=has_lse, STORE_LSE=store_lse,
         BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
@@ -178,65 +212,40 @@ if triton is not None:
         return hh >= 0
 
     @triton.jit
+    def _place(desc, base: tl.constexpr, H: tl.constexpr, r: tl.constexpr, last, hh, b, s, i,
+               HAS_LSE: tl.constexpr):
+        """The entry of a branch's tensors holding rows ``i`` of segment ``s`` (of the run of the
+        clipped last segment where ``last``), head ``hh``, batch ``b``, and the rows' offsets in it
+        and in its lse (:func:`_table`; scalars or one per row)."""
+        at = desc + base + ((last * H + hh) * r + tl.minimum(s, r - 1)) * 9  # 9: ENTRY
+        row = b * tl.load(at) + s * tl.load(at + 1) + tl.load(at + 2) + i * tl.load(at + 3)
+        lse_row = row
+        if HAS_LSE:
+            lse_row = b * tl.load(at + 5) + s * tl.load(at + 6) + tl.load(at + 7) + i * tl.load(at + 8)
+        return tl.load(at + 4), row, lse_row
+
+    @triton.jit
     def _branch_rows(p, pmask, hh, b, N, desc, base: tl.constexpr, w: tl.constexpr, r: tl.constexpr,
-                     PERIOD: tl.constexpr):
+                     PERIOD: tl.constexpr, H: tl.constexpr, HAS_LSE: tl.constexpr):
         """Rows ``(p, hh)`` of batch ``b`` that a branch covers and where they are in its runs'
-        outputs: (member, entry 0..2r-1, offset of the row in the entry's output, and in its lse).
-        The branch's integers start at ``desc + base``: per run (form, count) and r entries of
-        six strides (the output's, then the lse's)."""
+        outputs: (member, entry 0..2r-1, offset of the row in the entry's output, and in its lse)."""
         seg = p // w
         j = p - seg * w
-        last = seg >= N // w  # in the run of the clipped last segment
-        m = hh % r
+        last = (seg >= N // w).to(tl.int32)  # in the run of the clipped last segment
         member = pmask
         if not (w % r == 0 and PERIOD % r == 0):
-            member = member & (j % r == m)
-        second: tl.constexpr = base + 2 + 6 * r
-        form = tl.where(last, tl.load(desc + second), tl.load(desc + base))
-        count = tl.where(last, tl.load(desc + second + 1), tl.load(desc + base + 1))
-        s = tl.where(last, 0, seg)
-        # forms: 1 DIAG, 2 PER_SEGMENT (the r offsets are consecutive kernel batches), 3 PER_OFFSET
-        folded = (form == 1) | (form == 2)
-        bi = (b * count + tl.where(form == 2, 0, s)) * tl.where(folded, r, 1) + tl.where(folded, m, 0)
-        e = tl.where(form == 3, m, tl.where(form == 2, s, 0)) + tl.where(last, r, 0)
-        at = desc + base + 2 + e * 6 + tl.where(last, 2, 0)  # the entry's strides
-        ni = (j // r).to(tl.int64)
-        hi = hh // r
-        row = bi * tl.load(at) + ni * tl.load(at + 1) + hi * tl.load(at + 2)
-        lse_row = bi * tl.load(at + 3) + hi * tl.load(at + 4) + ni * tl.load(at + 5)
+            member = member & (j % r == hh % r)
+        e, row, lse_row = _place(desc, base, H, r, last, hh, b, seg * (1 - last), (j // r).to(tl.int64), HAS_LSE)
         return member, e, row, lse_row
 
     @triton.jit
-    def _strides(at, form, m_at, s_at):
-        """Stride ``at`` of the entry a program reads: entry 0 (one call), the one of its head
-        offset (``m_at``) or of its segment (``s_at``), by form; all loaded at once."""
-        return tl.where(form == 3, tl.load(m_at + at), tl.where(form == 2, tl.load(s_at + at), tl.load(at)))
-
-    @triton.jit
-    def _block_rows(p0, p, hh, b, N, desc, base: tl.constexpr, w: tl.constexpr, r: tl.constexpr):
+    def _block_rows(p0, p, hh, b, N, desc, base: tl.constexpr, w: tl.constexpr, r: tl.constexpr,
+                    H: tl.constexpr, HAS_LSE: tl.constexpr):
         """:func:`_branch_rows` for a program whose positions ``p`` lie in one segment (the one of
-        ``p0``) and are all members: the run, entry and strides are found once (scalars), every
-        integer loaded at once (no load waits for another)."""
+        ``p0``) and are all members: its entry is found once (scalars)."""
         seg = p0 // w
         last = (seg >= N // w).to(tl.int32)  # the run of the clipped last segment
-        head = desc + base + last * (2 + 6 * r)
-        s = seg * (1 - last)
-        m = hh % r
-        form = tl.load(head)
-        count = tl.load(head + 1)
-        first = head + 2
-        m_at = m * 6  # the entry of head offset m, or of segment s (a run has at most r)
-        s_at = tl.minimum(s, r - 1) * 6
-        folded = (form == 1) | (form == 2)
-        bi = (b * count + tl.where(form == 2, 0, s)) * tl.where(folded, r, 1) + tl.where(folded, m, 0)
-        e = tl.where(form == 3, m, tl.where(form == 2, s, 0))
-        ni = ((p - seg * w) // r).to(tl.int64)
-        hi = hh // r
-        row = (bi * _strides(first, form, m_at, s_at) + hi * _strides(first + 2, form, m_at, s_at)
-               + ni * _strides(first + 1, form, m_at, s_at))
-        lse_row = (bi * _strides(first + 3, form, m_at, s_at) + hi * _strides(first + 4, form, m_at, s_at)
-                   + ni * _strides(first + 5, form, m_at, s_at))
-        return e + last * r, row, lse_row
+        return _place(desc, base, H, r, last, hh, b, seg * (1 - last), ((p - seg * w) // r).to(tl.int64), HAS_LSE)
 
     @triton.jit
     def _entry(ptrs, first: tl.constexpr, r: tl.constexpr, e):
@@ -246,13 +255,14 @@ if triton is not None:
             ptr = tl.where(e == k, ptrs[first + k], ptr)
         return ptr
 
-    @triton.jit(do_not_specialize=["N", "alias"])
-    def _branch_combine_kernel(out_ptr, out_lse_ptr, parts, lses, desc, N, D, alias, BRANCHES: tl.constexpr,
+    @triton.jit(do_not_specialize=["N", "s_ob", "s_on", "s_oh", "s_lb", "s_ln", "s_lh", "alias"])
+    def _branch_combine_kernel(out_ptr, out_lse_ptr, parts, lses, desc, N, D, s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
+                               alias, BRANCHES: tl.constexpr,
                                H: tl.constexpr, PERIOD: tl.constexpr, ALIGN: tl.constexpr, HAS_LSE: tl.constexpr,
                                STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         # program: positions t, t + PERIOD, ... of one block, head hh, batch b (as the per-call
-        # kernel); BRANCHES: (w, r, first integer, first entry, uniform) per branch; desc[0:6]: the
-        # strides of out and of out_lse
+        # kernel); BRANCHES: (w, r, first table entry, first tensor, uniform) per branch; desc: the
+        # plan's table (:func:`_table`); s_o*, s_l*: the strides of out and of out_lse
         th = tl.program_id(0) % (PERIOD * H)
         blk = tl.program_id(0) // (PERIOD * H)
         hh = th % H
@@ -265,7 +275,7 @@ if triton is not None:
         others = 0
         for i in tl.static_range(len(BRANCHES)):
             others += (_runs(hh, t, BRANCHES[i][0], BRANCHES[i][1], PERIOD) & (alias != i)).to(tl.int32)
-        lse_at = out_lse_ptr + b * tl.load(desc + 3) + p.to(tl.int64) * tl.load(desc + 4) + hh * tl.load(desc + 5)
+        lse_at = out_lse_ptr + b * s_lb + p.to(tl.int64) * s_ln + hh * s_lh
         if (alias < 0) | (others > 0):
             acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
             m_i = tl.full([BLOCK_P], float("-inf"), tl.float32)
@@ -274,11 +284,11 @@ if triton is not None:
                 if _runs(hh, t, BRANCHES[i][0], BRANCHES[i][1], PERIOD):
                     if BRANCHES[i][4]:
                         e, row, lse_row = _block_rows(blk * BLOCK_P * PERIOD, p, hh, b, N, desc, BRANCHES[i][2],
-                                                      BRANCHES[i][0], BRANCHES[i][1])
+                                                      BRANCHES[i][0], BRANCHES[i][1], H, HAS_LSE)
                         member = pmask
                     else:
                         member, e, row, lse_row = _branch_rows(p, pmask, hh, b, N, desc, BRANCHES[i][2],
-                                                               BRANCHES[i][0], BRANCHES[i][1], PERIOD)
+                                                               BRANCHES[i][0], BRANCHES[i][1], PERIOD, H, HAS_LSE)
                     part = _entry(parts, BRANCHES[i][3], BRANCHES[i][1], e)
                     o = tl.load((part + tl.multiple_of(row, ALIGN))[:, None] + d[None, :],
                                 mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
@@ -292,7 +302,7 @@ if triton is not None:
                 acc, lse = merge_finish(m_i, s_i, acc)
                 if STORE_LSE:
                     tl.store(lse_at, lse, mask=pmask)
-            out_at = tl.multiple_of(b * tl.load(desc) + p.to(tl.int64) * tl.load(desc + 1) + hh * tl.load(desc + 2), ALIGN)
+            out_at = tl.multiple_of(b * s_ob + p.to(tl.int64) * s_on + hh * s_oh, ALIGN)
             tl.store(out_ptr + out_at[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=pmask[:, None] & dmask[None, :])
         else:
@@ -300,7 +310,7 @@ if triton is not None:
                 for i in tl.static_range(len(BRANCHES)):
                     if alias == i:
                         member, e, row, lse_row = _branch_rows(p, pmask, hh, b, N, desc, BRANCHES[i][2],
-                                                               BRANCHES[i][0], BRANCHES[i][1], PERIOD)
+                                                               BRANCHES[i][0], BRANCHES[i][1], PERIOD, H, True)
                         lse = tl.load(_entry(lses, BRANCHES[i][3], BRANCHES[i][1], e) + lse_row, mask=member,
                                       other=float("-inf"))
                         tl.store(lse_at, lse, mask=pmask)
