@@ -12,9 +12,10 @@ last segment as another, each run read in one of four forms:
 * ``PER_OFFSET``: one call per head offset ``h mod r``, batch ``b * count + segment``.
 
 The kernel here is specialized on the schedule only (each branch's ``w`` and ``r``: divisions by
-constants, and which branches a program runs); each run's form, count and up to r entries
-(output and lse tensors with their strides) are runtime arguments, a fixed number per schedule.
-So one kernel serves every length, and every plan of the schedule (gathered or in place, any
+constants, and which branches a program runs); the runs' output and lse tensors (r entries per
+run, a fixed number per schedule) are runtime arguments, and where a program finds its rows in
+them is a table in device memory (:func:`_table`: forms, counts and strides resolved on the
+host, one entry per branch, run, head and segment index below r). So one kernel serves every length, and every plan of the schedule (gathered or in place, any
 form). It computes what :func:`dilated.rows.combine` defines; plans it cannot describe (calls
 not from one schedule, pieces) take the per-call kernel of :mod:`dilated.rows`.
 """
