@@ -105,9 +105,9 @@ _MAX_TABLES = 256
 
 
 def _table(branches, runs, parts, lses, h: int) -> tuple:
-    """Where each program finds its rows, as integers: per branch ``(w, r)``, run ``u`` (full segments, clipped last), head ``hh``
-    and segment ``sc`` (the segment index up to r - 1: one call per segment has at most r) an
-    entry ``BG, G, K, Sn, e, lBG, lG, lK, lSn``: rows ``(position, hh)`` of batch ``b`` in segment
+    """Where each program finds its rows, as integers: per branch ``(w, r)``, run ``u`` (full
+    segments, clipped last), head ``hh`` and segment ``sc`` (the segment index up to r - 1: one
+    call per segment has at most r) an entry ``BG, G, K, Sn, e, lBG, lG, lK, lSn``: rows ``(position, hh)`` of batch ``b`` in segment
     ``s`` lie in entry ``e`` of the branch's tensors at row ``b BG + s G + K + i Sn`` (``i`` the
     row within the segment's dilated rows), their lse at ``b lBG + s lG + lK + i lSn``.
 
