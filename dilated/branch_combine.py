@@ -16,8 +16,9 @@ constants, and which branches a program runs); the runs' output and lse tensors 
 run, a fixed number per schedule) are runtime arguments, and where a program finds its rows in
 them is a table in device memory (:func:`_table`: forms, counts and strides resolved on the
 host, one entry per branch, run, head and segment index below r). So one kernel serves every
-length, and every plan of the schedule (gathered or in place, any form). It computes what :func:`dilated.rows.combine` defines; plans it cannot describe (calls
-not from one schedule, pieces) take the per-call kernel of :mod:`dilated.rows`.
+length, and every plan of the schedule (gathered or in place, any form). It computes what
+:func:`dilated.rows.combine` defines; plans it cannot describe (calls not from one schedule,
+pieces) take the per-call kernel of :mod:`dilated.rows`.
 """
 from __future__ import annotations
 
@@ -108,8 +109,9 @@ def _table(branches, runs, parts, lses, h: int) -> tuple:
     """Where each program finds its rows, as integers: per branch ``(w, r)``, run ``u`` (full
     segments, clipped last), head ``hh`` and segment ``sc`` (the segment index up to r - 1: one
     call per segment has at most r) an entry ``BG, G, K, Sn, e, lBG, lG, lK, lSn``: rows
-    ``(position, hh)`` of batch ``b`` in segment ``s`` lie in entry ``e`` of the branch's tensors at row ``b BG + s G + K + i Sn`` (``i`` the
-    row within the segment's dilated rows), their lse at ``b lBG + s lG + lK + i lSn``.
+    ``(position, hh)`` of batch ``b`` in segment ``s`` lie in entry ``e`` of the branch's
+    tensors at row ``b BG + s G + K + i Sn`` (``i`` the row within the segment's dilated rows),
+    their lse at ``b lBG + s lG + lK + i lSn``.
 
     Forms and head offsets are resolved here, so a program loads one entry per branch and does
     no arithmetic on the plan's layout. Returns ``(values, bases)``: where each branch's entries
