@@ -33,6 +33,7 @@ from torch import nn
 
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
 from .backends import get_backend
+from .backends.graph_shapes import one_operation
 from .agreement import signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
@@ -193,6 +194,7 @@ def _span_parts(sp: _Span, spec: AttentionSpec, saved: _Saved, kv, dq):
 
 class _DistributedDilatedFunction(torch.autograd.Function):
     @staticmethod
+    @one_operation()
     def forward(ctx, q, k, v, plan, spans, spec, stats):
         calls, parts, lses, gathered = [], [], [], []
         failure = None  # a failed computation here: the remaining collectives still run first
@@ -217,6 +219,7 @@ class _DistributedDilatedFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @one_operation()
     def backward(ctx, dout):
         q, k, v, out, lse_rows = ctx.saved_tensors
         plan, spans, spec, stats = ctx.plan, ctx.spans, ctx.spec, ctx.stats

@@ -20,6 +20,7 @@ import torch
 
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .backends import Backend, get_backend
+from .backends.graph_shapes import one_operation
 from .backends.kernel_log import note_kernel
 from .merge import empty_accumulators, merge_
 
@@ -58,6 +59,7 @@ def _no_lse(backend: Backend) -> ValueError:
                       "return_lse=True need a backend that gives one")
 
 
+@one_operation()
 def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float, need_lse: bool = True):
     """``(out, lse)`` without autograd; bottom-right causal, GQA and strided head_dim handled here.
     ``need_lse=False``: a backend without a log-sum-exp may return None for it."""
@@ -79,6 +81,7 @@ def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float, nee
     return acc.to(q.dtype), acc_lse.transpose(1, 2).contiguous()
 
 
+@one_operation()
 def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, scale: float, dlse=None):
     """``dq, dk, dv`` of the attention whose (merged) output and lse are ``out`` and ``lse``."""
     note_kernel(backend.name)

@@ -32,6 +32,7 @@ from torch import nn
 
 from ._checks import acc_dtype, check_causal, check_scale, check_schedule, dense_rows
 from .backends import get_backend
+from .backends.graph_shapes import one_operation
 from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
 from .rows import add_call, combine, gather, merge_call, merged_lse_for
@@ -111,6 +112,7 @@ def _rebased(c: KernelCall) -> tuple[slice, KernelCall]:
     return slice(c.start, c.start + c.count * c.length), replace(c, start=0)
 
 
+@one_operation()
 def forward_calls(qkv, plan, spec: AttentionSpec, *, pool=None, dtype=None, extra=None, with_lse=True):
     """Run the kernel calls of ``plan`` on ``qkv = (q, k, v)``; return their mixture ``out``
     (``dtype``, default q's) and its lse in row layout (``[B, N, H]``, float32 or float64; None
@@ -182,6 +184,7 @@ def _backward_adding(qkv, plan, spec: AttentionSpec, merged, dtype):
     return tuple(sums)
 
 
+@one_operation()
 def backward_calls(qkv, plan, spec: AttentionSpec, out, lse_rows, dout, *, dtype=None):
     """Each call's kernel backward, given the *merged* out and lse, summed into ``dq, dk, dv``
     (``dtype``, default the inputs'), by one combine per gradient, or call by call where the

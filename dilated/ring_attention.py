@@ -40,6 +40,7 @@ from torch import nn
 from . import peer_copy
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .backends import get_backend
+from .backends.graph_shapes import one_operation
 from .agreement import signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
@@ -266,6 +267,7 @@ def _backward_piece(call: RingCall, tensors, causal: bool, docs):
 
 class _RingFunction(torch.autograd.Function):
     @staticmethod
+    @one_operation()
     def forward(ctx, q, k, v, call: RingCall):
         ring, n = _Ring(call.group, call.stats), q.shape[1]
         acc, acc_lse = empty_accumulators(*q.shape[:3], v.shape[3], q.device, acc_dtype(q.dtype))
@@ -287,6 +289,7 @@ class _RingFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @one_operation()
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         call = ctx.call

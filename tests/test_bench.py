@@ -550,14 +550,17 @@ def test_several_devices_are_checked_before_any_work(devices, says, tmp_path):
 def test_varied_lengths_scenario_reports_each_first_call(tmp_path):
     out = tmp_path / "r.jsonl"
     run = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--varied-lengths", "--quick",
-                          "--implementations", "improved", "--output", str(out)], capture_output=True, text=True,
-                         cwd=ROOT)
+                          "--warmup", "2", "--implementations", "improved", "--output", str(out)], capture_output=True,
+                         text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["config"]["seq_len"] for r in rows] == [500, 600, 700, 1000]
-    assert all(r["first_call_ms"] > 0 and r["kernels"] for r in rows)
-    table = run.stdout.split("first call at each new length")[1]
-    assert all(f" {n} " in table for n in (500, 600, 700, 1000))
+    assert all(r["first_call_ms"] > 0 and r["second_call_ms"] > 0 and r["kernels"] and r["second_call_kernels"]
+               for r in rows)
+    table = run.stdout.split("first and second call at each new length")[1]
+    for r in rows:  # each row's line holds its first and second call
+        line = next(x for x in table.splitlines() if f" {r['config']['seq_len']} " in x)
+        assert f"{r['first_call_ms']:.3f}" in line and f"{r['second_call_ms']:.3f}" in line
 
 
 def test_nonfinite_entries_are_counted_across_chunks():

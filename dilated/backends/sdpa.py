@@ -13,7 +13,9 @@ attention uses), and backward calls their private backward ops with the (merged)
 * efficient: ``aten._scaled_dot_product_efficient_attention(compute_log_sumexp=True)``; its lse
   is padded to a multiple of 32 rows, which we slice off (and pad again for backward).
 * cuDNN: ``aten._scaled_dot_product_cudnn_attention(compute_log_sumexp=True)`` / ``..._backward``.
-  cuDNN rejects one query against one key; such calls go to the flash kernel.
+  cuDNN rejects one query against one key; such calls go to the flash kernel. cuDNN builds a graph
+  per call shape: the first call of a shape goes to the flash kernel too, the graph is built when
+  the shape comes back (:mod:`dilated.backends.graph_shapes`); both are recorded as run.
 * math: the math kernel returns no lse; it is obtained by a second pass (the logsumexp of the
   scores, computed like the ``manual`` backend) and backward is autograd through math SDPA with
   the rescaled-cotangent rule of :meth:`Backend.backward` (one extra forward).
@@ -36,6 +38,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import acc_dtype
 from .base import Backend, needs_half, to_bhnd
+from .graph_shapes import GraphShapes, shape_key
+from .kernel_log import note_kernel
 from .manual import ManualBackend
 
 aten = torch.ops.aten
@@ -59,6 +63,7 @@ class SDPABackend(Backend):
         self.kernel = kernel
         self.name = "sdpa" if kernel is None else f"sdpa_{kernel}"
         self.materializes_scores = kernel == "math"
+        self.graph_shapes = GraphShapes() if kernel == "cudnn" else None
 
     # -- availability -------------------------------------------------------------------
     def unavailable_reason(self, device):
@@ -88,6 +93,15 @@ class SDPABackend(Backend):
                 return name
         return None
 
+    def _graph_or_flash(self, kern, tensors, *flags):
+        """``kern``, or "flash" for a cuDNN call whose shape has no graph yet and is not to get one
+        at this call (:class:`~dilated.backends.graph_shapes.GraphShapes`)."""
+        if kern != "cudnn" or self.graph_shapes is None or tensors[0].device.type != "cuda" \
+                or self.graph_shapes.build(shape_key(tensors, *flags)):
+            return kern
+        note_kernel("sdpa_flash")
+        return "flash"
+
     def value_head_dim_reason(self, q, v):
         # the math kernel takes any value head_dim; the fused ones here need v's equal to q's
         kern = self._resolve(q, q, False, v)
@@ -111,6 +125,7 @@ class SDPABackend(Backend):
             with torch.no_grad():
                 return ManualBackend().forward(q, k, v, causal, scale)
         qt, kt, vt = to_bhnd(q), to_bhnd(k), to_bhnd(v)
+        kern = self._graph_or_flash(kern, (qt, kt, vt), "forward", causal)
         if kern == "flash" and q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=scale)
         elif kern == "flash":
@@ -153,6 +168,7 @@ class SDPABackend(Backend):
         keep = (kern in ("cudnn", "flash") and q.device.type == "cuda" and q.stride(-1) == 1
                 and out.stride() == dout.stride() == q.stride() and k.stride(-1) == v.stride(-1) == 1)
         qt, kt, vt, ot, dot = (to_bhnd(t if keep else t.contiguous()) for t in (q, k, v, out, dout))
+        kern = self._graph_or_flash(kern, (qt, kt, vt, ot, dot), "backward", causal)
         nq, nk = q.shape[1], k.shape[1]
         lse = lse.to(acc_dtype(q.dtype) if q.device.type == "cpu" else torch.float32).contiguous()
         if kern == "flash" and q.device.type == "cpu":

@@ -168,16 +168,20 @@ def format_device_speedups(rows: list[dict]) -> list[str]:
 
 
 def format_first_calls(rows: list[dict]) -> str:
-    """Each row's first call against its steady median, in the order run: what a length never
-    seen before costs (the first row of a process also pays its one-time set-up)."""
-    out = ["", "first call at each new length (in the order run; the first row also pays the process's set-up):",
-           f"{'implementation':<22}{'backend':<24}{'mode':<9}{'N':>9}{'first ms':>12}{'steady ms':>12}{'extra ms':>11}"]
+    """Each row's first and second calls against its steady median, in the order run: what a length
+    never seen before costs (the first row of a process also pays its one-time set-up), and what it
+    costs when it comes back (where a kernel builds per shape at that call)."""
+    out = ["", "first and second call at each new length (in the order run; the first row also pays the process's "
+           "set-up):", f"{'implementation':<22}{'backend':<24}{'mode':<9}{'N':>9}{'first ms':>12}{'second ms':>12}"
+           f"{'steady ms':>12}{'extra 1st':>11}{'extra 2nd':>11}"]
     for r in rows:
         first, t = r.get("first_call_ms"), (r.get("time_ms") or {}).get("median")
         if first is None or t is None:
             continue
+        second = r.get("second_call_ms")
+        two = ("-".rjust(12), "-".rjust(11)) if second is None else (f"{second:>12.3f}", f"{second - t:>11.3f}")
         out.append(f"{r['implementation']:<22}{_backend_ran(r):<24}{r['config']['mode']:<9}{r['config']['seq_len']:>9}"
-                   f"{first:>12.3f}{t:>12.3f}{first - t:>11.3f}")
+                   f"{first:>12.3f}{two[0]}{t:>12.3f}{first - t:>11.3f}{two[1]}")
     return "\n".join(out)
 
 

@@ -1,0 +1,94 @@
+"""When a kernel that builds an execution plan per call shape gets to build one.
+
+torch's cuDNN attention builds a cuDNN graph for each new call shape and caches it: the batch,
+heads, query and key lengths and the q/k/v strides are its key (``MHACacheKeyWrapper`` in ATen's
+``native/cudnn/MHA.cpp``), and a graph takes tens of milliseconds to build. A dilated call at a
+sequence length never seen before has several new shapes (the batch of each branch's full
+segments, the clipped last segment), so on an H200 its first call took 0.4-1.0 s longer than a
+steady one. :class:`GraphShapes` counts the calls of each shape: the first ``build_after - 1`` of
+a shape go to a kernel that builds nothing per shape (the SDPA backend takes torch's flash kernel,
+and records it as run), and the graph is built at the call that reaches ``build_after``. A shape
+seen once, as at an inference server's varied prompt lengths, never waits for a graph; a shape
+that recurs, as in a training loop, pays for its graph once, at that call.
+
+What counts is operations, not kernel calls: one dilated forward makes several calls of one
+shape (a call per head offset of a branch, per segment, per ring step), so inside
+:class:`one_operation` (the dilated, ring and dense entry points) a shape counts once, and all of
+its calls there take the kernel its first one took.
+
+``DILATED_CUDNN_BUILD_AFTER`` sets ``build_after`` (default 2; 1: every call builds as torch
+does, the kernel always cuDNN).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+ENV = "DILATED_CUDNN_BUILD_AFTER"
+DEFAULT_BUILD_AFTER = 2
+_MAX_SHAPES = 8192  # counts kept at most; beyond, they start again (a shape then waits once more)
+
+
+def build_after_from_env() -> int:
+    """``DILATED_CUDNN_BUILD_AFTER`` as an integer of at least 1 (a clear error otherwise)."""
+    value = os.environ.get(ENV, str(DEFAULT_BUILD_AFTER))
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{ENV}={value!r}: set it to a whole number of at least 1 (the call of a shape at which its "
+                         f"cuDNN graph is built; 1 builds at the first call) or unset it (default "
+                         f"{DEFAULT_BUILD_AFTER})")
+    return n
+
+
+_OPERATION: contextvars.ContextVar = contextvars.ContextVar("dilated_operation", default=None)
+
+
+class one_operation(contextlib.ContextDecorator):
+    """The kernel calls inside count as one call per shape (nested: the outermost counts)."""
+
+    def _recreate_cm(self):  # a decorated function's calls each get their own (nesting, threads)
+        return type(self)()
+
+    def __enter__(self):
+        self._token = _OPERATION.set(object()) if _OPERATION.get() is None else None
+        return self
+
+    def __exit__(self, *exc):
+        if self._token is not None:
+            _OPERATION.reset(self._token)
+        return False
+
+
+class GraphShapes:
+    """Counts operations per shape key (:class:`one_operation`; outside one, each call is one);
+    :meth:`build` says whether this call may build (or reuse) the shape's graph.
+    ``build_after=None`` reads :data:`ENV` at the first call."""
+
+    def __init__(self, build_after: int | None = None):
+        self.build_after = build_after
+        self._seen: dict = {}  # key -> (operations, the last of them)
+
+    def build(self, key) -> bool:
+        if self.build_after is None:
+            self.build_after = build_after_from_env()
+        n, last = self._seen.get(key, (0, None))
+        if n >= self.build_after:  # built: no more counting
+            return True
+        operation = _OPERATION.get()
+        if operation is not None and operation is last:  # counted in this operation: decided then
+            return False
+        if len(self._seen) >= _MAX_SHAPES:
+            self._seen.clear()
+        self._seen[key] = (n + 1, operation)
+        return n + 1 >= self.build_after
+
+
+def shape_key(tensors, *flags) -> tuple:
+    """What torch keys a cuDNN attention graph on: each tensor's shape and strides, its dtype and
+    device, and the flags given (direction, causal)."""
+    first = tensors[0]
+    return (first.device, first.dtype, *flags, *((tuple(t.shape), t.stride()) for t in tensors))
