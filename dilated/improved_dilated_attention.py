@@ -32,7 +32,7 @@ from torch import nn
 
 from ._checks import acc_dtype, check_causal, check_scale, check_schedule, dense_rows
 from .backends import get_backend
-from .backends.graph_shapes import one_operation
+from .backends.graph_shapes import no_build, one_operation
 from .dilated_attention import check_dilated_inputs
 from .functional import attention_backward, attention_forward, default_scale
 from .rows import add_call, combine, gather, merge_call, merged_lse_for
@@ -137,7 +137,8 @@ def _forward_each(qkv, plan, spec: AttentionSpec, pool):
     q, k, v = qkv
     for c in plan:
         (qb, kb, vb), bufs = gather(c, (q, k, v), (False, True, True), pool)
-        o, lse = attention_forward(spec.backend, qb, kb, vb, spec.causal, spec.scale)
+        with no_build(c.clipped):  # a kernel that builds per shape builds nothing for one length's shapes
+            o, lse = attention_forward(spec.backend, qb, kb, vb, spec.causal, spec.scale)
         del qb, kb, vb  # free this branch's inputs before the next branch allocates its own
         for buf in bufs:
             pool.release(buf)
@@ -165,7 +166,9 @@ def _backward_each(qkv, plan, spec: AttentionSpec, merged):
     out, lse_rows, dout = merged
     for c in plan:
         (qb, kb, vb, ob, dob), _ = gather(c, (q, k, v, out, dout), (False, True, True, False, False))
-        g = attention_backward(spec.backend, dob, qb, kb, vb, ob, merged_lse_for(lse_rows, c), spec.causal, spec.scale)
+        with no_build(c.clipped):
+            g = attention_backward(spec.backend, dob, qb, kb, vb, ob, merged_lse_for(lse_rows, c), spec.causal,
+                                   spec.scale)
         del qb, kb, vb, ob, dob
         yield c, g
         del g

@@ -39,6 +39,11 @@ class KernelCall:
     def first_row(self) -> int:
         return self.offset if self.row_offset is None else self.row_offset
 
+    @property
+    def clipped(self) -> bool:
+        """A schedule's segment cut short by the sequence's end: its shape belongs to this length."""
+        return self.branch is not None and self.length < self.branch[1]
+
 
 @dataclass(frozen=True)
 class AttentionSpec:

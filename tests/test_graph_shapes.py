@@ -1,10 +1,12 @@
 """cuDNN's per-shape graphs: a shape's first calls go to a kernel that builds nothing per shape."""
+import collections
+
 import pytest
 import torch
 
 import dilated
 from dilated.backends import get_backend, record_kernels
-from dilated.backends.graph_shapes import ENV, GraphShapes, build_after_from_env, one_operation, shape_key
+from dilated.backends.graph_shapes import ENV, GraphShapes, build_after_from_env, no_build, one_operation, shape_key
 from dilated.reference import dilated_reference
 
 from conftest import TOL, rand, rel_err
@@ -35,6 +37,17 @@ def test_a_shape_counts_once_per_operation():
     assert op("b") == [False, False] and op("b") == [True, True]
 
 
+def test_no_build_never_builds_but_uses_what_is_built():
+    shapes = GraphShapes(2)
+    with no_build():
+        assert [shapes.build("a") for _ in range(3)] == [False] * 3  # not counted either
+    assert [shapes.build("a"), shapes.build("a")] == [False, True]
+    with no_build():
+        assert shapes.build("a")  # built already: used
+    with no_build(False):
+        assert not shapes.build("b")
+
+
 def test_shape_keys_follow_what_a_graph_is_built_for():
     x = torch.empty(2, 4, 8, 16)
     base = shape_key((x, x), "forward", False)
@@ -62,26 +75,55 @@ def test_build_after_comes_from_the_environment(monkeypatch):
     assert build_after_from_env() == 2
 
 
+class _CountingOps:
+    """``torch.ops.aten`` that counts the calls of each op."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, collections.Counter()
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            return op(*args, **kwargs)
+
+        return call
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.backends.cudnn.is_available(), reason="needs cuDNN")
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_cudnn_first_calls_run_flash_then_build(causal, gen, monkeypatch):
-    """A dilated call at a new length: its first call runs the new shapes on the flash kernel, the
-    second builds cuDNN's graphs; both right against float64, forward and gradients."""
+@pytest.mark.parametrize("n, causal", [(1024, False), (1000, True)])
+def test_gpu_cudnn_first_calls_run_flash_then_build(n, causal, gen, monkeypatch):
+    """A dilated call at a new length: its first call runs every call on the flash kernel, the
+    second builds cuDNN's graphs for the full segments (a clipped last segment, N = 1000, stays on
+    flash); every call right against float64, forward and gradients."""
+    dilated.available_backends("cuda")  # its probe calls are made before the counting starts
     backend = get_backend("sdpa_cudnn", device="cuda")
     monkeypatch.setattr(backend, "graph_shapes", GraphShapes(2))
-    n, segs, dils = 1000 + 16 * causal, [128, 256, 512], [1, 2, 4]
+    ops = _CountingOps(torch.ops.aten)
+    monkeypatch.setattr("dilated.backends.sdpa.aten", ops)
+    segs, dils = [128, 256, 512], [1, 2, 4]
     q, k, v = (rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
     dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = dilated_reference(qd, kd, vd, segs, dils, causal)
     ref_g = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
-    ran = []
-    for _ in range(2):
+    counts, ran = [], []
+    for _ in range(3):
+        ops.calls.clear()
         with record_kernels() as kernels:
             out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=causal, backend="sdpa_cudnn")
             grads = torch.autograd.grad(out, (q, k, v), dout)
+        counts.append({name.split("_")[4] + ("_bwd" if name.endswith("backward") else ""): c
+                       for name, c in ops.calls.items()})
         ran.append(kernels)
         assert rel_err(out, ref) < TOL[torch.bfloat16]
         for g, rg in zip(grads, ref_g):
             assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]
-    assert ran == [{"sdpa_cudnn", "sdpa_flash"}, {"sdpa_cudnn"}]
+    first, second, third = counts
+    assert set(first) == {"flash", "flash_bwd"} and ran[0] == {"sdpa_cudnn", "sdpa_flash"}
+    assert second == third and second["cudnn"] > 0 and second["cudnn_bwd"] > 0
+    if n % max(segs):  # the clipped last segments' calls stay on flash, the others are on cuDNN
+        assert second["flash"] == second["flash_bwd"] > 0 and second["flash"] + second["cudnn"] == first["flash"]
+    else:
+        assert set(second) == {"cudnn", "cudnn_bwd"} and ran[1] == {"sdpa_cudnn"}

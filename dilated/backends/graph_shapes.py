@@ -11,13 +11,18 @@ and records it as run), and the graph is built at the call that reaches ``build_
 seen once, as at an inference server's varied prompt lengths, never waits for a graph; a shape
 that recurs, as in a training loop, pays for its graph once, at that call.
 
+Calls inside :func:`no_build` never build (a graph already built is used): the dilated path runs its clipped last segments
+there (their length is the sequence length modulo the segment length, so their shapes belong to
+one length and would get a graph per length); the full segments' shapes (a batch per branch) are
+shared by every length with as many segments, so their graphs are a bounded set.
+
 What counts is operations, not kernel calls: one dilated forward makes several calls of one
 shape (a call per head offset of a branch, per segment, per ring step), so inside
 :class:`one_operation` (the dilated, ring and dense entry points) a shape counts once, and all of
 its calls there take the kernel its first one took.
 
-``DILATED_CUDNN_BUILD_AFTER`` sets ``build_after`` (default 2; 1: every call builds as torch
-does, the kernel always cuDNN).
+``DILATED_CUDNN_BUILD_AFTER`` sets ``build_after`` (default 2; 1: a shape's first call builds,
+as torch does; calls under :func:`no_build` still take the flash kernel).
 """
 from __future__ import annotations
 
@@ -45,6 +50,18 @@ def build_after_from_env() -> int:
 
 
 _OPERATION: contextvars.ContextVar = contextvars.ContextVar("dilated_operation", default=None)
+_NO_BUILD: contextvars.ContextVar = contextvars.ContextVar("dilated_no_build", default=False)
+
+
+@contextlib.contextmanager
+def no_build(active: bool = True):
+    """Where ``active``, the kernel calls inside build no graph (a shape already built is used)."""
+    token = _NO_BUILD.set(True) if active else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _NO_BUILD.reset(token)
 
 
 class one_operation(contextlib.ContextDecorator):
@@ -78,6 +95,8 @@ class GraphShapes:
         n, last = self._seen.get(key, (0, None))
         if n >= self.build_after:  # built: no more counting
             return True
+        if _NO_BUILD.get():
+            return False
         operation = _OPERATION.get()
         if operation is not None and operation is last:  # counted in this operation: decided then
             return False
