@@ -172,3 +172,48 @@ def test_no_process_wide_settings_change_by_using_the_library(monkeypatch):
     with memory.PeakMemory("cpu"):
         dilated.attention(q, q, q)
     assert not memory.large_allocations_tracked()
+
+
+def test_flash_backward_slices_keep_each_accumulator_within_its_index_range():
+    from dilated.backends.sdpa import FLASH_BACKWARD_MAX, flash_backward_slices
+
+    # what was seen on an H200: 512 x 16 heads x 2048 x 128 (exactly 2**31) runs; 15872 x 1 x 2048 x 128 does not
+    assert flash_backward_slices(512, 16, 2048, 128) is None
+    assert flash_backward_slices(1, 16, 2**20, 128) is None
+    for shape, most in [((15872, 1, 2048, 128), None), ((3, 4, 100, 16), 3 * 4 * 128 * 32 - 1),
+                        ((1, 16, 2**21, 128), None), ((1, 5, 300, 80), 2 * 384 * 96), ((7, 3, 129, 64), 1)]:
+        b, h, n, d = shape
+        most = FLASH_BACKWARD_MAX if most is None else most
+        each = -(-n // 128) * 128 * (-(-d // 32) * 32)
+        if each > most and b == 1:
+            with pytest.raises(ValueError, match="sdpa_cudnn"):
+                flash_backward_slices(*shape, most=most)
+            continue
+        dim, parts = flash_backward_slices(*shape, most=most)
+        size = shape[dim]
+        assert dim == (0 if b > 1 else 1)
+        assert [s for s, _ in parts] == list(range(0, size, parts[0][1])) and sum(n_ for _, n_ in parts) == size
+        per = each * (h if dim == 0 else 1)
+        if per > most:  # one batch entry is too large: single entries, each sliced by heads next (or refused)
+            assert parts[0][1] == 1
+            if each > most:
+                with pytest.raises(ValueError, match="sdpa_cudnn"):
+                    flash_backward_slices(1, h, n, d, most=most)
+            else:
+                assert flash_backward_slices(1, h, n, d, most=most)[0] == 1
+        else:
+            assert all(n_ * per <= most for _, n_ in parts) and (parts[0][1] + 1) * per > most
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("b, h", [(3, 4), (1, 4)])  # slices of the batch, then of the heads
+def test_gpu_flash_backward_in_slices(b, h, gen, monkeypatch):
+    monkeypatch.setattr("dilated.backends.sdpa.FLASH_BACKWARD_MAX", 2 * 256 * 64)
+    q, k, v = (rand(b, 200, h, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
+    dout = rand(b, 200, h, 64, gen=gen, dtype=torch.bfloat16).cuda()
+    out = dilated.attention(q, k, v, causal=True, backend="sdpa_flash")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dense_reference(qd, kd, vd, causal=True)[0]
+    for g, rg in zip(grads, torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert g.is_contiguous() and rel_err(g, rg) < 2 * TOL[torch.bfloat16]

@@ -16,6 +16,11 @@ attention uses), and backward calls their private backward ops with the (merged)
   cuDNN rejects one query against one key; such calls go to the flash kernel. cuDNN builds a graph
   per call shape: the first call of a shape goes to the flash kernel too, the graph is built when
   the shape comes back (:mod:`dilated.backends.graph_shapes`); both are recorded as run.
+* flash's backward (CUDA) indexes its float32 dq accumulator, ``batch * heads * round_up(seq_q,
+  128) * round_up(head_dim, 32)`` elements, with 32-bit integers: beyond 2**31 it reads and writes
+  out of bounds (an illegal memory access on an H200, torch 2.11, at 15872 x 2048 rows x 128; fixed
+  upstream in flash-attention 2.7.4 and 2.8.4). Such calls run in slices of the batch, or of the
+  heads, that stay within it (:func:`flash_backward_slices`).
 * math: the math kernel returns no lse; it is obtained by a second pass (the logsumexp of the
   scores, computed like the ``manual`` backend) and backward is autograd through math SDPA with
   the rescaled-cotangent rule of :meth:`Backend.backward` (one extra forward).
@@ -175,8 +180,7 @@ class SDPABackend(Backend):
             grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale)
         elif kern == "flash":
-            grads = aten._scaled_dot_product_flash_attention_backward(
-                dot, qt, kt, vt, ot, lse, None, None, nq, nk, 0.0, causal, None, None, scale=scale)
+            grads = _flash_backward(dot, qt, kt, vt, ot, lse, causal, scale)
         elif kern == "efficient":
             pad = (-nq) % 32
             lse_p = F.pad(lse, (0, pad)) if pad else lse
@@ -190,6 +194,42 @@ class SDPABackend(Backend):
         else:
             raise RuntimeError(f"{self.name}: PyTorch found no SDPA kernel for these inputs")
         return tuple(_back(g) for g in grads)
+
+
+#: the largest float32 dq accumulator (elements) flash's backward indexes right
+FLASH_BACKWARD_MAX = 2**31
+
+
+def flash_backward_slices(b: int, h: int, n: int, d: int, most: int | None = None):
+    """``(dim, [(start, length), ...])``: slices of the batch (dim 0) of a ``[b, h, n, d]``
+    backward whose flash accumulator stays within ``most`` (default :data:`FLASH_BACKWARD_MAX`)
+    elements each, single entries where one is larger (then sliced again), or, for one batch entry,
+    slices of the heads (dim 1); None where the whole call stays within."""
+    most = FLASH_BACKWARD_MAX if most is None else most
+    row = -(-n // 128) * 128 * (-(-d // 32) * 32)  # one head's accumulator
+    if b * h * row <= most:
+        return None
+    if b > 1:
+        step = max(1, most // (h * row))
+        return 0, [(s, min(step, b - s)) for s in range(0, b, step)]
+    if row > most:
+        raise ValueError(f"flash's backward cannot take {n} query rows of head_dim {d} in one head "
+                         f"({row} accumulator elements > {most}): use sdpa_cudnn or flash_attn_4 for such calls")
+    step = most // row
+    return 1, [(s, min(step, h - s)) for s in range(0, h, step)]
+
+
+def _flash_backward(dot, qt, kt, vt, ot, lse, causal: bool, scale: float):
+    """torch's flash backward on CUDA (``[B, H, N, D]`` views), in slices where its accumulator
+    would overflow (:func:`flash_backward_slices`); the gradients' memory in ``[B, N, H, D]`` order."""
+    slices = flash_backward_slices(*qt.shape)
+    if slices is None:
+        return aten._scaled_dot_product_flash_attention_backward(
+            dot, qt, kt, vt, ot, lse, None, None, qt.shape[2], kt.shape[2], 0.0, causal, None, None, scale=scale)
+    dim, parts = slices
+    grads = [_flash_backward(*(t.narrow(dim, s, n) for t in (dot, qt, kt, vt, ot, lse)), causal, scale)
+             for s, n in parts]
+    return tuple(to_bhnd(torch.cat([_back(x) for x in g], 0 if dim == 0 else 2)) for g in zip(*grads))
 
 
 BACKENDS = [SDPABackend(None)] + [SDPABackend(k) for k in _KERNELS]
