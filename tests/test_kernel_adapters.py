@@ -134,6 +134,44 @@ def test_flash_attn_4_gets_out_and_dout_in_q_dtype(monkeypatch, gen):
     assert dq.dtype == q.dtype
 
 
+def test_flash_attn_4_compiles_its_backward_variants_once_per_class(monkeypatch, gen):
+    """The first backward of a class also runs calls of every row count in VARIANT_ROWS (flash-attn 4
+    compiles a variant per pair of single-block flags), with GQA as the real call; later ones do
+    not; the caller's random stream is untouched."""
+    rows = []
+
+    class Counting(_FA4Module):
+        @staticmethod
+        def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False):
+            rows.append((q.shape[1], q.shape[2] // k.shape[2], causal))
+            return _FA4Module._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal)
+
+    monkeypatch.setattr(fa4_mod, "_import", lambda: Counting)
+    backend = fa4_mod.FlashAttn4Backend()
+    q, k, v = rand(1, 16, 4, 8, gen=gen), rand(1, 16, 2, 8, gen=gen), rand(1, 16, 2, 8, gen=gen)
+
+    def backward(causal):
+        out, lse = backend.forward(q, k, v, causal, 0.35)
+        return backend.backward(torch.ones_like(out), q, k, v, out, lse, causal, 0.35)
+
+    state = torch.random.get_rng_state()
+    backward(False)
+    assert rows == [(n, 2, False) for n in fa4_mod.VARIANT_ROWS] + [(16, 2, False)]
+    assert torch.equal(torch.random.get_rng_state(), state)
+    rows.clear()
+    backward(False)
+    assert rows == [(16, 2, False)]  # compiled: the real call only
+    rows.clear()
+    backward(True)  # another class
+    assert len(rows) == len(fa4_mod.VARIANT_ROWS) + 1
+    monkeypatch.setenv("DILATED_FA4_COMPILE_VARIANTS", "0")
+    rows.clear()
+    fresh = fa4_mod.FlashAttn4Backend()
+    out, lse = fresh.forward(q, k, v, False, 0.35)
+    fresh.backward(torch.ones_like(out), q, k, v, out, lse, False, 0.35)
+    assert rows == [(16, 2, False)]
+
+
 def test_parameter_names_come_from_the_schema_of_a_custom_op():
     import inspect
 

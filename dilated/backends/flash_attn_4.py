@@ -7,10 +7,22 @@ share a dtype: out and dout are passed in q's. Both entry points read any 16-byt
 layout with a contiguous last dim in place (``maybe_contiguous`` of its ``cute_dsl_utils``): q,
 k, v, out and dout are passed as they lie.
 
+Its backward compiles a kernel variant per "one query block" / "one key block" pair (flags of
+its compile key, against the "TVM stride poisoning" of single-block calls): a call of 81-128
+query rows (head_dim 128 on Hopper: 80-row query tiles, 128-row key tiles) compiled one more
+variant, 1.6 s on an H200, at whatever length first had one (a dilated plan's clipped last
+segment, 664 rows over r = 8). So the first backward of each dtype, head dims, head grouping and
+causality also runs tiny calls of :data:`VARIANT_ROWS` query rows, which compile every variant
+then; ``DILATED_FA4_COMPILE_VARIANTS=0`` skips them.
+
 Written against the published CuTe interface; where flash-attn 4 is not installed it reports
 itself unavailable.
 """
 from __future__ import annotations
+
+import os
+
+import torch
 
 from ._signature import call_by_name
 from .base import Backend, cuda_library_reason, needs_half
@@ -22,9 +34,17 @@ def _import():
     return interface
 
 
+#: query (and key) rows of the calls that compile the backward's variants: one below and one
+#: above each tile size flash-attn 4 uses, so every pair of single-block flags occurs
+VARIANT_ROWS = (1, 65, 81, 97, 113, 129, 177, 193, 257)
+
+
 class FlashAttn4Backend(Backend):
     name = "flash_attn_4"
     native_gqa = True
+
+    def __init__(self):
+        self._compiled: set = set()  # (device, dtype, head dims, heads per kv head, causal) whose variants ran
 
     def unavailable_reason(self, device):
         return cuda_library_reason(device, "flash-attn 4 (flash_attn.cute)", _import)
@@ -46,9 +66,28 @@ class FlashAttn4Backend(Backend):
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
+        self._compile_variants(q, k, v, causal, scale)
+        return self._backward(dout, q, k, v, out, lse, causal, scale)
+
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
         fa4 = _import()
         dq, dk, dv = call_by_name(fa4._flash_attn_bwd, dict(
             q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.contiguous(), softmax_scale=scale,
             causal=causal),
             required=("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal"))[:3]
         return dq, dk, dv
+
+    def _compile_variants(self, q, k, v, causal, scale):
+        """At the first backward of its class, tiny calls of :data:`VARIANT_ROWS` rows."""
+        groups = q.shape[2] // k.shape[2]
+        key = (q.device, q.dtype, q.shape[-1], v.shape[-1], groups, causal)
+        if key in self._compiled or os.environ.get("DILATED_FA4_COMPILE_VARIANTS", "1") == "0":
+            return
+        self._compiled.add(key)
+        gen = torch.Generator(device=q.device).manual_seed(0)  # the caller's random streams stay as they are
+        with torch.no_grad():
+            for n in VARIANT_ROWS:
+                qs, ks, vs, do = (torch.randn(1, n, h, t.shape[-1], device=q.device, dtype=q.dtype, generator=gen)
+                                  for t, h in ((q, groups), (k, 1), (v, 1), (v, groups)))
+                o, l = self.forward(qs, ks, vs, causal, scale)
+                self._backward(do, qs, ks, vs, o, l, causal, scale)
