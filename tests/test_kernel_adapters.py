@@ -135,9 +135,9 @@ def test_flash_attn_4_gets_out_and_dout_in_q_dtype(monkeypatch, gen):
 
 
 def test_flash_attn_4_compiles_its_backward_variants_once_per_class(monkeypatch, gen):
-    """The first backward of a class also runs calls of every row count in VARIANT_ROWS (flash-attn 4
-    compiles a variant per pair of single-block flags), with GQA as the real call; later ones do
-    not; the caller's random stream is untouched."""
+    """The first long backward of a class also runs calls of every row count in VARIANT_ROWS
+    (flash-attn 4 compiles a variant per pair of single-block flags), with GQA as the real call;
+    later ones and short ones (the availability probe) do not; the caller's random stream is untouched."""
     rows = []
 
     class Counting(_FA4Module):
@@ -148,19 +148,23 @@ def test_flash_attn_4_compiles_its_backward_variants_once_per_class(monkeypatch,
 
     monkeypatch.setattr(fa4_mod, "_import", lambda: Counting)
     backend = fa4_mod.FlashAttn4Backend()
-    q, k, v = rand(1, 16, 4, 8, gen=gen), rand(1, 16, 2, 8, gen=gen), rand(1, 16, 2, 8, gen=gen)
+    n = fa4_mod.VARIANT_ROWS[-1] + 1
+    q, k, v = rand(1, n, 4, 8, gen=gen), rand(1, n, 2, 8, gen=gen), rand(1, n, 2, 8, gen=gen)
 
-    def backward(causal):
-        out, lse = backend.forward(q, k, v, causal, 0.35)
-        return backend.backward(torch.ones_like(out), q, k, v, out, lse, causal, 0.35)
+    def backward(causal, rows_=n):
+        out, lse = backend.forward(q[:, :rows_], k[:, :rows_], v[:, :rows_], causal, 0.35)
+        return backend.backward(torch.ones_like(out), q[:, :rows_], k[:, :rows_], v[:, :rows_], out, lse, causal, 0.35)
 
+    backward(False, 16)
+    assert rows == [(16, 2, False)]  # short: nothing more
+    rows.clear()
     state = torch.random.get_rng_state()
     backward(False)
-    assert rows == [(n, 2, False) for n in fa4_mod.VARIANT_ROWS] + [(16, 2, False)]
+    assert rows == [(r, 2, False) for r in fa4_mod.VARIANT_ROWS] + [(n, 2, False)]
     assert torch.equal(torch.random.get_rng_state(), state)
     rows.clear()
     backward(False)
-    assert rows == [(16, 2, False)]  # compiled: the real call only
+    assert rows == [(n, 2, False)]  # compiled: the real call only
     rows.clear()
     backward(True)  # another class
     assert len(rows) == len(fa4_mod.VARIANT_ROWS) + 1
@@ -169,7 +173,7 @@ def test_flash_attn_4_compiles_its_backward_variants_once_per_class(monkeypatch,
     fresh = fa4_mod.FlashAttn4Backend()
     out, lse = fresh.forward(q, k, v, False, 0.35)
     fresh.backward(torch.ones_like(out), q, k, v, out, lse, False, 0.35)
-    assert rows == [(16, 2, False)]
+    assert rows == [(n, 2, False)]
 
 
 def test_parameter_names_come_from_the_schema_of_a_custom_op():

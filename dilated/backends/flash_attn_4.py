@@ -12,8 +12,9 @@ its compile key, against the "TVM stride poisoning" of single-block calls): a ca
 query rows (head_dim 128 on Hopper: 80-row query tiles, 128-row key tiles) compiled one more
 variant, 1.6 s on an H200, at whatever length first had one (a dilated plan's clipped last
 segment, 664 rows over r = 8). So the first backward of each dtype, head dims, head grouping and
-causality also runs tiny calls of :data:`VARIANT_ROWS` query rows, which compile every variant
-then; ``DILATED_FA4_COMPILE_VARIANTS=0`` skips them.
+causality with more rows than those calls also runs tiny calls of :data:`VARIANT_ROWS` query
+rows, which compile every variant then (a short call, such as the availability probe's, leaves
+them to the first long one); ``DILATED_FA4_COMPILE_VARIANTS=0`` skips them.
 
 Written against the published CuTe interface; where flash-attn 4 is not installed it reports
 itself unavailable.
@@ -78,10 +79,11 @@ class FlashAttn4Backend(Backend):
         return dq, dk, dv
 
     def _compile_variants(self, q, k, v, causal, scale):
-        """At the first backward of its class, tiny calls of :data:`VARIANT_ROWS` rows."""
+        """At the first long backward of its class, tiny calls of :data:`VARIANT_ROWS` rows."""
         groups = q.shape[2] // k.shape[2]
         key = (q.device, q.dtype, q.shape[-1], v.shape[-1], groups, causal)
-        if key in self._compiled or os.environ.get("DILATED_FA4_COMPILE_VARIANTS", "1") == "0":
+        if q.shape[1] <= VARIANT_ROWS[-1] or key in self._compiled \
+                or os.environ.get("DILATED_FA4_COMPILE_VARIANTS", "1") == "0":
             return
         self._compiled.add(key)
         gen = torch.Generator(device=q.device).manual_seed(0)  # the caller's random streams stay as they are
