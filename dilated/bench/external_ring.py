@@ -6,7 +6,8 @@
   head-tail load balancing, whose shard layout is our ``zigzag``; non-causal runs turn load
   balancing off (PyTorch refuses non-causal with it on), which is our ``contiguous``. The local
   kernel is pinned with ``sdpa_kernel`` to the SDPA kernel our backend name resolves to, so
-  both rings run the same kernel. CUDA only: its ring dispatches the CUDA SDPA kernels.
+  both rings run the same kernel; where it resolves to ``sdpa`` (``auto`` often does), PyTorch
+  picks the kernel in both. CUDA only: its ring dispatches the CUDA SDPA kernels.
 * ``ring_flash_attn`` / ``ring_flash_attn_zigzag``: zhuzilin's ring-flash-attention
   (``ring_flash_attn_func`` / ``zigzag_ring_flash_attn_func`` on ``[B, N/P, H, D]`` shards),
   when installed. It needs flash-attn; written against its published signature.
@@ -19,6 +20,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -70,8 +72,10 @@ class TorchContextParallel(nn.Module):
         if k.shape[2] != q.shape[2]:
             raise NotImplementedError("torch context parallel: GQA (fewer k/v heads) is not supported")
         name = get_backend(self.backend, q, k, self.causal).name
-        if name not in _SDPA_KERNELS:
+        if name != "sdpa" and name not in _SDPA_KERNELS:
             raise NotImplementedError(f"torch context parallel runs SDPA kernels only, not backend {name!r}")
+        # "sdpa": PyTorch picks the kernel, as our sdpa backend lets it
+        pinned = contextlib.nullcontext() if name == "sdpa" else sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[name]))
         # context_parallel shards its buffers on entry: a two-element dummy keeps that to nothing,
         # and its load balancer follows _cp_options, which we set per call (causal -> head-tail).
         # (restored after the call: a process-wide option of torch's).
@@ -79,8 +83,7 @@ class TorchContextParallel(nn.Module):
         _cp_options.enable_load_balance = self.causal
         try:
             dummy = torch.zeros(2 * self.mesh.size(), device=q.device)
-            with context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy}), \
-                    sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[name])):
+            with context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy}), pinned:
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                      is_causal=self.causal)
         finally:
