@@ -205,7 +205,7 @@ def _alias(branches, runs, parts, out) -> int:
 
 
 if triton is not None:
-    from .merge import merge_finish, merge_step
+    from .merge import merge_step, store_merged
 
     @triton.jit
     def _runs(hh, t, w: tl.constexpr, r: tl.constexpr, PERIOD: tl.constexpr):
@@ -301,13 +301,8 @@ if triton is not None:
                         m_i, s_i, acc = merge_step(m_i, s_i, acc, o, lse)
                     else:
                         acc += o
-            if HAS_LSE:
-                acc, lse = merge_finish(m_i, s_i, acc)
-                if STORE_LSE:
-                    tl.store(lse_at, lse, mask=pmask)
             out_at = tl.multiple_of(b * s_ob + p.to(tl.int64) * s_on + hh * s_oh, ALIGN)
-            tl.store(out_ptr + out_at[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=pmask[:, None] & dmask[None, :])
+            store_merged(out_ptr, out_at, lse_at, acc, m_i, s_i, pmask, d, dmask, HAS_LSE, STORE_LSE)
         else:
             if STORE_LSE:  # only the aliased branch covers these rows: they hold their result, L is its lse
                 for i in tl.static_range(len(BRANCHES)):

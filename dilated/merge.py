@@ -78,3 +78,16 @@ if triton is not None:
         out = acc * tl.where(seen, 1.0 / tl.where(seen, s_i, 1.0), 0.0)[:, None]
         lse = tl.where(seen, m_i + tl.log(tl.where(seen, s_i, 1.0)), float("-inf"))
         return out, lse
+
+    @triton.jit
+    def store_merged(out_ptr, out_at, lse_at, acc, m_i, s_i, pmask, d, dmask, HAS_LSE: tl.constexpr,
+                     STORE_LSE: tl.constexpr):
+        """Store rows ``acc`` at ``out_ptr + out_at`` (row offsets) in the output dtype: the merged
+        rows and, with ``STORE_LSE``, their lse at ``lse_at`` where ``HAS_LSE`` (a log-sum-exp
+        mixture), else the plain sum as it is."""
+        if HAS_LSE:
+            acc, lse = merge_finish(m_i, s_i, acc)
+            if STORE_LSE:
+                tl.store(lse_at, lse, mask=pmask)
+        tl.store(out_ptr + out_at[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=pmask[:, None] & dmask[None, :])

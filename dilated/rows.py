@@ -327,7 +327,7 @@ def _alias(calls, parts, out) -> int:
 
 
 if triton is not None:
-    from .merge import merge_finish, merge_step
+    from .merge import merge_step, store_merged
 
     @triton.jit
     def _call_rows(p, pmask, hh, b, start, span, segment: tl.constexpr, r: tl.constexpr, diag: tl.constexpr,
@@ -440,12 +440,8 @@ if triton is not None:
                     m_i, s_i, acc = merge_step(m_i, s_i, acc, o, _lse_rows(lse_ptr, lse_strides, k, member, bi, ni, hi))
                 else:
                     acc += o
-        if HAS_LSE:
-            acc, lse = merge_finish(m_i, s_i, acc)
-            if STORE_LSE:
-                tl.store(lse_at, lse, mask=pmask)
-        tl.store(out_ptr + (b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh)[:, None]
-                 + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & dmask[None, :])
+        store_merged(out_ptr, b.to(tl.int64) * s_ob + p.to(tl.int64) * s_on + hh.to(tl.int64) * s_oh, lse_at, acc,
+                     m_i, s_i, pmask, d, dmask, HAS_LSE, STORE_LSE)
 
     @triton.jit(do_not_specialize=["NC", "start", "count", "length", "r", "off", "first"])
     def _gather_kernel(sources, strides, dests, NC, D, start, count, length, r, off, first, DIAG: tl.constexpr,

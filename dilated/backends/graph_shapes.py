@@ -11,10 +11,11 @@ and records it as run), and the graph is built at the call that reaches ``build_
 seen once, as at an inference server's varied prompt lengths, never waits for a graph; a shape
 that recurs, as in a training loop, pays for its graph once, at that call.
 
-Calls inside :func:`no_build` never build (a graph already built is used): the dilated path runs its clipped last segments
-there (their length is the sequence length modulo the segment length, so their shapes belong to
-one length and would get a graph per length); the full segments' shapes (a batch per branch) are
-shared by every length with as many segments, so their graphs are a bounded set.
+Calls inside :func:`no_build` never build (a graph already built is used): the dilated path
+runs its clipped last segments there (their length is the sequence length modulo the segment
+length, so their shapes belong to one length and would get a graph per length); the full
+segments' shapes (a batch per branch) are shared by every length with as many segments, so their
+graphs are a bounded set.
 
 What counts is operations, not kernel calls: one dilated forward makes several calls of one
 shape (a call per head offset of a branch, per segment, per ring step), so inside

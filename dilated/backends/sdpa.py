@@ -19,8 +19,8 @@ attention uses), and backward calls their private backward ops with the (merged)
 * flash's backward (CUDA) indexes its float32 dq accumulator, ``batch * heads * round_up(seq_q,
   128) * round_up(head_dim, 32)`` elements, with 32-bit integers: beyond 2**31 it reads and writes
   out of bounds (an illegal memory access on an H200, torch 2.11, at 15872 x 2048 rows x 128; fixed
-  upstream in flash-attention 2.7.4 and 2.8.4). Such calls run in slices of the batch, or of the
-  heads, that stay within it (:func:`flash_backward_slices`).
+  upstream by flash-attention's pull requests 1500 and 2260). Such calls run in slices of the
+  batch, or of the heads, that stay within it (:func:`flash_backward_slices`).
 * math: the math kernel returns no lse; it is obtained by a second pass (the logsumexp of the
   scores, computed like the ``manual`` backend) and backward is autograd through math SDPA with
   the rescaled-cotangent rule of :meth:`Backend.backward` (one extra forward).
@@ -221,7 +221,8 @@ def flash_backward_slices(b: int, h: int, n: int, d: int, most: int | None = Non
 
 def _flash_backward(dot, qt, kt, vt, ot, lse, causal: bool, scale: float):
     """torch's flash backward on CUDA (``[B, H, N, D]`` views), in slices where its accumulator
-    would overflow (:func:`flash_backward_slices`); the gradients' memory in ``[B, N, H, D]`` order."""
+    would overflow (:func:`flash_backward_slices`), whose gradients are joined in ``[B, N, H, D]``
+    memory order."""
     slices = flash_backward_slices(*qt.shape)
     if slices is None:
         return aten._scaled_dot_product_flash_attention_backward(
