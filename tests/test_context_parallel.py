@@ -1,8 +1,10 @@
 """Context-parallel strategies beside the ring: Ulysses and the Ulysses x ring hybrid, on real gloo
 process groups, exact against a float64 reference forward and backward."""
 import socket
+from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 import cp_worker
@@ -135,3 +137,37 @@ def test_model_head_shapes():
     from dilated.bench.suites.distributed import head_shapes
 
     assert head_shapes("llama3-8b,16/16/128") == [(32, 8, 128), (16, 16, 128)]
+
+
+def test_yunchang_rows_say_what_its_torch_attention_cannot_do(monkeypatch):
+    """Without flash-attn 2, yunchang 0.6.4 runs its torch ring: forward only, no GQA, CUDA only.
+    The adapter says so instead of failing inside yunchang (stand-in of its API: tests/standins)."""
+    import sys
+
+    import torch.distributed as dist
+    from dilated.bench.external_ring import EXTERNAL_RINGS
+    from dilated.bench.registry import Case
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "standins"))
+    for name in [m for m in sys.modules if m == "yunchang" or m.startswith("yunchang.")]:
+        monkeypatch.delitem(sys.modules, name)
+    import yunchang.globals
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        usp, ulysses = EXTERNAL_RINGS["yunchang_usp"], EXTERNAL_RINGS["yunchang_ulysses"]
+        monkeypatch.setattr(yunchang.globals, "HAS_FLASH_ATTN", False)
+        with pytest.raises(NotImplementedError, match="no backward"):
+            usp.factory(Case(1, 64, 4, 16, mode="fwd_bwd"), "auto", None)
+        with pytest.raises(NotImplementedError, match="as many k/v heads"):
+            ulysses.factory(Case(1, 64, 4, 16, num_kv_heads=2), "auto", None)
+        q = torch.randn(1, 64, 4, 16)
+        with pytest.raises(NotImplementedError, match="CUDA only"):
+            usp.factory(Case(1, 64, 4, 16), "auto", None)(q, q, q)
+        monkeypatch.setattr(yunchang.globals, "HAS_FLASH_ATTN", True)
+        with pytest.raises(NotImplementedError, match="launched world size only"):
+            usp.factory(Case(1, 64, 4, 16), "auto", dist.group.WORLD)
+        out = ulysses.factory(Case(1, 64, 4, 16, num_kv_heads=2, mode="fwd_bwd"), "auto", None)(q, q[:, :, :2], q[:, :, :2])
+        assert out.shape == q.shape and yunchang.globals.DEGREES[-1] == (1, 1)
+    finally:
+        dist.destroy_process_group()

@@ -29,7 +29,7 @@ import dilated
 from dilated.agreement import all_gather_text, group_device
 
 from .registry import Case, Implementation
-from .workload import WithDocuments, imbalance, ulysses_size_for, work_per_rank
+from .workload import WithDocuments, grid_work_per_rank, imbalance, ulysses_size_for, work_per_rank
 from .runner import RunOptions, run_sweep
 
 #: above this size of a gathered tensor the check reads the shards in place (16M tokens, H=16, D=128
@@ -219,9 +219,7 @@ class DistributedImplementation(Implementation):
         if self.splits_heads:  # every rank: all queries, H/P heads
             return [work_per_rank(case, 1, "contiguous")[0] / p] * p
         if self.layout == "hybrid":  # a zigzag ring over the rows, heads split within a row
-            ulysses = ulysses_size_for(p, case.num_heads) or 1
-            ring = work_per_rank(case, p // ulysses, "zigzag")
-            return [ring[r // ulysses] / ulysses for r in range(p)]
+            return grid_work_per_rank(case, p, ulysses_size_for(p, case.num_heads) or 1, "zigzag")
         return work_per_rank(case, p, self.layout)
 
     def reduce_max(self, values):

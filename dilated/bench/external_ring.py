@@ -11,12 +11,14 @@
 * ``ring_flash_attn`` / ``ring_flash_attn_zigzag``: zhuzilin's ring-flash-attention
   (``ring_flash_attn_func`` / ``zigzag_ring_flash_attn_func`` on ``[B, N/P, H, D]`` shards),
   when installed. It needs flash-attn; written against its published signature.
-* ``yunchang_usp``: yunchang's ``LongContextAttention`` (USP: Ulysses inside groups of consecutive
-  ranks, a ring across them; ``pip install yunchang``, 0.6.x), its ``basic`` ring (contiguous
-  shards, our ``contiguous``), on flash-attn where it is installed and on its torch attention
-  otherwise. yunchang keeps its process groups in a process-wide singleton set by
-  ``set_seq_parallel_pg`` for the whole launched world, so its rows run at the launched world
-  size only (smaller ``--world-sizes`` say so). Written against its published API.
+* ``yunchang_usp`` / ``yunchang_ulysses``: yunchang's ``LongContextAttention`` (``pip install
+  yunchang``, 0.6.x) on contiguous shards: USP (Ulysses inside groups of consecutive ranks, its
+  ``basic`` ring across them, on our hybrid's grid) and Ulysses over every rank. It runs
+  flash-attn 2 where yunchang imports it; otherwise its torch ring on torch's flash kernel, which
+  has no backward and no GQA in yunchang 0.6.4 (such rows say so). yunchang keeps its process
+  groups in a process-wide singleton set by ``set_seq_parallel_pg`` for the whole launched world,
+  so its rows run at the launched world size only (smaller ``--world-sizes`` say so). Written
+  against its published API (0.6.4).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from dilated.backends import get_backend
 
 from .distributed import DistributedImplementation
 from .registry import register_implementation
+from .workload import grid_work_per_rank, ulysses_size_for
 
 _SDPA_KERNELS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
                  "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
@@ -120,30 +123,63 @@ class _CausalLayout(DistributedImplementation):
         return super().inputs(case, device, gen, requires_grad, captured)
 
 
-def _yunchang_usp(case, backend, group):
-    if importlib.util.find_spec("yunchang") is None:
-        raise NotImplementedError("yunchang is not installed (pip install yunchang)")
-    if group is not None:
-        raise NotImplementedError("yunchang sets its process groups for the whole launched world: it runs at the "
-                                  "launched world size only")
-    try:
-        from yunchang import LongContextAttention, set_seq_parallel_pg
-        from yunchang.kernels import AttnType
-    except Exception as e:  # noqa: BLE001 - an install that does not import is a row's reason
-        raise NotImplementedError(f"yunchang does not import here: {type(e).__name__}: {e}") from None
-    from .workload import ulysses_size_for
+def _yunchang(grid):
+    """A factory of yunchang's ``LongContextAttention`` on ``grid(p, heads)`` = its Ulysses size."""
 
-    p = dist.get_world_size()
-    ulysses = ulysses_size_for(p, case.num_heads) or 1
-    set_seq_parallel_pg(ulysses, p // ulysses, dist.get_rank(), p)
-    attn_type = AttnType.FA if importlib.util.find_spec("flash_attn") is not None else AttnType.TORCH
-    layer = LongContextAttention(ring_impl_type="basic", attn_type=attn_type)
+    def factory(case, backend, group):
+        if importlib.util.find_spec("yunchang") is None:
+            raise NotImplementedError("yunchang is not installed (pip install yunchang)")
+        if group is not None:
+            raise NotImplementedError("yunchang sets its process groups for the whole launched world: it runs at "
+                                      "the launched world size only")
+        try:
+            import yunchang
+            from yunchang import LongContextAttention, set_seq_parallel_pg
+            from yunchang.globals import HAS_FLASH_ATTN
+            from yunchang.kernels import AttnType
+        except Exception as e:  # noqa: BLE001 - an install that does not import is a row's reason
+            raise NotImplementedError(f"yunchang does not import here: {type(e).__name__}: {e}") from None
+        p = dist.get_world_size()
+        ulysses = grid(p, case.num_heads)
+        if case.num_heads % ulysses or case.kv_heads % ulysses:
+            raise NotImplementedError(f"yunchang's Ulysses of {ulysses} ranks splits the heads: H={case.num_heads}, "
+                                      f"H_kv={case.kv_heads} must both divide by it")
+        # flash-attn 2 where yunchang found it (flash-attn 4 alone, the package flash_attn.cute, is not
+        # it); else its torch ring, on torch's flash kernel, whose backward yunchang does not implement
+        if not HAS_FLASH_ATTN:
+            if case.mode != "fwd":
+                raise NotImplementedError(f"yunchang {yunchang.__version__} without flash-attn 2: its torch "
+                                          "attention has no backward (pytorch_attn_backward raises)")
+            if case.kv_heads != case.num_heads:
+                raise NotImplementedError("yunchang without flash-attn 2: its torch attention (torch's flash "
+                                          "kernel) needs as many k/v heads as query heads")
+        set_seq_parallel_pg(ulysses, p // ulysses, dist.get_rank(), p)
+        layer = (LongContextAttention(ring_impl_type="basic", attn_type=AttnType.FA) if HAS_FLASH_ATTN
+                 else LongContextAttention(ring_impl_type="basic_pytorch", attn_type=AttnType.TORCH_FLASH))
 
-    class YunchangUSP(nn.Module):
-        def forward(self, q, k, v):
-            return layer(q, k, v, causal=case.causal)
+        class Yunchang(nn.Module):
+            def forward(self, q, k, v):
+                if not HAS_FLASH_ATTN and q.device.type != "cuda":
+                    raise NotImplementedError("yunchang without flash-attn 2 runs torch's CUDA flash kernel "
+                                              "(aten::_scaled_dot_product_flash_attention): CUDA only")
+                return layer(q, k, v, causal=case.causal)
 
-    return YunchangUSP()
+        return Yunchang()
+
+    return factory
+
+
+def _usp_grid(p, heads):
+    return ulysses_size_for(p, heads) or 1
+
+
+class _YunchangUSP(DistributedImplementation):
+    """yunchang's USP on contiguous shards: Ulysses over consecutive ranks, its basic ring across."""
+
+    def work_per_rank(self, case, p):
+        if case.documents:
+            return None
+        return grid_work_per_rank(case, p, _usp_grid(p, case.num_heads), "contiguous")
 
 
 EXTERNAL_RINGS = {
@@ -154,9 +190,12 @@ EXTERNAL_RINGS = {
     "ring_flash_attn_zigzag": DistributedImplementation("ring_flash_attn_zigzag", "dense", None,
                                                         "ring-flash-attn zigzag_ring_flash_attn_func",
                                                         layout="zigzag", factory=_ring_flash_attn(True)),
-    "yunchang_usp": DistributedImplementation("yunchang_usp", "dense", None,
-                                              "yunchang LongContextAttention (USP: Ulysses x basic ring)",
-                                              factory=_yunchang_usp),
+    "yunchang_usp": _YunchangUSP("yunchang_usp", "dense", None,
+                                              "yunchang LongContextAttention (USP: Ulysses x basic ring, our "
+                                              "hybrid's grid; on 2 ranks a ring of 2)", factory=_yunchang(_usp_grid)),
+    "yunchang_ulysses": DistributedImplementation("yunchang_ulysses", "dense", None,
+                                                  "yunchang LongContextAttention as Ulysses over every rank",
+                                                  factory=_yunchang(lambda p, heads: p), splits_heads=True),
 }
 for _impl in EXTERNAL_RINGS.values():
     register_implementation(_impl)

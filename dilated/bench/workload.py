@@ -41,6 +41,13 @@ def work_per_rank(case, p: int, layout: str) -> list[float]:
     return [float(c.sum()) for c in chunks]
 
 
+def grid_work_per_rank(case, p: int, ulysses: int, ring_layout: str) -> list[float]:
+    """Attended pairs of each rank of a Ulysses x ring grid: rings of ``p / ulysses`` over the rows
+    in ``ring_layout``, each ring position's heads split among ``ulysses`` consecutive ranks."""
+    ring = work_per_rank(case, p // ulysses, ring_layout)
+    return [ring[r // ulysses] / ulysses for r in range(p)]
+
+
 def imbalance(work: list[float] | None) -> float | None:
     """Slowest rank's work over the mean (1.0: balanced)."""
     if not work or sum(work) == 0:

@@ -157,7 +157,7 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
 
 # -- benchmark_ring_attention -------------------------------------------------------------
 RING_SET = ["ring", "ring_zigzag", "ring_zigzag_p2p", "ring_no_overlap", "ring_zigzag_no_overlap", "ulysses", "hybrid",
-            "torch_cp", "ring_flash_attn", "ring_flash_attn_zigzag", "yunchang_usp"]
+            "torch_cp", "ring_flash_attn", "ring_flash_attn_zigzag", "yunchang_usp", "yunchang_ulysses"]
 
 
 @script_main
@@ -165,5 +165,6 @@ def ring_main(argv=None) -> int:
     return distributed_main(argv, "benchmark_ring_attention", RING_SET,
                             "Every context-parallel strategy on one problem: ring attention variants (layout, transport, "
                             "overlap on/off), Ulysses, the Ulysses x ring hybrid, PyTorch's context parallel attention "
-                            "and ring-flash-attn where installed, with the single-device run as baseline.",
+                            "and ring-flash-attn and yunchang (USP, Ulysses) where installed, with the single-device run as "
+                            "baseline.",
                             one_process_baseline_only=True)
