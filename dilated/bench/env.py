@@ -58,6 +58,8 @@ def environment() -> dict:
         "xformers": _version("xformers"),
         "flash_attn_4": _distribution_version("flash-attn-4"),
         "sageattention": _distribution_version("sageattention"),
+        "ring_flash_attn": _distribution_version("ring-flash-attn"),
+        "yunchang": _distribution_version("yunchang"),
         "git_commit": _git_commit(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
