@@ -153,7 +153,7 @@ def _yunchang(grid):
             if case.kv_heads != case.num_heads:
                 raise NotImplementedError("yunchang without flash-attn 2: its torch attention (torch's flash "
                                           "kernel) needs as many k/v heads as query heads")
-        set_seq_parallel_pg(ulysses, p // ulysses, dist.get_rank(), p)
+        _yunchang_groups(set_seq_parallel_pg, ulysses, p)
         layer = (LongContextAttention(ring_impl_type="basic", attn_type=AttnType.FA) if HAS_FLASH_ATTN
                  else LongContextAttention(ring_impl_type="basic_pytorch", attn_type=AttnType.TORCH_FLASH))
 
@@ -167,6 +167,21 @@ def _yunchang(grid):
         return Yunchang()
 
     return factory
+
+
+_YUNCHANG_GROUPS: dict = {}  # (world group, Ulysses size) -> yunchang's (Ulysses, ring) groups
+
+
+def _yunchang_groups(set_seq_parallel_pg, ulysses: int, p: int) -> None:
+    """yunchang's process-wide groups for a grid, made once per grid: ``set_seq_parallel_pg``
+    creates new groups (communicators) on every call, and each row builds a layer."""
+    from yunchang.globals import PROCESS_GROUP
+
+    key = (dist.group.WORLD, ulysses)  # the group itself: a new world is a new key
+    if key not in _YUNCHANG_GROUPS:
+        set_seq_parallel_pg(ulysses, p // ulysses, dist.get_rank(), p)
+        _YUNCHANG_GROUPS[key] = PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG
+    PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _YUNCHANG_GROUPS[key]
 
 
 def _usp_grid(p, heads):
