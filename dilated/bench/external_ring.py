@@ -7,7 +7,8 @@
   balancing off (PyTorch refuses non-causal with it on), which is our ``contiguous``. The local
   kernel is pinned with ``sdpa_kernel`` to the SDPA kernel our backend name resolves to, so
   both rings run the same kernel; where it resolves to ``sdpa`` (``auto`` often does), PyTorch
-  picks the kernel in both. CUDA only: its ring dispatches the CUDA SDPA kernels.
+  picks the kernel in both. GQA goes through SDPA's ``enable_gqa``, so its ring moves the fewer
+  k/v heads, as ours does. CUDA only: its ring dispatches the CUDA SDPA kernels.
 * ``ring_flash_attn`` / ``ring_flash_attn_zigzag``: zhuzilin's ring-flash-attention
   (``ring_flash_attn_func`` / ``zigzag_ring_flash_attn_func`` on ``[B, N/P, H, D]`` shards),
   when installed. It needs flash-attn; written against its published signature.
@@ -72,8 +73,6 @@ class TorchContextParallel(nn.Module):
         from torch.distributed.tensor.experimental._attention import _cp_options
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        if k.shape[2] != q.shape[2]:
-            raise NotImplementedError("torch context parallel: GQA (fewer k/v heads) is not supported")
         name = get_backend(self.backend, q, k, self.causal).name
         if name != "sdpa" and name not in _SDPA_KERNELS:
             raise NotImplementedError(f"torch context parallel runs SDPA kernels only, not backend {name!r}")
@@ -88,7 +87,7 @@ class TorchContextParallel(nn.Module):
             dummy = torch.zeros(2 * self.mesh.size(), device=q.device)
             with context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy}), pinned:
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     is_causal=self.causal)
+                                                     is_causal=self.causal, enable_gqa=k.shape[2] != q.shape[2])
         finally:
             _cp_options.enable_load_balance = before
         return out.transpose(1, 2)
