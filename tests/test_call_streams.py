@@ -1,0 +1,60 @@
+"""The calls of a step taken in turns by CUDA streams: ordering (fork and join) and the setting."""
+import pytest
+import torch
+
+from dilated import ImprovedDilatedAttention
+from dilated.call_streams import ENV, call_streams, streams_from_env
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SLEEP = 50_000_000  # cycles of torch.cuda._sleep: tens of milliseconds, far longer than the launches
+
+
+def test_setting(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert streams_from_env() == 2
+    monkeypatch.setenv(ENV, "1")
+    assert streams_from_env() == 1
+    for bad in ("0", "two", "-3"):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=ENV):
+            streams_from_env()
+
+
+def test_off_cuda_every_turn_is_the_current_stream():
+    with call_streams(torch.device("cpu"), 5) as turn:
+        for i in range(5):
+            with turn(i):
+                pass
+
+
+@cuda
+def test_side_stream_starts_after_what_came_before_and_is_joined(monkeypatch):
+    monkeypatch.setenv(ENV, "2")
+    dev = torch.device("cuda")
+    src = torch.zeros(1 << 20, device=dev)
+    torch.cuda._sleep(SLEEP)
+    src.fill_(1.0)  # queued on the current stream behind the sleep
+    with call_streams(dev, 2) as turn:
+        with turn(1):
+            assert torch.cuda.current_stream() != torch.cuda.default_stream()
+            copied = src.clone()  # without the fork this reads zeros
+            torch.cuda._sleep(SLEEP)
+            done = torch.ones(1, device=dev)
+    seen = done.clone()  # without the join this may run before the side stream's write
+    torch.cuda.synchronize()
+    assert copied.min().item() == 1.0
+    assert seen.item() == 1.0
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["auto", "sdpa_flash"])
+def test_forward_the_same_on_one_stream_and_two(monkeypatch, backend):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8192, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    m = ImprovedDilatedAttention([1024, 2048, 4096], [1, 2, 4], backend=backend)
+    outs = []
+    for n in ("1", "2"):
+        monkeypatch.setenv(ENV, n)
+        with torch.no_grad():
+            outs.append(m(q, k, v))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
