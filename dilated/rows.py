@@ -79,15 +79,15 @@ _VIEWS: dict = {}  # (call, shape, strides) -> (size, stride, storage offset) of
 _MAX_VIEWS = 4096
 
 
-def kernel_view(x: torch.Tensor, c: KernelCall) -> torch.Tensor | None:
-    """``to_kernel_shape(branch_view(x, c))`` as one ``as_strided`` of ``x`` when it is a view (the
-    geometry is worked out once per call, shape and strides, on a meta tensor: a step's views
+def kernel_view(x: torch.Tensor, c: KernelCall, rest: int = 1) -> torch.Tensor | None:
+    """``to_kernel_shape(branch_view(x, c), rest)`` as one ``as_strided`` of ``x`` when it is a view
+    (the geometry is worked out once per call, shape and strides, on a meta tensor: a step's views
     then cost the host one op each instead of a chain of slices); None when it needs a copy."""
-    key = (c, tuple(x.shape), x.stride())
+    key = (c, tuple(x.shape), x.stride(), rest)
     geometry = _VIEWS.get(key, False)
     if geometry is False:
         meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        v = to_kernel_shape(branch_view(meta, c))
+        v = to_kernel_shape(branch_view(meta, c), rest)
         geometry = (v.shape, v.stride(), v.storage_offset()) if v._base is meta or v is meta else None
         if len(_VIEWS) >= _MAX_VIEWS:
             _VIEWS.clear()
@@ -99,7 +99,10 @@ def kernel_view(x: torch.Tensor, c: KernelCall) -> torch.Tensor | None:
 
 def merged_lse_for(lse_rows: torch.Tensor, c: KernelCall) -> torch.Tensor:
     """A row-ordered lse ``[B, N, H]`` at the rows of ``c``, as a kernel's ``[B', h, n]``."""
-    return to_kernel_shape(branch_view(lse_rows, c), 0).transpose(1, 2).contiguous()
+    rows = kernel_view(lse_rows, c, 0)
+    if rows is None:
+        rows = to_kernel_shape(branch_view(lse_rows, c), 0)
+    return rows.transpose(1, 2).contiguous()
 
 
 def gather(c: KernelCall, tensors, kv=None, pool: MemoryPool | None = None):
