@@ -93,6 +93,23 @@ def branch_layout(plan, n: int, h: int):
     return tuple(branches), tuple(runs)
 
 
+_LAYOUTS: dict = {}  # (ids of a plan's calls, n, h) -> (those calls, their branch_layout)
+
+
+def layout_of(plan, n: int, h: int):
+    """:func:`branch_layout`, worked out once per plan (its calls, the same objects every step of a
+    cached plan), length and heads."""
+    key = (tuple(map(id, plan)), n, h)
+    found = _LAYOUTS.get(key)
+    if found is not None and all(a is b for a, b in zip(found[0], plan)):
+        return found[1]
+    layout = branch_layout(plan, n, h)
+    if len(_LAYOUTS) >= _MAX_TABLES:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = (tuple(plan), layout)  # holds the calls: their ids are not reused while here
+    return layout
+
+
 def period_of(branches) -> int:
     """Positions ``t, t + R, ...`` share every aligned branch's membership; R = lcm of the
     dilations when small, else 1."""
@@ -101,7 +118,7 @@ def period_of(branches) -> int:
 
 
 ENTRY = 9  # integers per entry of a descriptor table (see :func:`_table`)
-_TABLES: dict = {}  # (device, layout, strides) -> the plan's descriptor table on the device
+_TABLES: dict = {}  # (device, layout, strides) -> a launch's recipe (:func:`_recipe`), its table on the device
 _MAX_TABLES = 256
 
 
@@ -138,18 +155,41 @@ def _table(branches, runs, parts, lses, h: int) -> tuple:
     return values, bases
 
 
-def _descriptor(layout, parts, lses, h: int):
-    """:func:`_table` as an int64 tensor on the device and the branches' bases, made once per
-    layout and strides (a new length builds it once; later steps find it here)."""
+def _recipe(layout, parts, lses, out: torch.Tensor) -> tuple:
+    """What a launch of the combine takes besides the tensors, worked out once per layout and
+    strides (a new length builds it once; later steps find it here): the descriptor table
+    (:func:`_table`) as an int64 tensor on the device; which part each tensor argument is (r per
+    run, unused entries repeat the first); the branches' constants; the period, block sizes and
+    alignment."""
+    from .rows import _blocks, _LAUNCH
+
     branches, runs = layout
-    key = (parts[0].device, h, branches, runs, tuple(p.stride()[:3] for p in parts),
-           tuple(l.stride() for l in lses) if lses is not None else None)
+    _, _, h, d = out.shape
+    key = (out.device, h, d, out.stride(), branches, runs, tuple(p.stride()[:3] for p in parts),
+           tuple(l.stride() for l in lses) if lses is not None else None, _LAUNCH["elements"])
     found = _TABLES.get(key)
-    if found is None:
-        if len(_TABLES) >= _MAX_TABLES:
-            _TABLES.clear()
-        values, bases = _table(branches, runs, parts, lses, h)
-        found = _TABLES[key] = torch.tensor(values, dtype=torch.int64, device=parts[0].device), bases
+    if found is not None:
+        return found
+    values, bases = _table(branches, runs, parts, lses, h)
+    index, constants = [], []
+    for (w, r), described, base in zip(branches, runs, bases):
+        constants.append((w, r, base, len(index)))  # where its table entries and tensors start
+        for _, _, idx in described:
+            index += [idx[e] if e < len(idx) else 0 for e in range(r)]
+    period = period_of(branches)
+    block_p, block_d = _blocks(d)
+    # a branch whose segments are whole multiples of a program's positions (and aligned: r | w,
+    # r | period) finds where a program's rows lie once per program, not per row
+    span = block_p * period
+    constants = tuple(c + (int(c[0] % span == 0 and c[0] % c[1] == 0 and period % c[1] == 0),) for c in constants)
+    # row offsets are multiples of this (in elements): loads and stores of whole rows are vectorized
+    align = math.gcd(d, 16)
+    strides = list(out.stride()[:3]) + [s for k in index for s in parts[k].stride()[:3]]
+    align = align if all(s % align == 0 for s in strides) else 1
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.clear()
+    found = _TABLES[key] = (torch.tensor(values, dtype=torch.int64, device=out.device), tuple(index), constants,
+                            period, block_p, block_d, align)
     return found
 
 
@@ -160,35 +200,19 @@ def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tens
     length, and the plan's descriptor table (:func:`_table`), an int64 tensor: Triton specializes
     integers (value 1, multiples of 16, 32 or 64 bits) and does so inside tuples, so the integers
     that follow the length travel in memory."""
+    from .rows import _LAUNCH
+
     branches, runs = layout
     b, n, h, d = out.shape
     has_lse, store_lse = lses is not None, lses is not None and out_lse is not None
-    table, bases = _descriptor(layout, parts, lses if has_lse else None, h)
+    table, index, constants, period, block_p, block_d, align = _recipe(layout, parts, lses if has_lse else None, out)
     lse_out, lse_out_strides = (out_lse, out_lse.stride()) if store_lse else (out, (0, 0, 0))  # not written
-    ptrs, lptrs, constants = [], [], []
-    for (w, r), described, base in zip(branches, runs, bases):
-        constants.append((w, r, base, len(ptrs)))  # where its table entries and tensors start
-        for _, _, idx in described:
-            for e in range(r):
-                k = idx[e] if e < len(idx) else 0  # unread entries repeat a tensor of the same dtype
-                ptrs.append(parts[k])
-                lptrs.append(lses[k] if has_lse else parts[0])
-    from .rows import _blocks, _LAUNCH
-
-    period = period_of(branches)
-    block_p, block_d = _blocks(d)
-    # a branch whose segments are whole multiples of a program's positions (and aligned: r | w,
-    # r | period) finds where a program's rows lie once per program, not per row
-    span = block_p * period
-    constants = [c + (int(c[0] % span == 0 and c[0] % c[1] == 0 and period % c[1] == 0),) for c in constants]
-    # row offsets are multiples of this (in elements): loads and stores of whole rows are vectorized
-    align = math.gcd(d, 16)
-    strides = list(out.stride()[:3]) + [s for p in ptrs for s in p.stride()[:3]]
+    ptrs = tuple(parts[k] for k in index)
+    lptrs = tuple(lses[k] for k in index) if has_lse else (parts[0],) * len(index)
     _branch_combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
-        out, lse_out, tuple(ptrs), tuple(lptrs), table, n, d, *out.stride()[:3], *lse_out_strides,
-        _alias(branches, runs, parts, out), BRANCHES=tuple(constants), H=h, PERIOD=period,
-        ALIGN=align if all(s % align == 0 for s in strides) else 1, HAS_LSE=has_lse, STORE_LSE=store_lse,
-        BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        out, lse_out, ptrs, lptrs, table, n, d, *out.stride()[:3], *lse_out_strides,
+        _alias(branches, runs, parts, out), BRANCHES=constants, H=h, PERIOD=period, ALIGN=align,
+        HAS_LSE=has_lse, STORE_LSE=store_lse, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
 
 
 def _alias(branches, runs, parts, out) -> int:

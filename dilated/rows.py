@@ -33,7 +33,7 @@ import os
 import torch
 
 from ._checks import acc_dtype
-from .branch_combine import MAX_PERIOD, branch_layout, combine_branches
+from .branch_combine import MAX_PERIOD, combine_branches, layout_of
 from .memory_pool import MemoryPool
 from .merge import merge_
 from .plan import KernelCall
@@ -139,7 +139,7 @@ def combine(plan, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None =
     covers get 0 (and lse ``-inf``). Returns ``out``.
     """
     if combines_on_triton(plan, parts, out, kv):
-        layout = branch_layout(plan, out.shape[1], out.shape[2])
+        layout = layout_of(plan, out.shape[1], out.shape[2])
         if layout is not None:  # the kernel of the plan's schedule, the same at every length
             combine_branches(layout, parts, lses, out, out_lse)
         else:
