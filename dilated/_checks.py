@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import warnings
 
 import torch
@@ -109,3 +110,17 @@ def check_schedule(segment_lengths, dilation_rates, warn: bool = True) -> tuple[
             "from the head index mod r are selected by no branch and output 0 (e.g. position 1 of head 0). "
             "Add a branch with dilation rate 1 to cover every row.", UncoveredRowsWarning, stacklevel=3)
     return seg, dil
+
+
+def positive_int_env(name: str, default: int, meaning: str) -> int:
+    """The environment variable ``name`` as a whole number of at least 1 (``default`` when unset);
+    a clear error otherwise, saying what it sets (``meaning``)."""
+    value = os.environ.get(name, str(default))
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name}={value!r}: set it to a whole number of at least 1 ({meaning}) or unset it "
+                         f"(default {default})")
+    return n

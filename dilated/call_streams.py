@@ -24,9 +24,10 @@ current stream).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
+
+from ._checks import positive_int_env
 
 ENV = "DILATED_CALL_STREAMS"
 DEFAULT_STREAMS = 2
@@ -35,16 +36,8 @@ _SIDE: dict = {}  # device index -> the side streams (made once, reused by every
 
 def streams_from_env() -> int:
     """``DILATED_CALL_STREAMS`` as an integer of at least 1 (a clear error otherwise)."""
-    value = os.environ.get(ENV, str(DEFAULT_STREAMS))
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{ENV}={value!r}: set it to a whole number of at least 1 (how many CUDA streams take the "
-                         f"calls of a step in turns; 1: all on the current stream) or unset it (default "
-                         f"{DEFAULT_STREAMS})")
-    return n
+    return positive_int_env(ENV, DEFAULT_STREAMS, "how many CUDA streams take the calls of a step in turns; "
+                                                  "1: all on the current stream")
 
 
 def _side_streams(device: torch.device, n: int) -> list:

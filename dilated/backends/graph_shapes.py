@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
+
+from .._checks import positive_int_env
 
 ENV = "DILATED_CUDNN_BUILD_AFTER"
 DEFAULT_BUILD_AFTER = 2
@@ -38,16 +39,8 @@ _MAX_SHAPES = 8192  # counts kept at most; beyond, they start again (a shape the
 
 def build_after_from_env() -> int:
     """``DILATED_CUDNN_BUILD_AFTER`` as an integer of at least 1 (a clear error otherwise)."""
-    value = os.environ.get(ENV, str(DEFAULT_BUILD_AFTER))
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{ENV}={value!r}: set it to a whole number of at least 1 (the call of a shape at which its "
-                         f"cuDNN graph is built; 1 builds at the first call) or unset it (default "
-                         f"{DEFAULT_BUILD_AFTER})")
-    return n
+    return positive_int_env(ENV, DEFAULT_BUILD_AFTER, "the call of a shape at which its cuDNN graph is built; "
+                                                      "1 builds at the first call")
 
 
 _OPERATION: contextvars.ContextVar = contextvars.ContextVar("dilated_operation", default=None)
