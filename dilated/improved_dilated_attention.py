@@ -7,6 +7,8 @@
   (position mod r, head mod r); q, k and v in one launch, :func:`dilated.rows.gather`) or,
   where w, the last segment or the heads are not multiples of r, one strided slice per head
   offset. No index tensor is data-sized (GQA with r > 1 uses an ``H/r``-entry kv-head index).
+* The forward's calls are taken in turns by two CUDA streams (:mod:`dilated.call_streams`): one
+  call's last wave runs beside the next call's start.
 * The calls' outputs stay in kernel shape (together about twice one output: branch r covers
   1/r of the rows) and :func:`dilated.rows.combine` writes their log-sum-exp mixture in one
   pass, each result row once, in the output dtype (on CUDA one Triton kernel; no float32

@@ -75,7 +75,7 @@ def to_kernel_shape(view: torch.Tensor, rest: int = 1) -> torch.Tensor:
     return view.reshape(-1, *view.shape[lead:])
 
 
-_VIEWS: dict = {}  # (call, shape, strides) -> (size, stride, storage offset) of its kernel view
+_VIEWS: dict = {}  # (call, shape, strides, rest) -> (size, stride, storage offset) of its kernel view
 _MAX_VIEWS = 4096
 
 
