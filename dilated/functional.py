@@ -6,6 +6,11 @@ This layer does, once for every backend, what the kernels disagree on:
   ``j <= i + seq_k - seq_q``, as flash-attn defines it). Kernels only ever see square-causal or
   non-causal pieces: a fully visible key prefix plus a square causal block, merged by lse; query
   rows that see no key output 0 with lse ``-inf``.
+* long causal blocks: where a kernel's causal forward slows down past some length
+  (:meth:`~dilated.backends.base.Backend.longest_causal_block`; cuDNN past 64K rows), the forward
+  runs it as query chunks, each an unmasked call over earlier keys and a short causal block,
+  merged by lse. The backward stays one kernel call over the merged ``out`` and ``lse``: split, it
+  gained 2.4% on cuDNN at 256K and needs float32 gradients of k and v across the pieces.
 * GQA: k/v heads are repeated for kernels without native GQA, and their gradients summed back.
 * autograd: :class:`AttentionFunction` calls the backend's backward with the merged ``out`` and
   ``lse``. The returned lse is differentiable too: its gradient adds ``P * dlse`` to ``dS``,
@@ -25,14 +30,37 @@ from .backends.kernel_log import note_kernel
 from .merge import empty_accumulators, merge_
 
 
-def causal_pieces(nq: int, nk: int, causal: bool) -> list[tuple[int, int, int, int, bool]]:
-    """Split bottom-right causal attention into kernel calls ``(q0, q1, k0, k1, causal)``."""
+def causal_pieces(nq: int, nk: int, causal: bool, longest: int | None = None) -> list[tuple[int, int, int, int, bool]]:
+    """Split bottom-right causal attention into kernel calls ``(q0, q1, k0, k1, causal)``.
+
+    ``longest``: the longest square causal call to make (a backend's
+    :meth:`~dilated.backends.base.Backend.longest_causal_block`). A longer causal block becomes
+    query chunks of at most that length, each an unmasked call over the keys before it and a
+    causal call on its own block: the same work, most of it unmasked.
+    """
     if not causal or nq == nk:
-        return [(0, nq, 0, nk, causal)]
-    if nq < nk:
+        pieces = [(0, nq, 0, nk, causal)]
+    elif nq < nk:
         p = nk - nq
-        return [(0, nq, 0, p, False), (0, nq, p, nk, True)]
-    return [(nq - nk, nq, 0, nk, True)]
+        pieces = [(0, nq, 0, p, False), (0, nq, p, nk, True)]
+    else:
+        pieces = [(nq - nk, nq, 0, nk, True)]
+    if not causal or longest is None:
+        return pieces
+    out = []
+    for q0, q1, k0, k1, c in pieces:
+        n = q1 - q0
+        if not c or n <= longest:
+            out.append((q0, q1, k0, k1, c))
+            continue
+        chunks = -(-n // longest)
+        size = -(-n // chunks)
+        for a in range(0, n, size):
+            b = min(a + size, n)
+            if a:
+                out.append((q0 + a, q0 + b, k0, k0 + a, False))
+            out.append((q0 + a, q0 + b, k0 + a, k0 + b, True))
+    return out
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -66,7 +94,7 @@ def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float, nee
     note_kernel(backend.name)
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     k, v, _ = _kv_for(backend, q, k, v)
-    pieces = causal_pieces(q.shape[1], k.shape[1], causal)
+    pieces = causal_pieces(q.shape[1], k.shape[1], causal, backend.longest_causal_block(q, k) if causal else None)
     if len(pieces) == 1 and pieces[0][0] == 0:
         out, lse = backend.forward(q, k, v, pieces[0][4], scale)
         if lse is None and need_lse:

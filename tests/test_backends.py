@@ -217,3 +217,29 @@ def test_gpu_flash_backward_in_slices(b, h, gen, monkeypatch):
     ref = dense_reference(qd, kd, vd, causal=True)[0]
     for g, rg in zip(grads, torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
         assert g.is_contiguous() and rel_err(g, rg) < 2 * TOL[torch.bfloat16]
+
+
+def test_sdpa_caps_causal_blocks_only_on_cudnn(gen):
+    q = rand(1, 16, 2, 8, gen=gen)
+    for name in ("sdpa", "sdpa_flash", "sdpa_math"):
+        assert get_backend(name, q, q, True).longest_causal_block(q, q) is None  # CPU kernels
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa"])
+def test_gpu_cudnn_long_causal_blocks_in_chunks(backend, gen, monkeypatch):
+    """cuDNN's causal forward in query chunks (the cap made small) against float64, with gradients."""
+    monkeypatch.setattr("dilated.backends.sdpa.CUDNN_LONGEST_CAUSAL_BLOCK", 128)
+    q, k, v = (rand(2, 500, 4, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
+    impl = get_backend(backend, q, k, True)
+    if impl.longest_causal_block(q, k) is None:
+        pytest.skip(f"{backend} does not run cuDNN here")
+    assert impl.longest_causal_block(q, k) == 128
+    dout = rand(2, 500, 4, 64, gen=gen, dtype=torch.bfloat16).cuda()
+    out, lse = dilated.attention(q, k, v, causal=True, backend=backend, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = dense_reference(qd, kd, vd, causal=True)
+    assert rel_err(out, ref) < TOL[torch.bfloat16] and rel_err(lse, ref_lse) < 1e-3
+    for g, rg in zip(grads, torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]

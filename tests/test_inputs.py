@@ -135,6 +135,67 @@ def test_causal_pieces_merge_exactly_at_large_logits(gen):
         assert rel_err(dilated.attention(q, k, v, causal=True, backend=backend), ref) < 1e-5
 
 
+@pytest.mark.parametrize("nq, nk, longest", [(10, 10, 3), (10, 10, 5), (7, 19, 2), (19, 7, 4), (12, 12, None),
+                                             (9, 9, 9), (9, 9, 8), (6, 14, 100)])
+def test_causal_pieces_cover_the_causal_mask_once(nq, nk, longest):
+    """The calls' areas tile exactly the bottom-right causal mask, and no causal call is longer
+    than ``longest`` nor other than square."""
+    from dilated.functional import causal_pieces
+
+    covered = torch.zeros(nq, nk, dtype=torch.int64)
+    for q0, q1, k0, k1, c in causal_pieces(nq, nk, True, longest):
+        block = torch.ones(q1 - q0, k1 - k0, dtype=torch.int64)
+        if c:
+            assert q1 - q0 == k1 - k0 and (longest is None or q1 - q0 <= longest)
+            block = block.tril()
+        covered[q0:q1, k0:k1] += block
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    assert torch.equal(covered, (j <= i + nk - nq).to(torch.int64))
+
+
+def test_long_causal_blocks_are_chunked_in_the_forward_only(gen):
+    """A backend that caps its causal calls: the forward's calls respect the cap and the result,
+    forward and gradients, is float64-exact; the backward stays one call."""
+    from dilated.backends import _REGISTRY, register_backend
+    from dilated.backends.manual import ManualBackend
+
+    class Capped(ManualBackend):
+        name = "capped_for_test"
+        calls: list
+
+        def longest_causal_block(self, q, k):
+            return 5
+
+        def forward(self, q, k, v, causal, scale):
+            self.calls.append(("fwd", q.shape[1], k.shape[1], causal))
+            return super().forward(q, k, v, causal, scale)
+
+        def backward(self, dout, q, k, v, out, lse, causal, scale):
+            self.calls.append(("bwd", q.shape[1], k.shape[1], causal))
+            return super().backward(dout, q, k, v, out, lse, causal, scale)
+
+    capped = register_backend(Capped())
+    capped.calls = []
+    try:
+        q, k, v = (rand(2, 17, 2, 8, gen=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        dilated.backends.get_backend("capped_for_test", q, k, True)  # its availability probe calls it
+        capped.calls.clear()
+        dout = rand(2, 17, 2, 8, gen=gen, dtype=torch.float64)
+        out, lse = dilated.attention(q, k, v, causal=True, backend="capped_for_test", return_lse=True)
+        (out * dout).sum().backward()
+        r_out, r_lse = dense_reference(q.detach(), k.detach(), v.detach(), causal=True)
+        ref_g = torch.autograd.grad(dense_reference(q, k, v, causal=True)[0], (q, k, v), dout)
+        assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
+        for g, r in zip((q.grad, k.grad, v.grad), ref_g):
+            assert rel_err(g, r) < 1e-11
+        fwd = [c for c in capped.calls if c[0] == "fwd"]
+        assert all(nq <= 5 and nq == nk for _, nq, nk, causal in fwd if causal)
+        assert sum(causal for *_, causal in fwd) == 4 and len(fwd) == 7  # 17 rows: chunks of 5, 5, 5, 2
+        assert [c for c in capped.calls if c[0] == "bwd"] == [("bwd", 17, 17, True)]
+    finally:
+        del _REGISTRY["capped_for_test"]
+
+
 # -- float64 ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS + ["auto"])

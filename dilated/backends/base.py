@@ -54,6 +54,13 @@ class Backend:
         path then hands the kernel its rows as strided views instead of gathering them."""
         return False
 
+    def longest_causal_block(self, q: torch.Tensor, k: torch.Tensor) -> int | None:
+        """The longest square causal call this kernel runs at its full rate here, or None (no
+        limit). A longer causal forward is split into query chunks of at most this length, each an
+        unmasked call over the keys before it and a causal call on its own block, merged by lse
+        (:func:`dilated.functional.causal_pieces`): the same causal work at the unmasked rate."""
+        return None
+
     def probe_dtype(self, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 

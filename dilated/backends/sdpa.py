@@ -61,6 +61,9 @@ def _back(x):  # [B, H, N, D] -> [B, N, H, D] view
     return x.transpose(1, 2)
 
 
+CUDNN_LONGEST_CAUSAL_BLOCK = 65536
+
+
 class SDPABackend(Backend):
     native_gqa = False
 
@@ -119,6 +122,15 @@ class SDPABackend(Backend):
         # cuDNN and flash take a stride per batch, head and row (measured on an H200, torch 2.11:
         # dilated rows as strided views run as fast as gathered ones, same results)
         return q.device.type == "cuda" and self._resolve(q, k, causal) in ("cudnn", "flash")
+
+    def longest_causal_block(self, q, k):
+        # cuDNN's causal forward (cuDNN 9.19, bf16, D=128, on an H200) runs at 563-647 TFLOP/s up to
+        # 128K rows but at 511-526 at 256K, where the same work as 64K query chunks (an unmasked call
+        # and a causal block each) runs at 589-592; chunks lose below 128K. Flash-attn 4 keeps its
+        # rate at 256K (656 TFLOP/s causal, 666 unmasked), so this is the kernel's, not the problem's.
+        if q.device.type == "cuda" and self._resolve(q, k, True) == "cudnn":
+            return CUDNN_LONGEST_CAUSAL_BLOCK
+        return None
 
     # -- compute ------------------------------------------------------------------------
     def forward(self, q, k, v, causal, scale):
