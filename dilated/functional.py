@@ -19,6 +19,7 @@ This layer does, once for every backend, what the kernels disagree on:
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -38,29 +39,20 @@ def causal_pieces(nq: int, nk: int, causal: bool, longest: int | None = None) ->
     query chunks of at most that length, each an unmasked call over the keys before it and a
     causal call on its own block: the same work, most of it unmasked.
     """
-    if not causal or nq == nk:
-        pieces = [(0, nq, 0, nk, causal)]
-    elif nq < nk:
-        p = nk - nq
-        pieces = [(0, nq, 0, p, False), (0, nq, p, nk, True)]
-    else:
-        pieces = [(nq - nk, nq, 0, nk, True)]
-    if not causal or longest is None:
-        return pieces
-    out = []
-    for q0, q1, k0, k1, c in pieces:
-        n = q1 - q0
-        if not c or n <= longest:
-            out.append((q0, q1, k0, k1, c))
-            continue
-        chunks = -(-n // longest)
-        size = -(-n // chunks)
-        for a in range(0, n, size):
-            b = min(a + size, n)
-            if a:
-                out.append((q0 + a, q0 + b, k0, k0 + a, False))
-            out.append((q0 + a, q0 + b, k0 + a, k0 + b, True))
-    return out
+    if not causal:
+        return [(0, nq, 0, nk, False)]
+    n = min(nq, nk)  # the square causal block: query rows [nq - n, nq), keys [nk - n, nk)
+    q_start, k_start = nq - n, nk - n  # rows before q_start see no key; keys before k_start all rows see
+    if n == 0:
+        return [(q_start, nq, k_start, nk, True)]
+    size = n if longest is None or n <= longest else -(-n // -(-n // longest))
+    pieces = []
+    for a in range(0, n, size):
+        b = min(a + size, n)
+        if k_start + a:
+            pieces.append((q_start + a, q_start + b, 0, k_start + a, False))
+        pieces.append((q_start + a, q_start + b, k_start + a, k_start + b, True))
+    return pieces
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -100,13 +92,31 @@ def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float, nee
         if lse is None and need_lse:
             raise _no_lse(backend)
         return out, lse
-    acc, acc_lse = empty_accumulators(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q.device, acc_dtype(q.dtype))
-    for q0, q1, k0, k1, c in pieces:
+    b, nq, h = q.shape[:3]
+    out = q.new_empty(b, nq, h, v.shape[3])
+    lse = torch.empty(b, h, nq, device=q.device, dtype=acc_dtype(q.dtype))
+    seen = pieces[0][0]  # rows before the first piece see no key
+    out[:, :seen] = 0
+    lse[:, :, :seen] = float("-inf")
+
+    def call(q0, q1, k0, k1, c):
         o, l = backend.forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], c, scale)
         if l is None:  # pieces merge by their log-sum-exp
             raise _no_lse(backend)
-        merge_(acc[:, q0:q1], acc_lse[:, q0:q1], o, l.transpose(1, 2))
-    return acc.to(q.dtype), acc_lse.transpose(1, 2).contiguous()
+        return o, l
+
+    for (q0, q1), rows in itertools.groupby(pieces, key=lambda p: p[:2]):
+        rows = list(rows)
+        if len(rows) == 1:
+            out[:, q0:q1], lse[:, :, q0:q1] = call(*rows[0])
+            continue
+        # accumulators for these rows only: a long causal block's chunks hold float32 for one chunk
+        acc, acc_lse = empty_accumulators(b, q1 - q0, h, v.shape[3], q.device, acc_dtype(q.dtype))
+        for piece in rows:
+            o, l = call(*piece)
+            merge_(acc, acc_lse, o, l.transpose(1, 2))
+        out[:, q0:q1], lse[:, :, q0:q1] = acc, acc_lse.transpose(1, 2)
+    return out, lse
 
 
 @one_operation()

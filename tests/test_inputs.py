@@ -153,9 +153,11 @@ def test_causal_pieces_cover_the_causal_mask_once(nq, nk, longest):
     assert torch.equal(covered, (j <= i + nk - nq).to(torch.int64))
 
 
-def test_long_causal_blocks_are_chunked_in_the_forward_only(gen):
+@pytest.mark.parametrize("nq, nk", [(17, 17), (11, 17), (17, 11)])
+def test_long_causal_blocks_are_chunked_in_the_forward_only(nq, nk, gen):
     """A backend that caps its causal calls: the forward's calls respect the cap and the result,
-    forward and gradients, is float64-exact; the backward stays one call."""
+    forward and gradients, is float64-exact (rows that see no key: 0 and lse -inf); the backward
+    stays one call per piece of the unchunked split."""
     from dilated.backends import _REGISTRY, register_backend
     from dilated.backends.manual import ManualBackend
 
@@ -177,21 +179,26 @@ def test_long_causal_blocks_are_chunked_in_the_forward_only(gen):
     capped = register_backend(Capped())
     capped.calls = []
     try:
-        q, k, v = (rand(2, 17, 2, 8, gen=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        q = rand(2, nq, 2, 8, gen=gen, dtype=torch.float64, requires_grad=True)
+        k, v = (rand(2, nk, 2, 8, gen=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
         dilated.backends.get_backend("capped_for_test", q, k, True)  # its availability probe calls it
         capped.calls.clear()
-        dout = rand(2, 17, 2, 8, gen=gen, dtype=torch.float64)
+        dout = rand(2, nq, 2, 8, gen=gen, dtype=torch.float64)
         out, lse = dilated.attention(q, k, v, causal=True, backend="capped_for_test", return_lse=True)
         (out * dout).sum().backward()
         r_out, r_lse = dense_reference(q.detach(), k.detach(), v.detach(), causal=True)
         ref_g = torch.autograd.grad(dense_reference(q, k, v, causal=True)[0], (q, k, v), dout)
-        assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
+        blind = nq - min(nq, nk)  # rows that see no key
+        assert rel_err(out, r_out) < 1e-12 and rel_err(lse[..., blind:], r_lse[..., blind:]) < 1e-12
+        assert bool((out[:, :blind] == 0).all()) and bool((lse[..., :blind] == float("-inf")).all())
         for g, r in zip((q.grad, k.grad, v.grad), ref_g):
             assert rel_err(g, r) < 1e-11
         fwd = [c for c in capped.calls if c[0] == "fwd"]
-        assert all(nq <= 5 and nq == nk for _, nq, nk, causal in fwd if causal)
-        assert sum(causal for *_, causal in fwd) == 4 and len(fwd) == 7  # 17 rows: chunks of 5, 5, 5, 2
-        assert [c for c in capped.calls if c[0] == "bwd"] == [("bwd", 17, 17, True)]
+        assert all(n_q <= 5 and n_q == n_k for _, n_q, n_k, causal in fwd if causal)
+        if nq == nk:
+            assert sum(causal for *_, causal in fwd) == 4 and len(fwd) == 7  # 17 rows: chunks of 5, 5, 5, 2
+        bwd = [c for c in capped.calls if c[0] == "bwd"]
+        assert max(n_q for _, n_q, _, causal in bwd if causal) == min(nq, nk)  # not chunked
     finally:
         del _REGISTRY["capped_for_test"]
 
