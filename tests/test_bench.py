@@ -569,3 +569,32 @@ def test_nonfinite_entries_are_counted_across_chunks():
     x = torch.randn(10, 100)
     x[0, 3], x[9, 99], x[5, 50] = float("nan"), float("inf"), float("-inf")
     assert _nonfinite(x, chunk=64) == 3 and _nonfinite(x.t(), chunk=7) == 3 and _nonfinite(x[:, :50]) == 1
+
+
+def test_a_row_says_whether_it_was_timed_as_cuda_graph_replays():
+    """--cuda-graph where a row cannot be replayed: timed eagerly, and the row says so and why."""
+    case = Case(batch=1, seq_len=64, num_heads=2, head_dim=8, dtype="float32", mode="fwd_bwd",
+                segment_lengths=(32, 64), dilation_rates=(1, 2))
+    row = run_sweep([(IMPLEMENTATIONS["improved"], case, "manual")], RunOptions(warmup=1, reps=2, cuda_graph=True,
+                                                                               device="cpu"), None, "t",
+                    progress=False)[0]
+    assert row["status"] == "ok" and row["cuda_graph"] is False
+    assert "CUDA graphs need a CUDA device" in row["time_note"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd", "bwd"])
+def test_gpu_cuda_graph_rows(mode):
+    """fwd and fwd_bwd rows (and their floors) are timed as replays and pass their check; a bwd
+    row, whose forward is an untimed setup, is timed eagerly and says so."""
+    case = Case(batch=1, seq_len=4096, num_heads=4, head_dim=64, dtype="bfloat16", mode=mode,
+                segment_lengths=(1024, 2048, 4096), dilation_rates=(1, 2, 4))
+    row = run_sweep([(IMPLEMENTATIONS["improved"], case, "auto")], RunOptions(warmup=2, reps=3, cuda_graph=True,
+                                                                             floor=True), None, "t",
+                    progress=False)[0]
+    assert row["status"] == "ok" and row["check"]["passed"], row
+    assert row["cuda_graph"] is (mode != "bwd")
+    if mode == "bwd":
+        assert "untimed setup" in row["time_note"]
+    else:
+        assert row["floor_ratio"] > 0 and row["one_call_floor_ratio"] > 0

@@ -172,7 +172,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
     t.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch profiler trace (Chrome/Perfetto JSON) of one more call per row to DIR, "
                         "named after the row")
-    t.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (fwd rows and their --floor; marked in results)")
+    t.add_argument("--cuda-graph", action="store_true",
+                   help="time CUDA-graph replays of fwd and fwd_bwd rows and their --floor (no host time; "
+                        "each row's cuda_graph says whether it was)")
     t.add_argument("--no-l2-flush", action="store_true")
     t.add_argument("--floor", action="store_true",
                    help="dilated rows: also time the kernel floor (the kernels alone on pre-gathered segments)")

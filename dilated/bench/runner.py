@@ -243,7 +243,10 @@ class _RowRun:
             wants, failed = impl.reduce_max([float(more), float(ranks.error is not None)])
             return wants > 0 and failed == 0
 
-        graphed = opts.cuda_graph and self.case.mode == "fwd" and timed_setup is None
+        graphed = opts.cuda_graph and self._graph_reason(timed_setup) is None
+        if opts.cuda_graph and not graphed:
+            self.row["time_note"] = f"--cuda-graph: {self._graph_reason(timed_setup)}; timed as eager calls"
+        self.row["cuda_graph"] = graphed
 
         def in_turns(steps):
             return measure_side_by_side(steps, device, warmup=max(0, opts.warmup - warmed), reps=opts.reps,
@@ -271,6 +274,16 @@ class _RowRun:
             self.row["gpu_state"] = {"before": state_before, "after": envmod.gpu_state(device),
                                      "settle_s": opts.settle_s}
         return runs, len(runs) == 1 and not graphed
+
+    def _graph_reason(self, timed_setup) -> str | None:
+        """Why this row's calls cannot be timed as CUDA-graph replays, or None."""
+        if self.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device (this is {self.device.type})"
+        if self.case.mode == "bwd":
+            return "a bwd row's forward is an untimed setup before each call, which a replay cannot leave out"
+        if timed_setup is not None:
+            return "the ranks start each call together (a host-side barrier a replay cannot hold)"
+        return None
 
     def floor_backend(self) -> str:
         """The kernel the floors run: the one the step ran (``auto`` resolves by shape class, and the
@@ -405,7 +418,7 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
     """
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     row = {"implementation": impl.name, "backend": backend, "mode": case.mode, "config": case.config(),
-           "device": str(device), "cuda_graph": opts.cuda_graph, "status": "ok", "reason": None}
+           "device": str(device), "cuda_graph": False, "status": "ok", "reason": None}
     if extra:
         row.update(extra)
     if captured is not None:
