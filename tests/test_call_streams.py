@@ -114,11 +114,12 @@ def test_forward_and_backward_captured_in_a_cuda_graph():
     branch_combine._OFFSETS.clear()
     branch_combine._TABLES.clear()
     torch.cuda.empty_cache()
-    filler = [torch.full((1 << 20,), -1, dtype=torch.int64, device="cuda") for _ in range(8)]  # noqa: F841
+    filler = [torch.full((1 << 20,), -1, dtype=torch.int64, device="cuda") for _ in range(8)]  # the freed memory, reused
     with torch.no_grad():
         for x in (q, dout):
             x.copy_(torch.randn_like(x))  # new inputs where the graph reads them
     graph.replay()
+    del filler
     expected = step()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     for g, x in zip(grads, (q, k, v)):  # the flash backward's dq adds in any order: bf16 rounding apart
