@@ -12,12 +12,10 @@ last segment as another, each run read in one of four forms:
 * ``PER_OFFSET``: one call per head offset ``h mod r``, batch ``b * count + segment``.
 
 The kernel here is specialized on the schedule only (each branch's ``w`` and ``r``: divisions by
-constants, and which branches a program runs). Where a program finds its rows is two tables in
-device memory: the layout (:func:`_table`: forms, counts and strides resolved on the host, one
-entry per branch, run, head and segment index below r) and the runs' output and lse tensors as
-element offsets from one base tensor each (:func:`_offsets`, r entries per run). Passing the
-2r tensors per branch as launch arguments instead cost about 150 us of host time per launch (124
-tensors at 1M), more than the kernel takes at 32K. So one kernel serves every
+constants, and which branches a program runs); the runs' output and lse tensors (r entries per
+run, a fixed number per schedule) are runtime arguments, and where a program finds its rows in
+them is a table in device memory (:func:`_table`: forms, counts and strides resolved on the
+host, one entry per branch, run, head and segment index below r). So one kernel serves every
 length, and every plan of the schedule (gathered or in place, any form). It computes what
 :func:`dilated.rows.combine` defines; plans it cannot describe (calls not from one schedule,
 pieces) take the per-call kernel of :mod:`dilated.rows`.
@@ -195,68 +193,33 @@ def _recipe(layout, parts, lses, out: torch.Tensor) -> tuple:
     return found
 
 
+_CAPTURED: list = []  # recipes whose tables a CUDA graph reads at every replay: never freed
+
+
 def _on_device(values, device: torch.device) -> tuple:
     """``values`` as an int64 tensor on ``device`` and its pinned source, copied without waiting
-    (and, under CUDA-graph capture, as a node of the graph, which replays it from that source)."""
+    (under CUDA-graph capture, as a node of the graph, which replays it from that source)."""
     if device.type != "cuda":  # Triton's interpreter
         return torch.tensor(values, dtype=torch.int64, device=device), None
     host = torch.tensor(values, dtype=torch.int64).pin_memory()
     return host.to(device, non_blocking=True), host
 
 
-def _keep_if_captured(found) -> None:
-    """A table a CUDA graph being captured reads (and its pinned source, which the graph's copy
-    reads) stays for the life of the process: the graph replays them."""
+def _keep_if_captured(recipe) -> None:
+    """A recipe whose table a CUDA graph being captured reads stays for the life of the process:
+    dropped from the cache (which holds a bounded number) and freed, its memory could be handed
+    out again while the graph still reads it at every replay."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        _CAPTURED.append(found)
+        _CAPTURED.append(recipe)
 
 
-_OFFSETS: dict = {}  # the parts' and lses' addresses -> their offsets table on the device
-_CAPTURED: list = []  # tables a CUDA graph reads at every replay: never freed
+def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None) -> None:
+    """:func:`dilated.rows.combine` of a plan described by ``layout`` (:func:`branch_layout`).
 
-
-def _offsets(parts, lses, index, align: int, device: torch.device):
-    """``(table, align)``: the tensors ``parts[k]`` for ``k`` in ``index`` as element offsets from
-    the first of them, then the same for ``lses`` (int64, on ``device``), and ``align`` where
-    every part's offset is a multiple of it, else 1. None where the parts (or the lses) do not
-    share a dtype or do not lie whole elements apart.
-
-    Made once per set of addresses: the caching allocator hands a step's outputs the same
-    addresses step after step, so steady steps find their table here. A new table is copied from
-    pinned memory without waiting (:func:`_on_device`; kept while a CUDA graph reads it,
-    :func:`_keep_if_captured`)."""
-    groups = (parts,) if lses is None else (parts, lses)
-    key = (index, align) + tuple((tuple(t.data_ptr() for t in g), tuple(t.dtype for t in g)) for g in groups)
-    found = _OFFSETS.get(key)
-    if found is None:
-        values, aligned = [], align
-        for g, (addresses, dtypes) in zip(groups, key[2:]):
-            size, first = g[index[0]].element_size(), addresses[index[0]]
-            if any(d != dtypes[0] for d in dtypes) or any((a - first) % size for a in addresses):
-                return None
-            offsets = [(addresses[k] - first) // size for k in index]
-            values += offsets
-            if g is parts and any(o % align for o in offsets):
-                aligned = 1
-        table, host = _on_device(values, device)
-        found = (table, aligned, host)
-        if len(_OFFSETS) >= _MAX_TABLES:
-            _OFFSETS.clear()
-        _OFFSETS[key] = found
-    _keep_if_captured(found)
-    return found[:2]
-
-
-def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None) -> bool:
-    """:func:`dilated.rows.combine` of a plan described by ``layout`` (:func:`branch_layout`);
-    False (nothing done) where the parts (or lses) do not share a dtype or do not lie whole
-    elements apart.
-
-    The kernel's arguments are the output, one part and one lse as bases, the offsets of the
-    runs' tensors from them (:func:`_offsets`; r entries per run, unused ones repeat the first),
-    the length, and the plan's descriptor table (:func:`_table`), an int64 tensor: Triton
-    specializes integers (value 1, multiples of 16, 32 or 64 bits), so the integers that follow
-    the length travel in memory."""
+    The kernel's arguments are the tensors (r entries per run, unused ones repeat the first), the
+    length, and the plan's descriptor table (:func:`_table`), an int64 tensor: Triton specializes
+    integers (value 1, multiples of 16, 32 or 64 bits) and does so inside tuples, so the integers
+    that follow the length travel in memory."""
     from .rows import _LAUNCH
 
     branches, runs = layout
@@ -265,18 +228,13 @@ def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tens
     recipe = _recipe(layout, parts, lses if has_lse else None, out)
     _keep_if_captured(recipe)
     table, index, constants, period, block_p, block_d, align, _ = recipe
-    found = _offsets(parts, lses if has_lse else None, index, align, out.device)
-    if found is None:
-        return False
-    offsets, align = found
     lse_out, lse_out_strides = (out_lse, out_lse.stride()) if store_lse else (out, (0, 0, 0))  # not written
-    first = parts[index[0]]
+    ptrs = tuple(parts[k] for k in index)
+    lptrs = tuple(lses[k] for k in index) if has_lse else (parts[0],) * len(index)
     _branch_combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
-        out, lse_out, first, lses[index[0]] if has_lse else first, offsets, table, n, d, *out.stride()[:3],
-        *lse_out_strides, _alias(branches, runs, parts, out), BRANCHES=constants, PARTS=len(index), H=h,
-        PERIOD=period, ALIGN=align, HAS_LSE=has_lse, STORE_LSE=store_lse, BLOCK_P=block_p, BLOCK_D=block_d,
-        num_warps=_LAUNCH["num_warps"])
-    return True
+        out, lse_out, ptrs, lptrs, table, n, d, *out.stride()[:3], *lse_out_strides,
+        _alias(branches, runs, parts, out), BRANCHES=constants, H=h, PERIOD=period, ALIGN=align,
+        HAS_LSE=has_lse, STORE_LSE=store_lse, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
 
 
 def _alias(branches, runs, parts, out) -> int:
@@ -339,19 +297,21 @@ if triton is not None:
         return _place(desc, base, H, r, last, hh, b, seg * (1 - last), ((p - seg * w) // r).to(tl.int64), HAS_LSE)
 
     @triton.jit
-    def _entry(offsets, first: tl.constexpr, e, ALIGN: tl.constexpr):
-        """Where tensor ``first + e`` starts, in elements from its base (per row, or one)."""
-        return tl.multiple_of(tl.load(offsets + first + e), ALIGN)
+    def _entry(ptrs, first: tl.constexpr, r: tl.constexpr, e):
+        """``ptrs[first + e]`` per row."""
+        ptr = ptrs[first]
+        for k in tl.static_range(1, 2 * r):
+            ptr = tl.where(e == k, ptrs[first + k], ptr)
+        return ptr
 
     @triton.jit(do_not_specialize=["N", "s_ob", "s_on", "s_oh", "s_lb", "s_ln", "s_lh", "alias"])
-    def _branch_combine_kernel(out_ptr, out_lse_ptr, part_base, lse_base, offsets, desc, N, D, s_ob, s_on, s_oh,
-                               s_lb, s_ln, s_lh, alias, BRANCHES: tl.constexpr, PARTS: tl.constexpr,
+    def _branch_combine_kernel(out_ptr, out_lse_ptr, parts, lses, desc, N, D, s_ob, s_on, s_oh, s_lb, s_ln, s_lh,
+                               alias, BRANCHES: tl.constexpr,
                                H: tl.constexpr, PERIOD: tl.constexpr, ALIGN: tl.constexpr, HAS_LSE: tl.constexpr,
                                STORE_LSE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
         # program: positions t, t + PERIOD, ... of one block, head hh, batch b (as the per-call
         # kernel); BRANCHES: (w, r, first table entry, first tensor, uniform) per branch; desc: the
-        # plan's table (:func:`_table`); offsets: the PARTS parts' starts from part_base, then
-        # their lses' from lse_base (:func:`_offsets`); s_o*, s_l*: the strides of out and of out_lse
+        # plan's table (:func:`_table`); s_o*, s_l*: the strides of out and of out_lse
         th = tl.program_id(0) % (PERIOD * H)
         blk = tl.program_id(0) // (PERIOD * H)
         hh = th % H
@@ -378,12 +338,12 @@ if triton is not None:
                     else:
                         member, e, row, lse_row = _branch_rows(p, pmask, hh, b, N, desc, BRANCHES[i][2],
                                                                BRANCHES[i][0], BRANCHES[i][1], PERIOD, H, HAS_LSE)
-                    at = _entry(offsets, BRANCHES[i][3], e, ALIGN) + tl.multiple_of(row, ALIGN)
-                    o = tl.load(part_base + at[:, None] + d[None, :],
+                    part = _entry(parts, BRANCHES[i][3], BRANCHES[i][1], e)
+                    o = tl.load((part + tl.multiple_of(row, ALIGN))[:, None] + d[None, :],
                                 mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                     if HAS_LSE:
-                        lse = tl.load(lse_base + _entry(offsets, PARTS + BRANCHES[i][3], e, 1) + lse_row,
-                                      mask=member, other=float("-inf"))
+                        lse = tl.load(_entry(lses, BRANCHES[i][3], BRANCHES[i][1], e) + lse_row, mask=member,
+                                      other=float("-inf"))
                         m_i, s_i, acc = merge_step(m_i, s_i, acc, o, lse)
                     else:
                         acc += o
@@ -395,6 +355,6 @@ if triton is not None:
                     if alias == i:
                         member, e, row, lse_row = _branch_rows(p, pmask, hh, b, N, desc, BRANCHES[i][2],
                                                                BRANCHES[i][0], BRANCHES[i][1], PERIOD, H, True)
-                        lse = tl.load(lse_base + _entry(offsets, PARTS + BRANCHES[i][3], e, 1) + lse_row,
-                                      mask=member, other=float("-inf"))
+                        lse = tl.load(_entry(lses, BRANCHES[i][3], BRANCHES[i][1], e) + lse_row, mask=member,
+                                      other=float("-inf"))
                         tl.store(lse_at, lse, mask=pmask)

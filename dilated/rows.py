@@ -140,8 +140,9 @@ def combine(plan, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None =
     """
     if combines_on_triton(plan, parts, out, kv):
         layout = layout_of(plan, out.shape[1], out.shape[2])
-        # the kernel of the plan's schedule, the same at every length
-        if layout is None or not combine_branches(layout, parts, lses, out, out_lse):
+        if layout is not None:  # the kernel of the plan's schedule, the same at every length
+            combine_branches(layout, parts, lses, out, out_lse)
+        else:
             _combine_triton(plan, parts, lses, out, out_lse)
     else:
         _combine_torch(plan, parts, lses, out, out_lse, kv)

@@ -85,9 +85,9 @@ def test_forward_captured_in_a_cuda_graph(monkeypatch):
 
 @cuda
 def test_forward_and_backward_captured_in_a_cuda_graph():
-    """A whole training step (forward, backward, the combines' address tables) captured once: its
-    replays on new inputs compute what eager calls do, after every cached table has been dropped
-    and its memory handed out again."""
+    """A whole training step (forward, backward, the combines' tables) captured once: its replays
+    on new inputs compute what eager calls do, after the cached launch recipes have been dropped
+    and free memory handed out again."""
     from dilated import branch_combine
 
     torch.manual_seed(0)
@@ -111,10 +111,10 @@ def test_forward_and_backward_captured_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         out = step()
     grads = [x.grad for x in (q, k, v)]
-    branch_combine._OFFSETS.clear()
     branch_combine._TABLES.clear()
     torch.cuda.empty_cache()
-    filler = [torch.full((1 << 20,), -1, dtype=torch.int64, device="cuda") for _ in range(8)]  # the freed memory, reused
+    filler = [torch.full((n,), -1, dtype=torch.int64, device="cuda")  # the freed memory, reused (both pools)
+              for n in [1 << 20] * 8 + [64] * 4096]
     with torch.no_grad():
         for x in (q, dout):
             x.copy_(torch.randn_like(x))  # new inputs where the graph reads them
