@@ -45,7 +45,8 @@ def causal_pieces(nq: int, nk: int, causal: bool, longest: int | None = None) ->
     q_start, k_start = nq - n, nk - n  # rows before q_start see no key; keys before k_start all rows see
     if n == 0:
         return [(q_start, nq, k_start, nk, True)]
-    size = n if longest is None or n <= longest else -(-n // -(-n // longest))
+    chunks = 1 if longest is None else -(-n // longest)  # ceil(n / longest)
+    size = -(-n // chunks)  # the last chunk takes what is left
     pieces = []
     for a in range(0, n, size):
         b = min(a + size, n)

@@ -5,10 +5,10 @@ Each rank holds a contiguous shard ``[B, N/P, H, D]``. One all-to-all gives ever
 sequence for ``H/P`` heads (:func:`dilated.distributed.sequence_to_heads`), one local attention
 runs over it (any backend; causal is plain causal over the whole sequence, so no load balancing
 is needed; where the kernel's causal rate drops on long blocks, as cuDNN's does past 64K rows,
-:func:`dilated.attention` runs it as query chunks), and one all-to-all brings the output back to sequence shards. Backward is the same
-three steps reversed (the all-to-alls are their own adjoints' inverses). Per rank and call it
-moves ``(P-1)/P`` of its q, k, v and out shards, independent of the number of ranks' positions:
-what it pays for needing ``H`` divisible by ``P``. Packed documents (``cu_seqlens`` of the global
+:func:`dilated.attention` runs it as query chunks), and one all-to-all brings the output back to
+sequence shards. Backward is the same three steps reversed (the all-to-alls are their own
+adjoints' inverses). Per rank and call it moves ``(P-1)/P`` of its q, k, v and out shards,
+independent of the number of ranks' positions: what it pays for needing ``H`` divisible by ``P``. Packed documents (``cu_seqlens`` of the global
 sequence) cost nothing extra: the local attention sees the whole sequence and its documents.
 
 GQA: kv heads are split like q heads when ``H_kv`` is divisible by ``P``; else each kv head is

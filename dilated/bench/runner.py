@@ -243,9 +243,10 @@ class _RowRun:
             wants, failed = impl.reduce_max([float(more), float(ranks.error is not None)])
             return wants > 0 and failed == 0
 
-        graphed = opts.cuda_graph and self._graph_reason(timed_setup) is None
-        if opts.cuda_graph and not graphed:
-            self.row["time_note"] = f"--cuda-graph: {self._graph_reason(timed_setup)}; timed as eager calls"
+        not_graphed = self._graph_reason(timed_setup) if opts.cuda_graph else None
+        graphed = opts.cuda_graph and not_graphed is None
+        if not_graphed:
+            self.row["time_note"] = f"--cuda-graph: {not_graphed}; timed as eager calls"
         self.row["cuda_graph"] = graphed
 
         def in_turns(steps):
