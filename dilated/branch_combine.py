@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from ._transfer import host_values_on
 
 try:  # Triton ships with CUDA builds of PyTorch; it is optional here.
     import triton
@@ -188,21 +189,12 @@ def _recipe(layout, parts, lses, out: torch.Tensor) -> tuple:
     align = align if all(s % align == 0 for s in strides) else 1
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.clear()
-    table, host = _on_device(values, out.device)
+    table, host = host_values_on(values, torch.int64, out.device)
     found = _TABLES[key] = (table, tuple(index), constants, period, block_p, block_d, align, host)
     return found
 
 
 _CAPTURED: list = []  # recipes whose tables a CUDA graph reads at every replay: never freed
-
-
-def _on_device(values, device: torch.device) -> tuple:
-    """``values`` as an int64 tensor on ``device`` and its pinned source, copied without waiting
-    (under CUDA-graph capture, as a node of the graph, which replays it from that source)."""
-    if device.type != "cuda":  # Triton's interpreter
-        return torch.tensor(values, dtype=torch.int64, device=device), None
-    host = torch.tensor(values, dtype=torch.int64).pin_memory()
-    return host.to(device, non_blocking=True), host
 
 
 def _keep_if_captured(recipe) -> None:

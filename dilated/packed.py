@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import torch
 
+from ._transfer import host_values_on
 from .backends.kernel_log import note_kernel
 from .backends.varlen import VarlenCall, VarlenKernel
 
@@ -76,7 +77,7 @@ def _document_rows(cu: list[int], causal: bool, n: int, device):
     """Per kernel call of :func:`document_calls`: ``(length, documents, pos, real)``: the positions
     its ``[documents, length]`` rows read (``n``: a padding row) and which of them are real."""
     for length, docs in document_calls(cu, causal):
-        starts, lengths = torch.tensor(docs, device=device).unbind(1)
+        starts, lengths = host_values_on(docs, torch.int64, device)[0].unbind(1)
         offsets = torch.arange(length, device=device)
         pos = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, n).flatten()
         yield length, len(docs), pos, pos != n
@@ -134,7 +135,7 @@ def varlen_call(cu: list[int], b: int, n: int, causal: bool, scale: float, devic
     """The :class:`VarlenCall` of the documents ``cu`` in each of ``b`` batch rows of length ``n``
     (the rows packed one after another)."""
     cu_all = [s + i * n for i in range(b) for s in cu[:-1]] + [b * n]
-    cu_t = torch.tensor(cu_all, dtype=torch.int32, device=device)
+    cu_t = host_values_on(cu_all, torch.int32, device)[0]
     longest = max(e - s for s, e in zip(cu, cu[1:]))
     return VarlenCall(cu_t, cu_t, longest, longest, causal, scale)
 

@@ -160,3 +160,24 @@ def test_gpu_varlen_kernels_in_bf16(backend, causal, hkv, gen):
                 assert rel_err(g, rg) < 2 * tol, f"ring {layout} d{name}"
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_host_values_reach_the_device_without_waiting():
+    """The index tensors of packed documents are copied without a stream synchronization: with a
+    long kernel queued, the call returns while the GPU is still busy, and the values arrive."""
+    from dilated._transfer import host_values_on
+
+    values = [[3, 5], [8, 13], [21, 34]]
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued before the copy
+    got, source = host_values_on(values, torch.int64, "cuda")
+    assert not torch.cuda.current_stream().query()  # the host did not wait for the sleep
+    torch.cuda.synchronize()
+    assert got.device.type == "cuda" and got.tolist() == values and source.is_pinned()
+
+
+def test_host_values_on_the_cpu():
+    from dilated._transfer import host_values_on
+
+    got, source = host_values_on([1, 2, 3], torch.int32, "cpu")
+    assert got.dtype == torch.int32 and got.tolist() == [1, 2, 3] and source is None
