@@ -194,7 +194,7 @@ def _recipe(layout, parts, lses, out: torch.Tensor) -> tuple:
     return found
 
 
-_CAPTURED: list = []  # recipes whose tables a CUDA graph reads at every replay: never freed
+_CAPTURED: dict = {}  # id -> a recipe whose table a CUDA graph reads at every replay: never freed
 
 
 def _keep_if_captured(recipe) -> None:
@@ -202,7 +202,7 @@ def _keep_if_captured(recipe) -> None:
     dropped from the cache (which holds a bounded number) and freed, its memory could be handed
     out again while the graph still reads it at every replay."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        _CAPTURED.append(recipe)
+        _CAPTURED[id(recipe)] = recipe  # once per recipe, however many captures use it
 
 
 def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None) -> None:

@@ -60,6 +60,20 @@ def test_forward_the_same_on_one_stream_and_two(monkeypatch, backend):
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+def _captured(step):
+    """``(graph, what step returned while captured)``: ``step`` warmed up once on a side stream
+    (as torch's CUDA-graph recipe asks), then captured."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        step()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
 @cuda
 def test_forward_captured_in_a_cuda_graph(monkeypatch):
     """The fork and join are recorded into a graph: its replays compute what eager calls do."""
@@ -68,14 +82,7 @@ def test_forward_captured_in_a_cuda_graph(monkeypatch):
     q, k, v = (torch.randn(1, 8192, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     m = ImprovedDilatedAttention([1024, 2048, 4096], [1, 2, 4], backend="sdpa_flash")
     with torch.no_grad():
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm):
-            m(q, k, v)
-        torch.cuda.current_stream().wait_stream(warm)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = m(q, k, v)
+        graph, out = _captured(lambda: m(q, k, v))
         for x in (q, k, v):
             x.copy_(torch.randn_like(x))  # new inputs where the graph reads them
         graph.replay()
@@ -102,14 +109,7 @@ def test_forward_and_backward_captured_in_a_cuda_graph():
         out.backward(dout)
         return out
 
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        step()
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _captured(step)
     grads = [x.grad for x in (q, k, v)]
     branch_combine._TABLES.clear()
     torch.cuda.empty_cache()

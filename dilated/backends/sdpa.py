@@ -125,8 +125,8 @@ class SDPABackend(Backend):
 
     def longest_causal_block(self, q, k):
         # cuDNN's causal forward (cuDNN 9.19, bf16, D=128, on an H200) runs at 563-647 TFLOP/s up to
-        # 128K rows but at 511-526 at 256K, where the same work as 64K query chunks (an unmasked call
-        # and a causal block each) runs at 589-592; chunks lose below 128K. Flash-attn 4 keeps its
+        # 128K rows but at 502-526 at 256K, where the same work as 64K query chunks (an unmasked call
+        # and a causal block each) runs at 580-592; chunks lose below 128K. Flash-attn 4 keeps its
         # rate at 256K (656 TFLOP/s causal, 666 unmasked), so this is the kernel's, not the problem's.
         # An H100 gains the same (256K H=16 forward: 520 -> 589 TFLOP/s).
         if q.device.type == "cuda" and self._resolve(q, k, True) == "cudnn":
