@@ -7,8 +7,8 @@
   (position mod r, head mod r); q, k and v in one launch, :func:`dilated.rows.gather`) or,
   where w, the last segment or the heads are not multiples of r, one strided slice per head
   offset. No index tensor is data-sized (GQA with r > 1 uses an ``H/r``-entry kv-head index).
-* The forward's calls are taken in turns by two CUDA streams (:mod:`dilated.call_streams`): one
-  call's last wave runs beside the next call's start.
+* The calls, forward and backward, are taken in turns by two CUDA streams
+  (:mod:`dilated.call_streams`): one call's last wave runs beside the next call's start.
 * The calls' outputs stay in kernel shape (together about twice one output: branch r covers
   1/r of the rows) and :func:`dilated.rows.combine` writes their log-sum-exp mixture in one
   pass, each result row once, in the output dtype (on CUDA one Triton kernel; no float32
@@ -166,20 +166,22 @@ def _forward_merging(qkv, plan, spec: AttentionSpec, pool, dtype, with_lse):
     return out, (lse_rows if with_lse else None)
 
 
-def _backward_each(qkv, plan, spec: AttentionSpec, merged):
+def _backward_each(qkv, plan, spec: AttentionSpec, merged, streams: bool = False):
     """``(call, (dq, dk, dv))`` of each call of ``plan``: its kernel backward given ``merged``,
-    the merged ``(out, lse rows, dout)``; one after the other on the current stream (taken in
-    turns by two streams, the backwards ran 1-2.5% slower at 32K and 1M on an H200)."""
+    the merged ``(out, lse rows, dout)``; with ``streams``, the calls taken in turns by CUDA
+    streams as the forward's are, all joined when the last is yielded."""
     q, k, v = qkv
     out, lse_rows, dout = merged
-    for c in plan:
-        (qb, kb, vb, ob, dob), _ = gather(c, (q, k, v, out, dout), (False, True, True, False, False))
-        with no_build(c.clipped):
-            g = attention_backward(spec.backend, dob, qb, kb, vb, ob, merged_lse_for(lse_rows, c), spec.causal,
-                                   spec.scale)
-        del qb, kb, vb, ob, dob
-        yield c, g
-        del g
+    with call_streams(q.device, len(plan), streams) as turn:
+        for i, c in enumerate(plan):
+            with turn(i):
+                (qb, kb, vb, ob, dob), _ = gather(c, (q, k, v, out, dout), (False, True, True, False, False))
+                with no_build(c.clipped):
+                    g = attention_backward(spec.backend, dob, qb, kb, vb, ob, merged_lse_for(lse_rows, c),
+                                           spec.causal, spec.scale)
+                del qb, kb, vb, ob, dob
+            yield c, g
+            del g
 
 
 def _backward_adding(qkv, plan, spec: AttentionSpec, merged, dtype):
@@ -203,7 +205,7 @@ def backward_calls(qkv, plan, spec: AttentionSpec, out, lse_rows, dout, *, dtype
     if merges_as_it_goes(qkv[0], plan, 3):
         return _backward_adding(qkv, plan, spec, (out, lse_rows, dout), dtype)
     grads = ([], [], [])
-    for _, g in _backward_each(qkv, plan, spec, (out, lse_rows, dout)):
+    for _, g in _backward_each(qkv, plan, spec, (out, lse_rows, dout), streams=True):
         for acc, gi in zip(grads, g):
             acc.append(gi)
         del g

@@ -60,6 +60,26 @@ def test_forward_the_same_on_one_stream_and_two(monkeypatch, backend):
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+@cuda
+@pytest.mark.parametrize("backend", ["auto", "sdpa_flash"])
+def test_backward_the_same_on_one_stream_and_two(monkeypatch, backend):
+    """The backward's calls taken in turns compute the gradients one stream computes (the flash
+    backward adds dq in any order: bf16 rounding apart)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8192, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    m = ImprovedDilatedAttention([1024, 2048, 4096], [1, 2, 4], backend=backend)
+    grads = []
+    for n in ("1", "2"):
+        monkeypatch.setenv(ENV, n)
+        for x in (q, k, v):
+            x.grad = None
+        m(q, k, v).backward(dout)
+        grads.append([x.grad.float() for x in (q, k, v)])
+    for one, two in zip(*grads):
+        assert (one - two).abs().max() <= 1e-2 * one.abs().max()
+
+
 def _captured(step):
     """``(graph, what step returned while captured)``: ``step`` warmed up once on a side stream
     (as torch's CUDA-graph recipe asks), then captured."""

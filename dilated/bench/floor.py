@@ -2,8 +2,8 @@
 ratios are not the machine's drift:
 
 * the kernel floor (:func:`kernel_floor_step`): the backend's attention calls of the step's plan
-  alone (the same calls: in place where the kernel reads strided rows, the forwards taken in
-  turns by the same CUDA streams, :mod:`dilated.call_streams`), on segment tensors
+  alone (the same calls: in place where the kernel reads strided rows, taken in turns by the
+  same CUDA streams, :mod:`dilated.call_streams`), on segment tensors
   gathered beforehand (no gather, no merge, no scatter, no launch of anything but
   the kernels): ``ImprovedDilatedAttention``'s time over it is what its own machinery costs;
 * the one-call floor (:func:`one_call_floor_step`): the same rows as one dense call per distinct
@@ -35,14 +35,16 @@ def _step(impl, calls, causal: bool, scale: float, mode: str):
     """A callable running each prepared call's forward and/or backward in ``mode``, nothing else."""
     def step():
         with torch.no_grad():
-            if mode != "bwd":  # the forwards taken in turns by the step's streams, the backwards on one
+            if mode != "bwd":  # taken in turns by the step's streams, as the step takes them
                 with call_streams(calls[0][0].device, len(calls)) as turn:
                     for i, (qb, kb, vb, *_) in enumerate(calls):
                         with turn(i):
                             attention_forward(impl, qb, kb, vb, causal, scale)
             if mode != "fwd":
-                for qb, kb, vb, o, lse, do in calls:
-                    attention_backward(impl, do, qb, kb, vb, o, lse, causal, scale)
+                with call_streams(calls[0][0].device, len(calls)) as turn:
+                    for i, (qb, kb, vb, o, lse, do) in enumerate(calls):
+                        with turn(i):
+                            attention_backward(impl, do, qb, kb, vb, o, lse, causal, scale)
 
     return step
 
