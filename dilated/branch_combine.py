@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ._transfer import host_values_on
+from ._transfer import host_values_on, made_for_a_cache
 
 try:  # Triton ships with CUDA builds of PyTorch; it is optional here.
     import triton
@@ -189,7 +189,7 @@ def _recipe(layout, parts, lses, out: torch.Tensor) -> tuple:
     align = align if all(s % align == 0 for s in strides) else 1
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.clear()
-    table, host = host_values_on(values, torch.int64, out.device)
+    table, host = made_for_a_cache(lambda: host_values_on(values, torch.int64, out.device), out.device)
     found = _TABLES[key] = (table, tuple(index), constants, period, block_p, block_d, align, host)
     return found
 

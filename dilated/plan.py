@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._transfer import made_for_a_cache
+
 
 @dataclass(frozen=True)
 class KernelCall:
@@ -104,7 +106,8 @@ def build_plan(n: int, h: int, hkv: int, segment_lengths, dilation_rates, device
                 for off in range(min(r, length, h)):
                     kvh = None
                     if groups > 1:
-                        kvh = torch.arange(off, h, r, device=device) // groups
+                        kvh = made_for_a_cache(  # kept by the plan: not in a graph's pool
+                            lambda: torch.arange(off, h, r, device=device) // groups, device)
                     calls.append(KernelCall(start, count, length, r, "offset", off, kvh, in_place=form == "per_offset",
                                             branch=tag))
     return calls

@@ -145,6 +145,41 @@ def test_compiled_modules_on_the_gpu_in_bf16(compiler, module, causal, gen):
     check_gpu_bf16(run, causal, gen)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("causal,hkv", [(False, 8), (True, 8), (False, 4)])
+def test_reduce_overhead_replays_training_steps(causal, hkv, gen):
+    """``torch.compile(mode="reduce-overhead")`` from cold caches: cudagraph trees run the first
+    calls with allocations routed to their graphs' pool and refuse to go on if a tensor made there
+    outlives the call (the combine's cached table, a GQA plan's kv-head index: both must be made
+    outside it). They record the dilated forward and backward (custom ops, Triton combines, side
+    streams) without skipping them, and the replayed steps match float64 in bf16."""
+    from torch._dynamo.utils import counters
+
+    from conftest import GPU_CASE
+    from dilated import branch_combine
+
+    torch._dynamo.reset()
+    counters.clear()
+    branch_combine._TABLES.clear()  # made again inside the compiled calls
+    n, segs, dils = GPU_CASE
+    q = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_()
+    k, v = (rand(1, n, hkv, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(2))
+    dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
+    step = torch.compile(dilated.ImprovedDilatedAttention(segs, dils, causal=causal), mode="reduce-overhead")
+    for _ in range(4):  # warm-up, recording, replays
+        out = step(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        out, grads = out.clone(), [g.clone() for g in grads]  # a replay overwrites its outputs
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0  # graphs were recorded
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dilated_reference(qd, kd, vd, segs, dils, causal)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    for g, rg in zip(grads, torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert rel_err(g, rg) < 2 * TOL[torch.bfloat16]
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_custom_ops_pass_opcheck(dtype, gen):
     q, k, v = _qkv(gen, n=16, dtype=dtype)
