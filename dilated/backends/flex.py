@@ -14,6 +14,7 @@ import inspect
 
 import torch
 
+from .._transfer import made_for_a_cache
 from .base import Backend, to_bhnd
 
 
@@ -42,7 +43,8 @@ def _causal_mask(nq: int, nk: int, device: str):
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    return create_block_mask(causal, None, None, nq, nk, device=device)
+    # kept by the cache: made outside a CUDA graph's private pool (torch.compile's reduce-overhead)
+    return made_for_a_cache(lambda: create_block_mask(causal, None, None, nq, nk, device=device), device)
 
 
 def _lse_kwargs():
