@@ -111,6 +111,20 @@ def test_unknown_backend(gen):
         dilated.attention(q, q, q, backend="nope")
 
 
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_availability_does_not_depend_on_the_callers_grad_mode(mode, monkeypatch):
+    """A backend first probed under inference mode or no_grad (an inference server, a compiled
+    graph's runtime) is as available as one probed with autograd on: the answer is kept for the
+    process. sdpa_math's backward goes through autograd."""
+    import dilated.backends as backends
+
+    monkeypatch.setattr(backends, "_PROBES", {})  # a fresh probe, not this process's earlier answer
+    with getattr(torch, mode)():
+        reason = backends.backend_reason("sdpa_math", "cpu")
+    assert ("sdpa_math", "cpu") in backends._PROBES
+    assert reason is None
+
+
 def test_a_backend_that_imports_but_fails_is_unavailable(gen):
     """Availability comes from a real call: a kernel that raises on use is reported with its error."""
     from dilated.backends import backend_reason, register_backend

@@ -75,10 +75,18 @@ def _one_line(e: BaseException) -> str:
 
 
 def _probe(backend: Backend, device: torch.device) -> str | None:
-    """A tiny real forward and backward on ``device``; None if it ran and gave finite numbers."""
+    """A tiny real forward and backward on ``device``; None if it ran and gave finite numbers.
+    Its answer is kept for the process, so it runs with autograd on whatever the caller's mode
+    (``torch.inference_mode``, ``no_grad``, a compiled graph's runtime): a backward through
+    autograd would otherwise fail there and mark the backend unavailable for good."""
     reason = backend.unavailable_reason(device)
     if reason is not None:
         return reason
+    with torch.inference_mode(False), torch.enable_grad():
+        return _probe_calls(backend, device)
+
+
+def _probe_calls(backend: Backend, device: torch.device) -> str | None:
     dtype = backend.probe_dtype(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(1, 16, 2, 64, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
