@@ -10,6 +10,7 @@ copy has run.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import torch
 
@@ -61,6 +62,8 @@ def made_for_a_cache(make, device):
 
 
 _THREAD: list = []  # the one thread that makes what caches keep (started at first use)
+if hasattr(os, "register_at_fork"):  # a forked child has no such thread: it starts its own
+    os.register_at_fork(after_in_child=_THREAD.clear)
 
 
 def _cache_thread() -> concurrent.futures.ThreadPoolExecutor:
