@@ -226,8 +226,9 @@ def test_time_budget_bounds_a_row_whose_one_call_is_longer():
 
 def test_time_budget_bounds_a_row_of_calls_shorter_than_it():
     row, calls, wall = _row_of_calls_taking(0.1, RunOptions(reps=50, warmup=10, budget_s=0.35, check=False))
-    # the first (probe) call, then warm-up up to a quarter of the budget and timed calls up to all of it
-    assert wall < 1.0 and calls <= 8 and 1 <= row["time_ms"]["n"] <= 5, calls
+    # the first (probe) call, then warm-up up to a quarter of the budget and timed calls up to all of it;
+    # the wall bound leaves room for a loaded machine (without the budget: 60 calls, 6 s)
+    assert wall < 2.0 and calls <= 8 and 1 <= row["time_ms"]["n"] <= 5, (calls, wall)
 
 
 # -- results files -----------------------------------------------------------------------------
