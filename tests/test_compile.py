@@ -10,7 +10,7 @@ import torch
 import dilated
 from dilated.reference import dense_reference, dilated_reference
 
-from conftest import TOL, check_gpu_bf16, rand, rel_err
+from conftest import GPU_CASE, TOL, check_gpu_bf16, rand, rel_err
 
 SEGS, DILS = [8, 16], [1, 2]
 
@@ -155,7 +155,6 @@ def test_reduce_overhead_replays_training_steps(causal, hkv, gen):
     streams) without skipping them, and the replayed steps match float64 in bf16."""
     from torch._dynamo.utils import counters
 
-    from conftest import GPU_CASE
     from dilated import branch_combine
 
     torch._dynamo.reset()

@@ -33,18 +33,18 @@ def _prepared(impl, qb, kb, vb, causal: bool, scale: float, mode: str) -> tuple:
 
 def _step(impl, calls, causal: bool, scale: float, mode: str):
     """A callable running each prepared call's forward and/or backward in ``mode``, nothing else."""
+    def in_turns(run):  # the calls taken in turns by the step's streams, as the step takes them
+        with call_streams(calls[0][0].device, len(calls)) as turn:
+            for i, call in enumerate(calls):
+                with turn(i):
+                    run(*call)
+
     def step():
         with torch.no_grad():
-            if mode != "bwd":  # taken in turns by the step's streams, as the step takes them
-                with call_streams(calls[0][0].device, len(calls)) as turn:
-                    for i, (qb, kb, vb, *_) in enumerate(calls):
-                        with turn(i):
-                            attention_forward(impl, qb, kb, vb, causal, scale)
+            if mode != "bwd":
+                in_turns(lambda qb, kb, vb, *_: attention_forward(impl, qb, kb, vb, causal, scale))
             if mode != "fwd":
-                with call_streams(calls[0][0].device, len(calls)) as turn:
-                    for i, (qb, kb, vb, o, lse, do) in enumerate(calls):
-                        with turn(i):
-                            attention_backward(impl, do, qb, kb, vb, o, lse, causal, scale)
+                in_turns(lambda qb, kb, vb, o, lse, do: attention_backward(impl, do, qb, kb, vb, o, lse, causal, scale))
 
     return step
 
