@@ -111,18 +111,29 @@ def test_unknown_backend(gen):
         dilated.attention(q, q, q, backend="nope")
 
 
-@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+@torch.library.custom_op("dilated_test::probe_sdpa_math", mutates_args=())
+def _probe_inside_a_custom_op(x: torch.Tensor) -> torch.Tensor:
+    import dilated.backends as backends
+
+    reason = backends.backend_reason("sdpa_math", "cpu")
+    return x.new_full((1,), 1.0 if reason is None else 0.0)
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "custom_op"])
 def test_availability_does_not_depend_on_the_callers_grad_mode(mode, monkeypatch):
-    """A backend first probed under inference mode or no_grad (an inference server, a compiled
-    graph's runtime) is as available as one probed with autograd on: the answer is kept for the
-    process. sdpa_math's backward goes through autograd."""
+    """A backend first probed under inference mode or no_grad (an inference server), or inside a
+    custom op's implementation (a compiled graph's runtime, where torch turns autograd's dispatch
+    off) is as available as one probed with autograd on: the answer is kept for the process.
+    sdpa_math's backward goes through autograd."""
     import dilated.backends as backends
 
     monkeypatch.setattr(backends, "_PROBES", {})  # a fresh probe, not this process's earlier answer
-    with getattr(torch, mode)():
-        reason = backends.backend_reason("sdpa_math", "cpu")
+    if mode == "custom_op":
+        assert _probe_inside_a_custom_op(torch.zeros(1)).item() == 1.0
+    else:
+        with getattr(torch, mode)():
+            assert backends.backend_reason("sdpa_math", "cpu") is None
     assert ("sdpa_math", "cpu") in backends._PROBES
-    assert reason is None
 
 
 def test_a_backend_that_imports_but_fails_is_unavailable(gen):

@@ -89,6 +89,37 @@ def test_compiled_dilated_modules(compiler, module, gen):
     _check(out, dilated_reference(*ref_in, SEGS, DILS, True), (q, k, v), ref_in, gen)
 
 
+@pytest.mark.parametrize("module", ["attention", "improved"])
+def test_compiled_on_a_backend_whose_backward_recomputes_its_forward(compiler, module, gen):
+    """sdpa_math (like flex) takes its backward by autograd through its own forward. In a compiled
+    graph that backward runs inside a custom op, where torch turns autograd's dispatch off: it must
+    still record its graph, or the step fails ("element 0 of tensors does not require grad")."""
+    q, k, v = _qkv(gen, n=30)
+    if module == "attention":
+        out = compiler(lambda q, k, v: dilated.attention(q, k, v, causal=True, backend="sdpa_math"))(q, k, v)
+        ref_in = _double(q, k, v)
+        ref = dense_reference(*ref_in, causal=True)[0]
+    else:
+        out = compiler(dilated.ImprovedDilatedAttention(SEGS, DILS, causal=True, backend="sdpa_math"))(q, k, v)
+        ref_in = _double(q, k, v)
+        ref = dilated_reference(*ref_in, SEGS, DILS, True)
+    _check(out, ref, (q, k, v), ref_in, gen)
+
+
+def test_custom_op_backward_under_inference_mode(gen):
+    """The custom backward op called directly, under inference_mode, on a backend whose backward
+    goes through autograd: the gradients of the float64 reference."""
+    q, k, v = (t.detach().double() for t in _qkv(gen, n=16))
+    out, lse = torch.ops.dilated.attention_forward(q, k, v, True, 0.25, "sdpa_math")
+    dout = rand(*out.shape, gen=gen, dtype=torch.float64)
+    with torch.inference_mode():
+        grads = torch.ops.dilated.attention_backward(dout, q, k, v, out, lse, None, True, 0.25, "sdpa_math")
+    ref_in = _double(q, k, v)
+    ref_grads = torch.autograd.grad(dense_reference(*ref_in, causal=True, scale=0.25)[0], ref_in, dout)
+    for g, rg in zip(grads, ref_grads):
+        assert rel_err(g, rg) < TOL[torch.float64]
+
+
 def test_a_module_freed_between_forward_and_backward(compiler, gen):
     """The backward needs no live module: its pattern cache only saves work."""
     q, k, v = _qkv(gen, n=30)

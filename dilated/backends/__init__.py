@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import auto
-from .base import Backend
+from .base import Backend, autograd_on
 from .flash_attn import FlashAttn2Backend
 from .flash_attn_3 import FlashAttn3Backend
 from .flash_attn_4 import FlashAttn4Backend
@@ -77,12 +77,13 @@ def _one_line(e: BaseException) -> str:
 def _probe(backend: Backend, device: torch.device) -> str | None:
     """A tiny real forward and backward on ``device``; None if it ran and gave finite numbers.
     Its answer is kept for the process, so it runs with autograd on whatever the caller's mode
-    (``torch.inference_mode``, ``no_grad``, a compiled graph's runtime): a backward through
-    autograd would otherwise fail there and mark the backend unavailable for good."""
+    (``torch.inference_mode``, ``no_grad``, a custom op's implementation, so a compiled graph's
+    runtime): a backward through autograd would otherwise fail there and mark the backend
+    unavailable for good."""
     reason = backend.unavailable_reason(device)
     if reason is not None:
         return reason
-    with torch.inference_mode(False), torch.enable_grad():
+    with autograd_on():
         return _probe_calls(backend, device)
 
 

@@ -14,9 +14,23 @@ output, which gives the exact gradient of the merged attention.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .._checks import acc_dtype
+
+
+@contextlib.contextmanager
+def autograd_on():
+    """Record autograd graphs here, whatever the caller turned off: grad mode (``no_grad``),
+    ``inference_mode``, and autograd's dispatch, which torch turns off while a custom op's
+    implementation runs (the :mod:`dilated.ops` ops, and so every call of a compiled graph), where
+    ``torch.enable_grad()`` alone records nothing; ``inference_mode(False)`` turns it back on. For
+    computations that take a gradient of their own local tensors: a backward that recomputes its
+    forward, a backend's availability probe."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 class Backend:
@@ -84,9 +98,11 @@ class Backend:
         ``g_out = w * dout`` and ``g_lse = w * (rowsum(dout * o) - rowsum(dout * out))``.
         Costs one extra forward; needs a differentiable lse.
         """
-        with torch.enable_grad():
-            qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        with autograd_on():
+            # an inference tensor cannot take part in a recorded graph: such inputs are copied
+            qg, kg, vg = ((t.clone() if t.is_inference() else t.detach()).requires_grad_(True) for t in (q, k, v))
             o, l = self.forward_autograd(qg, kg, vg, causal, scale)
+        with torch.no_grad():  # the cotangents: no graph
             acc = acc_dtype(q.dtype)
             lse = lse.to(acc)
             w = torch.exp(l.to(acc) - lse)  # [B, H, N]
@@ -97,6 +113,7 @@ class Backend:
             d_merged = (dout_f * out.to(acc)).sum(-1)
             g_out = (dout_f * w_bnh.unsqueeze(-1)).to(o.dtype)
             g_lse = (w_bnh * (d_local - d_merged)).transpose(1, 2).to(l.dtype)
+        with autograd_on():
             dq, dk, dv = torch.autograd.grad((o, l), (qg, kg, vg), (g_out, g_lse), allow_unused=True)
         return tuple(torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
 
