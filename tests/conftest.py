@@ -68,4 +68,4 @@ def flash_grads(dout, q, k, v, out, lse, scale, causal, dlse=None):
     dq = torch.einsum("bhnm,bmhd->bnhd", ds, kd)
     dk = torch.einsum("bhnm,bnhd->bmhd", ds, qd)
     hk = k.shape[2]
-    return dq, dk.view(b, -1, hk, g, d).sum(3), dv.view(b, -1, hk, g, d).sum(3)
+    return dq, dk.reshape(b, -1, hk, g, d).sum(3), dv.reshape(b, -1, hk, g, v.shape[-1]).sum(3)

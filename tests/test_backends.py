@@ -62,6 +62,28 @@ def test_backend_matches_float64_reference(device, backend, dtype, shape, causal
         assert rel_err(g, rg) < 2 * tol, f"d{name}"
 
 
+@pytest.mark.parametrize("device, backend, dtype", CUDA, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("d", [16, 48, 80, 112, 256])
+def test_gpu_head_dims_other_than_64(device, backend, dtype, d, gen):
+    """Head dims a kernel may tile differently from 64 (flash-attn 4's Hopper backward gave wrong dq,
+    dk, dv at head dims not a multiple of 32), with grouped heads, causal, rows past one tile:
+    forward and gradients against float64, or the backend's reason for refusing the inputs."""
+    q = rand(2, 300, 4, d, gen=gen, dtype=dtype).to(device).requires_grad_()
+    k, v = (rand(2, 300, 2, d, gen=gen, dtype=dtype).to(device).requires_grad_() for _ in range(2))
+    impl = get_backend(backend, device=device)
+    reason = impl.input_reason(q, k, True) or impl.value_head_dim_reason(q, v)
+    if reason is not None or not impl.supports_backward:
+        pytest.skip(reason or f"{backend} has no backward")
+    out = dilated.attention(q, k, v, causal=True, backend=backend)
+    dout = rand(*out.shape, gen=gen, dtype=dtype).to(device)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dense_reference(qd, kd, vd, causal=True)[0]
+    assert rel_err(out, ref) < TOL[dtype]
+    for name, g, rg in zip("qkv", grads, torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
+        assert rel_err(g, rg) < 2 * TOL[dtype], f"d{name}"
+
+
 #: max |err| / max |ref| of the quantized kernels (INT8 or FP8 scores), forward only
 QUANTIZED_TOL = 6e-2
 

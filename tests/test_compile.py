@@ -177,13 +177,15 @@ def test_compiled_modules_on_the_gpu_in_bf16(compiler, module, causal, gen):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("causal,hkv", [(False, 8), (True, 8), (False, 4)])
-def test_reduce_overhead_replays_training_steps(causal, hkv, gen):
+@pytest.mark.parametrize("causal,hkv,backend", [(False, 8, "auto"), (True, 8, "auto"), (False, 4, "auto"),
+                                                (True, 8, "flex")])
+def test_reduce_overhead_replays_training_steps(causal, hkv, backend, gen):
     """``torch.compile(mode="reduce-overhead")`` from cold caches: cudagraph trees run the first
     calls with allocations routed to their graphs' pool and refuse to go on if a tensor made there
     outlives the call (the combine's cached table, a GQA plan's kv-head index: both must be made
     outside it). They record the dilated forward and backward (custom ops, Triton combines, side
-    streams) without skipping them, and the replayed steps match float64 in bf16."""
+    streams) without skipping them, and the replayed steps match float64 in bf16. flex's backward
+    recomputes its forward with autograd inside the backward op."""
     from torch._dynamo.utils import counters
 
     from dilated import branch_combine
@@ -195,7 +197,8 @@ def test_reduce_overhead_replays_training_steps(causal, hkv, gen):
     q = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_()
     k, v = (rand(1, n, hkv, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(2))
     dout = rand(1, n, 8, 64, gen=gen, dtype=torch.bfloat16).cuda()
-    step = torch.compile(dilated.ImprovedDilatedAttention(segs, dils, causal=causal), mode="reduce-overhead")
+    step = torch.compile(dilated.ImprovedDilatedAttention(segs, dils, causal=causal, backend=backend),
+                         mode="reduce-overhead")
     for _ in range(4):  # warm-up, recording, replays
         out = step(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), dout)

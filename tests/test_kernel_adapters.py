@@ -298,3 +298,31 @@ def test_fp8_descale_per_batch_and_head():
     assert descale[1, 2] == pytest.approx(x[1, :, 2].abs().max().item() / E4M3_MAX)
     back = x8.float() * descale[:, :, None, None]
     assert rel_err(back.transpose(1, 2), x) < 0.07
+
+
+@pytest.mark.parametrize("d,dv", [(16, 16), (48, 80), (64, 64)])
+def test_flash_attn_4_backward_runs_at_head_dims_of_multiples_of_32(d, dv, monkeypatch, gen):
+    """flash-attn 4's Hopper backward gives wrong gradients where a head dim is not a multiple of
+    32 (dq, and dk, dv with grouped heads; measured on an H200 with 4.0.0b36): the adapter pads q, k
+    and v, out, dout with zero columns and cuts the gradients back. The stand-in refuses other head
+    dims; the gradients must be float64's, and head dims already multiples of 32 go as they are."""
+    seen = []
+
+    class Hopper(_FA4Module):
+        @staticmethod
+        def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False):
+            seen.append((q.shape[-1], v.shape[-1]))
+            assert q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0, "wrong gradients at these head dims"
+            return _FA4Module._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal)
+
+    monkeypatch.setattr(fa4_mod, "_import", lambda: Hopper)
+    backend = fa4_mod.FlashAttn4Backend()
+    q, k, v = rand(2, 24, 4, d, gen=gen), rand(2, 24, 2, d, gen=gen), rand(2, 24, 2, dv, gen=gen)
+    out, lse = backend.forward(q, k, v, True, 0.3)
+    dout = rand(*out.shape, gen=gen)
+    grads = backend.backward(dout, q, k, v, out, lse, True, 0.3)
+    assert seen == [(-(-d // 32) * 32, -(-dv // 32) * 32)]
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref = dense_reference(qd, kd, vd, causal=True, scale=0.3)[0]
+    for g, rg, x, name in zip(grads, torch.autograd.grad(ref, (qd, kd, vd), dout.double()), (q, k, v), "qkv"):
+        assert g.shape == x.shape and rel_err(g, rg) < 1e-4, f"d{name}"

@@ -7,6 +7,12 @@ share a dtype: out and dout are passed in q's. Both entry points read any 16-byt
 layout with a contiguous last dim in place (``maybe_contiguous`` of its ``cute_dsl_utils``): q,
 k, v, out and dout are passed as they lie.
 
+Its backward on Hopper (4.0.0b36, measured on an H200) is wrong where a head dim is not a multiple
+of 32 (16, 48, 80, 112: dq off by 40-100%, and with grouped heads dk and dv too; 112 non-causal
+does not compile), while its forward is right: the backward runs on q, k, v, out and dout padded
+with zero columns to the next multiple of 32 (:func:`backward_head_dims`), which changes no score
+and no output, and the gradients are cut back.
+
 Its backward compiles a kernel variant per "one query block" / "one key block" pair (flags of
 its compile key, against the "TVM stride poisoning" of single-block calls): a call of 81-128
 query rows (head_dim 128 on Hopper: 80-row query tiles, 128-row key tiles) compiled one more
@@ -24,6 +30,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ._signature import call_by_name
 from .base import Backend, cuda_library_reason, needs_half
@@ -38,6 +45,24 @@ def _import():
 #: query (and key) rows of the calls that compile the backward's variants: 1, and one more than
 #: each tile size flash-attn 4 uses (64-256 rows), so every pair of single-block flags occurs
 VARIANT_ROWS = (1, 65, 81, 97, 113, 129, 177, 193, 257)
+
+
+def backward_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """The head dims its backward runs at: each rounded up to a multiple of 32."""
+    return -(-head_dim // 32) * 32, -(-head_dim_v // 32) * 32
+
+
+def padded_backward(backward, dout, q, k, v, out):
+    """``backward(dout, q, k, v, out)`` with q, k and v, out, dout zero-padded to
+    :func:`backward_head_dims` where they differ, its gradients cut back to the given head dims."""
+    d, dv = q.shape[-1], v.shape[-1]
+    pd, pdv = backward_head_dims(d, dv)
+    if (pd, pdv) == (d, dv):
+        return backward(dout, q, k, v, out)
+    q, k = (F.pad(t, (0, pd - d)) for t in (q, k))
+    v, out, dout = (F.pad(t, (0, pdv - dv)) for t in (v, out, dout))
+    dq, dk, dv_ = backward(dout, q, k, v, out)[:3]
+    return dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv_[..., :dv].contiguous()
 
 
 class FlashAttn4Backend(Backend):
@@ -67,8 +92,11 @@ class FlashAttn4Backend(Backend):
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        self._compile_variants(q, k, v, causal, scale)
-        return self._backward(dout, q, k, v, out, lse, causal, scale)
+        def run(dout, q, k, v, out):
+            self._compile_variants(q, k, v, causal, scale)
+            return self._backward(dout, q, k, v, out, lse, causal, scale)
+
+        return padded_backward(run, dout, q, k, v, out.to(q.dtype))
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
         fa4 = _import()

@@ -155,13 +155,15 @@ class FlashAttn4Varlen(VarlenKernel):
         return out, _lse_rows_last(lse, q.shape[0], q.shape[1])
 
     def backward(self, dout, q, k, v, out, lse, call, dlse=None):
-        from .flash_attn_4 import _import
+        from .flash_attn_4 import _import, padded_backward
 
-        args = dict(self._args(call), q=q, k=k, v=v, out=out.to(q.dtype).contiguous(),
-                    dout=dout.to(q.dtype).contiguous(), lse=lse.contiguous(),
-                    dlse=None if dlse is None else dlse.contiguous())
-        return call_by_name(_import()._flash_attn_bwd, args,
-                            required=("q", "k", "v", "out", "dout", "lse", "cu_seqlens_q", "causal", "dlse"))[:3]
+        def run(dout, q, k, v, out):  # head dims padded as the dense backend's (flash_attn_4.py says why)
+            args = dict(self._args(call), q=q, k=k, v=v, out=out.contiguous(), dout=dout.contiguous(),
+                        lse=lse.contiguous(), dlse=None if dlse is None else dlse.contiguous())
+            return call_by_name(_import()._flash_attn_bwd, args,
+                                required=("q", "k", "v", "out", "dout", "lse", "cu_seqlens_q", "causal", "dlse"))[:3]
+
+        return padded_backward(run, dout.to(q.dtype), q, k, v, out.to(q.dtype))
 
 
 #: the varlen entry point of each dense backend that has one: the same kernels, documents packed.
