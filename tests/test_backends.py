@@ -63,17 +63,22 @@ def test_backend_matches_float64_reference(device, backend, dtype, shape, causal
 
 
 @pytest.mark.parametrize("device, backend, dtype", CUDA, ids=lambda x: str(x).replace("torch.", ""))
-@pytest.mark.parametrize("d", [16, 48, 80, 112, 256])
+@pytest.mark.parametrize("d", [16, 20, 48, 80, 112, 256])
 def test_gpu_head_dims_other_than_64(device, backend, dtype, d, gen):
     """Head dims a kernel may tile differently from 64 (flash-attn 4's Hopper backward gave wrong dq,
     dk, dv at head dims not a multiple of 32), with grouped heads, causal, rows past one tile:
-    forward and gradients against float64, or the backend's reason for refusing the inputs."""
+    forward and gradients against float64, or a BackendUnavailableError that says why (20: the
+    fused kernels' own errors were an assertion and "head_size must be a multiple of 8")."""
     q = rand(2, 300, 4, d, gen=gen, dtype=dtype).to(device).requires_grad_()
     k, v = (rand(2, 300, 2, d, gen=gen, dtype=dtype).to(device).requires_grad_() for _ in range(2))
     impl = get_backend(backend, device=device)
+    if not impl.supports_backward:
+        pytest.skip(f"{backend} has no backward")
     reason = impl.input_reason(q, k, True) or impl.value_head_dim_reason(q, v)
-    if reason is not None or not impl.supports_backward:
-        pytest.skip(reason or f"{backend} has no backward")
+    if reason is not None:
+        with pytest.raises(BackendUnavailableError, match="head_dim"):
+            dilated.attention(q, k, v, causal=True, backend=backend)
+        return
     out = dilated.attention(q, k, v, causal=True, backend=backend)
     dout = rand(*out.shape, gen=gen, dtype=dtype).to(device)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -82,6 +87,20 @@ def test_gpu_head_dims_other_than_64(device, backend, dtype, d, gen):
     assert rel_err(out, ref) < TOL[dtype]
     for name, g, rg in zip("qkv", grads, torch.autograd.grad(ref, (qd, kd, vd), dout.double())):
         assert rel_err(g, rg) < 2 * TOL[dtype], f"d{name}"
+
+
+def test_head_dims_a_fused_kernel_cannot_take_are_refused_with_the_fix():
+    """flash-attn 4 and torch's fused flash/cuDNN kernels take head dims that are multiples of 8
+    up to 256; others get a reason naming head_dim and the fix, not the kernel's own assertion."""
+    from dilated.backends.base import head_dim_reason
+    from dilated.backends.flash_attn_4 import FlashAttn4Backend
+
+    q = torch.zeros(1, 4, 2, 20, dtype=torch.bfloat16)
+    reason = FlashAttn4Backend().input_reason(q, q, False)
+    assert "head_dim" in reason and "20" in reason and "24" in reason
+    assert FlashAttn4Backend().input_reason(q[..., :16], q[..., :16], False) is None
+    assert head_dim_reason(264, "x") is not None and head_dim_reason(256, "x") is None
+    assert head_dim_reason(4, "x") is not None
 
 
 #: max |err| / max |ref| of the quantized kernels (INT8 or FP8 scores), forward only

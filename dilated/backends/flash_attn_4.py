@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ._signature import call_by_name
-from .base import Backend, cuda_library_reason, needs_half
+from .base import Backend, cuda_library_reason, head_dim_reason, needs_half
 
 
 def _import():
@@ -76,7 +76,8 @@ class FlashAttn4Backend(Backend):
         return cuda_library_reason(device, "flash-attn 4 (flash_attn.cute)", _import)
 
     def input_reason(self, q, k, causal):
-        return needs_half(q, "flash-attn 4")
+        # its own check, an assertion: "head_dim and head_dim_v must be between 8 and 256 and divisible by 8"
+        return needs_half(q, "flash-attn 4") or head_dim_reason(q.shape[-1], "flash-attn 4")
 
     def reads_strided_rows(self, q, k, causal):
         # its interface keeps any layout whose last dim is contiguous and whose other strides and

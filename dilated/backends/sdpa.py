@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import acc_dtype
-from .base import Backend, needs_half, to_bhnd
+from .base import Backend, head_dim_reason, needs_half, to_bhnd
 from .graph_shapes import GraphShapes, shape_key
 from .kernel_log import note_kernel
 from .manual import ManualBackend
@@ -83,8 +83,8 @@ class SDPABackend(Backend):
 
     def input_reason(self, q, k, causal):
         kern = self._resolve(q, k, causal)
-        if kern in ("flash", "cudnn") and q.device.type == "cuda":
-            return needs_half(q, f"SDPA {kern}")
+        if kern in ("flash", "cudnn") and q.device.type == "cuda":  # their own error: "head_size must be a multiple of 8"
+            return needs_half(q, f"SDPA {kern}") or head_dim_reason(q.shape[-1], f"SDPA {kern}")
         if kern is None:
             return "PyTorch found no SDPA kernel for these inputs"
         return None
