@@ -75,31 +75,40 @@ def dilated_reference(q, k, v, segment_lengths, dilation_rates, causal=False, sc
 
 
 def sampled_reference(q, k, v, rows: torch.Tensor, causal=False, scale=None, segment_lengths=None,
-                      dilation_rates=None, block: int = 8192, dtype=torch.float32):
+                      dilation_rates=None, block: int = 8192, dtype=torch.float32, dout=None):
     """Exact output for query ``rows`` only (``[R]`` indices), streaming over key blocks.
 
     With a schedule given, the keys are weighted by the branch counts of :func:`dilated_bias`
     for those rows (computed per block); otherwise plain dense attention (bottom-right causal).
+
+    With ``dout`` (the output's gradient ``[B, Nq, H, Dv]``) it returns ``(out, dq)`` for those
+    rows: a query's gradient depends on its own row only,
+    ``dq_i = scale * sum_j P_ij (dout_i . v_j - dout_i . out_i) k_j``, one more pass over the keys.
     """
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     g = h // hkv
     qr = q[:, rows].to(dtype)  # [B, R, H, D]
+
+    def key_blocks():  # (scores [B, H, R, M] with the mask and branch counts applied, keys, values)
+        for k0 in range(0, nk, block):
+            k1 = min(nk, k0 + block)
+            kb = k[:, k0:k1].to(dtype).repeat_interleave(g, 2)
+            vb = v[:, k0:k1].to(dtype).repeat_interleave(g, 2)
+            s = torch.einsum("brhd,bmhd->bhrm", qr, kb) * scale
+            cols = torch.arange(k0, k1, device=q.device)
+            if segment_lengths is not None:
+                bias = _row_counts(rows, cols, h, segment_lengths, dilation_rates, dtype, nk).log().unsqueeze(0)
+                s = torch.where(bias == float("-inf"), bias, s + bias)
+            if causal:
+                s = s.masked_fill(cols.unsqueeze(0) > rows.unsqueeze(1) + (nk - nq), float("-inf"))
+            yield s, kb, vb
+
     m = torch.full((b, h, len(rows)), float("-inf"), device=q.device, dtype=dtype)
     den = torch.zeros_like(m)
     acc = torch.zeros(b, len(rows), h, v.shape[3], device=q.device, dtype=dtype)
-    for k0 in range(0, nk, block):
-        k1 = min(nk, k0 + block)
-        kb = k[:, k0:k1].to(dtype).repeat_interleave(g, 2)
-        vb = v[:, k0:k1].to(dtype).repeat_interleave(g, 2)
-        s = torch.einsum("brhd,bmhd->bhrm", qr, kb) * scale
-        cols = torch.arange(k0, k1, device=q.device)
-        if segment_lengths is not None:
-            bias = _row_counts(rows, cols, h, segment_lengths, dilation_rates, dtype, nk).log().unsqueeze(0)
-            s = torch.where(bias == float("-inf"), bias, s + bias)
-        if causal:
-            s = s.masked_fill(cols.unsqueeze(0) > rows.unsqueeze(1) + (nk - nq), float("-inf"))
+    for s, _, vb in key_blocks():
         bm = torch.maximum(m, s.amax(-1))
         ref = torch.where(torch.isinf(bm), torch.zeros_like(bm), bm)
         corr = torch.exp(m - ref)
@@ -107,8 +116,19 @@ def sampled_reference(q, k, v, rows: torch.Tensor, causal=False, scale=None, seg
         den = den * corr + p.sum(-1)
         acc = acc * corr.transpose(1, 2).unsqueeze(-1) + torch.einsum("bhrm,bmhd->brhd", p, vb)
         m = bm
-    den = torch.where(den == 0, torch.ones_like(den), den)
-    return acc / den.transpose(1, 2).unsqueeze(-1)
+    seen = den > 0  # rows that see no key: output 0, gradient 0
+    out = acc / torch.where(seen, den, torch.ones_like(den)).transpose(1, 2).unsqueeze(-1)
+    if dout is None:
+        return out
+    lse = torch.where(seen, m + torch.log(torch.where(seen, den, torch.ones_like(den))), torch.zeros_like(m))
+    do = dout[:, rows].to(dtype)  # [B, R, H, Dv]
+    delta = (do * out).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, R, 1]
+    dq = torch.zeros_like(qr)
+    for s, kb, vb in key_blocks():
+        p = torch.where(seen.unsqueeze(-1), torch.exp(s - lse.unsqueeze(-1)), torch.zeros_like(s))
+        ds = p * (torch.einsum("brhd,bmhd->bhrm", do, vb) - delta)
+        dq += torch.einsum("bhrm,bmhd->brhd", ds, kb) * scale
+    return out, dq
 
 
 def _row_counts(rows, cols, num_heads, segment_lengths, dilation_rates, dtype, n):

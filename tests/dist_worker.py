@@ -91,6 +91,12 @@ def sharded_check(rank, world, port):
     got = sampled_reference(*sharded, rows, causal=True, segment_lengths=segs, dilation_rates=dils, block=7)
     want = sampled_reference(q, k, v, rows, causal=True, segment_lengths=segs, dilation_rates=dils, block=7)
     assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    dout = _full(6, n, 4, 4, b=1)[0]  # the query gradients of the sampled rows, dout in its shards too
+    got = sampled_reference(*sharded, rows, causal=True, segment_lengths=segs, dilation_rates=dils, block=7,
+                            dout=ShardedSequence(dilated.shard(dout)))
+    want = sampled_reference(q, k, v, rows, causal=True, segment_lengths=segs, dilation_rates=dils, block=7, dout=dout)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-6), (g - w).abs().max()
     dist.destroy_process_group()
 
 

@@ -598,3 +598,40 @@ def test_gpu_cuda_graph_rows(mode):
         assert "untimed setup" in row["time_note"]
     else:
         assert row["floor_ratio"] > 0 and row["one_call_floor_ratio"] > 0
+
+
+@pytest.mark.parametrize("name,documents", [("improved", None), ("dense", "fixed:10")])
+def test_long_rows_check_the_query_gradients_of_sampled_rows(name, documents, monkeypatch):
+    """Past the float64 reference's size the check streams sampled rows, and in fwd_bwd rows their
+    dq (a query's gradient depends on its own row only): a step whose dq is wrong fails its check."""
+    from dilated.bench import runner
+
+    class WrongDq(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q):
+            return q.view_as(q)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1.5
+
+    base = IMPLEMENTATIONS[name]
+
+    def wrong_build(case, backend):
+        step = base.build(case, backend)
+        return lambda q, k, v, *rest: step(WrongDq.apply(q), k, v, *rest)
+
+    wrong = register_implementation(Implementation(f"{name}_wrong_dq_for_test", base.problem, wrong_build))
+    monkeypatch.setattr(runner, "DENSE_REFERENCE_LIMIT", 0)
+    kw = dict(segment_lengths=(16, 32), dilation_rates=(1, 2)) if name == "improved" else dict(documents=documents)
+    try:
+        case = Case(batch=1, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", mode="fwd_bwd",
+                    causal=True, **kw)
+        rows = run_sweep([(base, case, "manual"), (wrong, case, "manual")], RunOptions(reps=2, warmup=1, device="cpu"),
+                         None, "t", progress=False)
+    finally:
+        del IMPLEMENTATIONS[f"{name}_wrong_dq_for_test"]
+    right_row, wrong_row = (r["check"] for r in rows)
+    assert "sampled rows" in right_row["reference"] and "dq of the sampled rows" in right_row["grad_check"]
+    assert right_row["passed"] and right_row["grad_rel_err"] < 1e-4
+    assert not wrong_row["passed"] and wrong_row["grad_rel_err"] > 0.1

@@ -86,3 +86,31 @@ def test_sampled_reference_streams_to_the_float64_reference(causal, dilated, gen
     qs = q[:, -10:]
     got = sampled_reference(qs, k, v, torch.tensor([0, 9]), causal=True, block=16, dtype=torch.float64)
     torch.testing.assert_close(got, dense_reference(qs, k, v, causal=True)[0][:, [0, 9]], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dilated", [False, True])
+def test_sampled_query_gradients_are_autograds(causal, dilated, gen):
+    """The long-N gradient check's reference: dq of sampled rows, streamed, against autograd through
+    the dense float64 reference (GQA, blocks smaller than N, a causal row that sees no key)."""
+    n, h, hkv = 40, 4, 2
+    q, k, v = (rand(1, n, hh, 8, gen=gen).double() for hh in (h, hkv, hkv))
+    dout = rand(1, n, h, 8, gen=gen).double()
+    rows = torch.tensor([0, 6, 7, 8, 20, 39])
+    segs, dils = ([8, 16, 40], [1, 2, 4]) if dilated else (None, None)
+    qd = q.clone().requires_grad_()
+    want = dilated_reference(qd, k, v, segs, dils, causal=causal) if dilated else dense_reference(qd, k, v, causal=causal)[0]
+    dq = torch.autograd.grad(want, qd, dout)[0]
+    for block in (7, 64):
+        out, got = sampled_reference(q, k, v, rows, causal=causal, segment_lengths=segs, dilation_rates=dils,
+                                     block=block, dtype=torch.float64, dout=dout)
+        torch.testing.assert_close(out, want.detach()[:, rows], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, dq[:, rows], rtol=1e-10, atol=1e-12)
+    qs = q[:, :8].clone().requires_grad_()  # 8 queries on 40 keys ... and 48 queries on 40 keys:
+    ql = torch.cat([q, q[:, :8]], 1).requires_grad_()  # rows 0-7 see no key when causal
+    for qq in (qs, ql):
+        ref = dense_reference(qq, k, v, causal=True)[0]
+        do = rand(*ref.shape, gen=gen).double()
+        r = torch.tensor([0, 3, qq.shape[1] - 1])
+        _, got = sampled_reference(qq.detach(), k, v, r, causal=True, block=16, dtype=torch.float64, dout=do)
+        torch.testing.assert_close(got, torch.autograd.grad(ref, qq, do)[0][:, r], rtol=1e-10, atol=1e-12)

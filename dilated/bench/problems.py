@@ -102,21 +102,29 @@ class DenseAttention:
         return torch.cat([dense_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal=case.causal, dtype=dtype)[0]
                           for a, b in _documents(case)], 1)
 
-    def sampled_reference(self, case, inputs, model, rows):
-        """Reference output at query ``rows`` only, streaming over keys (for long sequences)."""
+    def sampled_reference(self, case, inputs, model, rows, dout=None):
+        """Reference output at query ``rows`` only, streaming over keys (for long sequences); with
+        ``dout`` (the output's gradient), ``(out, dq)`` of those rows (dq None where the inputs are
+        not q, k, v)."""
         with torch.no_grad():
             q, k, v = self.qkv(case, inputs, model)
             if not case.documents:
-                return sampled_reference(q, k, v, rows, causal=case.causal)
+                return sampled_reference(q, k, v, rows, causal=case.causal, dout=dout)
             rows = torch.as_tensor(rows)
-            out = None
+            out = dq = None
             for a, b in _documents(case):  # each row against its own document's keys
                 mine = (rows >= a) & (rows < b)
                 if mine.any():
-                    part = sampled_reference(q[:, a:b], k[:, a:b], v[:, a:b], rows[mine] - a, causal=case.causal)
+                    part = sampled_reference(q[:, a:b], k[:, a:b], v[:, a:b], rows[mine] - a, causal=case.causal,
+                                             dout=None if dout is None else dout[:, a:b])
+                    part, part_dq = part if dout is not None else (part, None)
+                    at = mine.to(part.device)
                     out = part.new_zeros(part.shape[0], len(rows), *part.shape[2:]) if out is None else out
-                    out[:, mine.to(out.device)] = part
-            return out
+                    out[:, at] = part
+                    if part_dq is not None:
+                        dq = part_dq.new_zeros(part_dq.shape[0], len(rows), *part_dq.shape[2:]) if dq is None else dq
+                        dq[:, at] = part_dq
+            return out if dout is None else (out, dq)
 
 
 class DilatedAttention(DenseAttention):
@@ -149,11 +157,11 @@ class DilatedAttention(DenseAttention):
                             q.device, dtype)
         return dense_reference(q, k, v, bias=bias, dtype=dtype)[0]
 
-    def sampled_reference(self, case, inputs, model, rows):
+    def sampled_reference(self, case, inputs, model, rows, dout=None):
         with torch.no_grad():
             q, k, v = self.qkv(case, inputs, model)
             return sampled_reference(q, k, v, rows, causal=case.causal, segment_lengths=case.segment_lengths,
-                                     dilation_rates=case.dilation_rates)
+                                     dilation_rates=case.dilation_rates, dout=dout)
 
 
 class SelfAttentionLayer(DilatedAttention):
@@ -188,10 +196,11 @@ class SelfAttentionLayer(DilatedAttention):
         inputs = tuple(t.to(dtype) for t in inputs)
         return model.output(super().reference(case, inputs, model, dtype))
 
-    def sampled_reference(self, case, inputs, model, rows):
+    def sampled_reference(self, case, inputs, model, rows, dout=None):
         out = super().sampled_reference(case, inputs, model, rows)
         with torch.no_grad():
-            return model.output(out.to(inputs[0].dtype)).float()
+            out = model.output(out.to(inputs[0].dtype)).float()
+        return out if dout is None else (out, None)  # the gradient is x's, through the projections
 
 
 #: the problems by name (an implementation may name one instead of passing it)

@@ -92,9 +92,10 @@ class Implementation:
         """Full reference output (differentiable in ``inputs`` when they require grad)."""
         return self.problem.reference(case, inputs, model, dtype)
 
-    def sampled_reference(self, case: Case, inputs, model, rows):
-        """Reference output at query ``rows`` only, streaming over keys (for long sequences)."""
-        return self.problem.sampled_reference(case, inputs, model, rows)
+    def sampled_reference(self, case: Case, inputs, model, rows, dout=None):
+        """Reference output at query ``rows`` only, streaming over keys (for long sequences); with
+        ``dout``, ``(out, dq)`` of those rows (dq None where the inputs are not q, k, v)."""
+        return self.problem.sampled_reference(case, inputs, model, rows, dout)
 
     # -- hooks for implementations spread over ranks (see dilated.bench.distributed) ---------
     def gather(self, t: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,15 @@ def _check(impl, case, inputs, model, out, mode, grads, dout):
     else:
         gen = torch.Generator().manual_seed(1)
         rows = torch.randperm(case.nq, generator=gen)[:SAMPLED_ROWS].sort().values.to(out.device)
-        ref = impl.sampled_reference(case, inputs, model, rows)
+        with_dq = mode != "fwd" and grads is not None
+        ref = impl.sampled_reference(case, inputs, model, rows, dout if with_dq else None)
+        ref, ref_dq = ref if with_dq else (ref, None)
         res["reference"] = f"float32 streaming, {len(rows)} sampled rows"
         res["max_abs_err"], res["rel_err"] = _rel(out[:, rows], ref)
-        if mode != "fwd":
+        if ref_dq is not None:  # a query's gradient depends on its own row only
+            res["grad_rel_err"] = _rel(grads[0][:, rows], ref_dq)[1]
+            res["grad_check"] = "dq of the sampled rows; dk, dv are checked only where the float64 reference fits"
+        elif mode != "fwd":
             res["grad_check"] = "skipped: gradients are checked only where the float64 reference fits"
     res["nonfinite_outputs"] = _nonfinite(out) if isinstance(out, torch.Tensor) else None
     if grads is not None:
