@@ -138,14 +138,14 @@ def cuda_library_reason(device: torch.device, what: str, load) -> str | None:
     return None
 
 
-def head_dim_reason(head_dim: int, what: str, largest: int = 256) -> str | None:
-    """Why a fused kernel cannot take ``head_dim``: it needs a multiple of 8 up to ``largest``."""
-    if head_dim % 8 == 0 and 8 <= head_dim <= largest:
+def head_dim_reason(head_dim: int, what: str, largest: int | None = 256) -> str | None:
+    """Why a fused kernel cannot take ``head_dim``: it needs a multiple of 8 (up to ``largest``)."""
+    if head_dim % 8 == 0 and head_dim >= 8 and (largest is None or head_dim <= largest):
         return None
+    needs = "a multiple of 8" + ("" if largest is None else f" from 8 to {largest}")
     fix = (f"pad q, k and v with zero columns to {-(-head_dim // 8) * 8} (no score changes; cut the output back)"
-           if head_dim < largest else "split the heads' dims")
-    return (f"{what} needs a head_dim that is a multiple of 8 from 8 to {largest}, got {head_dim}: {fix}, or use "
-            "sdpa_efficient, sdpa_math or manual")
+           if largest is None or head_dim < largest else f"use a head_dim of at most {largest}")
+    return f"{what} needs a head_dim that is {needs}, got {head_dim}: {fix}, or use sdpa_math or manual (any head_dim)"
 
 
 def needs_half(q: torch.Tensor, what: str) -> str | None:

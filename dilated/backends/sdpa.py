@@ -83,8 +83,12 @@ class SDPABackend(Backend):
 
     def input_reason(self, q, k, causal):
         kern = self._resolve(q, k, causal)
-        if kern in ("flash", "cudnn") and q.device.type == "cuda":  # their own error: "head_size must be a multiple of 8"
+        # torch's public SDPA pads head dims to a multiple of 8 for its fused kernels; called directly
+        # they fail ("head_size must be a multiple of 8", and efficient's "cutlassF: no kernel found")
+        if kern in ("flash", "cudnn") and q.device.type == "cuda":
             return needs_half(q, f"SDPA {kern}") or head_dim_reason(q.shape[-1], f"SDPA {kern}")
+        if kern == "efficient" and q.device.type == "cuda" and q.element_size() == 2:
+            return head_dim_reason(q.shape[-1], "SDPA efficient in 16-bit", largest=None)
         if kern is None:
             return "PyTorch found no SDPA kernel for these inputs"
         return None
