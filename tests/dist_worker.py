@@ -258,3 +258,66 @@ def ranks_disagree(rank, world, port):
     assert len(ring._agreed) == 1
     assert time.time() - t0 < 30
     dist.destroy_process_group()
+
+
+def random_strategies(rank, world, port, seed, count):
+    """Seeded random configurations of every sequence-parallel strategy (ring, zigzag ring,
+    Ulysses, the hybrid on each grid, distributed dilated), with packed documents where they take
+    them, sharded by the module's own ``shard`` and gathered by its ``unshard``: output and
+    gradients against the float64 single-process reference."""
+    import random
+
+    from dilated.reference import dilated_reference
+
+    init(rank, world, port)
+    rng = random.Random(seed)
+    grids = [u for u in range(1, world + 1) if world % u == 0]
+    for it in range(count):
+        kind = rng.choice(["ring", "zigzag", "ulysses", "hybrid", "dilated"])
+        causal = rng.random() < 0.5
+        unit = 2 * world if kind in ("zigzag", "hybrid") else world
+        n = unit * rng.randint(1, 8)
+        hkv = rng.choice([1, 2, world])
+        h = hkv * rng.choice([1, 2]) if kind not in ("ulysses", "hybrid") else world * hkv
+        backend = rng.choice(["manual", "sdpa", "sdpa_math"])
+        g = torch.Generator().manual_seed(seed * 1000 + it)
+        b = rng.choice([1, 2])
+        q, k, v, dout = (torch.randn(b, n, hh, 8, dtype=torch.float64, generator=g) for hh in (h, hkv, hkv, h))
+        cu = None
+        if kind != "dilated" and n > 2 and rng.random() < 0.6:
+            cu = [0, *sorted(rng.sample(range(1, n), min(n - 1, rng.randint(1, 5)))), n]
+        if kind == "ring":
+            mod = dilated.RingAttention(causal=causal, backend=backend, layout="contiguous")
+        elif kind == "zigzag":
+            mod = dilated.RingAttention(causal=causal, backend=backend, layout="zigzag")
+        elif kind == "ulysses":
+            mod = dilated.UlyssesAttention(causal=causal, backend=backend)
+        elif kind == "hybrid":
+            u = rng.choice(grids)
+            mod = dilated.HybridAttention(u, world // u, causal=causal, backend=backend)
+        else:
+            segs = sorted(rng.choice([2, 4, 6, 8, 16, 24, 32]) for _ in range(rng.randint(1, 3)))
+            dils = [1] + [min(rng.choice([1, 2, 4]), w) for w in segs[1:]]
+            mod = dilated.DistributedDilatedAttention(segs, dils, causal=causal, backend=backend)
+        mine = [mod.shard(x).clone().requires_grad_() for x in (q, k, v)]
+        kw = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+        out = mod(*mine, **kw)
+        grads = torch.autograd.grad(out, mine, mod.shard(dout))
+        ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+        if kind == "dilated":
+            ref = dilated_reference(*ref_in, segs, dils, causal=causal)
+        elif cu is None:
+            ref = dense_reference(*ref_in, causal=causal)[0]
+        else:
+            doc = torch.zeros(n, dtype=torch.long)
+            for i in range(len(cu) - 1):
+                doc[cu[i]:cu[i + 1]] = i
+            seen = doc[:, None] == doc[None, :]
+            if causal:
+                seen &= torch.ones(n, n, dtype=torch.bool).tril()
+            ref = dense_reference(*ref_in, bias=torch.where(seen, 0.0, float("-inf")).unsqueeze(0))[0]
+        what = f"{mod!r} n={n} h={h}/{hkv} causal={causal} backend={backend} cu={cu}"
+        _check(f"out of {what}", mod.unshard(out.detach()), ref, tol=1e-9)
+        for name, gl, rg in zip("qkv", grads, torch.autograd.grad(ref, ref_in, dout)):
+            _check(f"d{name} of {what}", mod.unshard(gl), rg, tol=1e-9)
+    dist.destroy_process_group()

@@ -22,6 +22,11 @@ def test_ring_and_distributed_dilated_match_single_process(world):
     mp.spawn(dist_worker.correctness, args=(world, _port()), nprocs=world, join=True)
 
 
+@pytest.mark.parametrize("world,seed", [(3, 0), (4, 1)])
+def test_random_configurations_of_every_strategy(world, seed):
+    mp.spawn(dist_worker.random_strategies, args=(world, _port(), seed, 30), nprocs=world, join=True)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_sampled_check_reads_shards_in_place(world):
     mp.spawn(dist_worker.sharded_check, args=(world, _port()), nprocs=world, join=True)
