@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._signature import call_by_name
-from .base import Backend, cuda_library_reason, needs_half
+from .base import Backend, cuda_library_reason, head_dim_reason, needs_half
 
 
 def _import():
@@ -36,9 +36,7 @@ class FlashAttn2Backend(Backend):
         return cuda_library_reason(device, "flash-attn 2", _import)
 
     def input_reason(self, q, k, causal):
-        if q.shape[-1] > 256 or q.shape[-1] % 8:
-            return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {q.shape[-1]}"
-        return needs_half(q, "flash-attn")
+        return needs_half(q, "flash-attn") or head_dim_reason(q.shape[-1], "flash-attn")
 
     def forward(self, q, k, v, causal, scale):
         fwd, _ = _import()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._signature import call_by_name
-from .base import Backend, cuda_library_reason, needs_half
+from .base import Backend, cuda_library_reason, head_dim_reason, needs_half
 
 
 def _import():
@@ -38,9 +38,7 @@ class FlashAttn3Backend(Backend):
         return None
 
     def input_reason(self, q, k, causal):
-        if q.shape[-1] > 256 or q.shape[-1] % 8:
-            return f"flash-attn 3 needs head_dim <= 256 and a multiple of 8, got {q.shape[-1]}"
-        return needs_half(q, "flash-attn 3")
+        return needs_half(q, "flash-attn 3") or head_dim_reason(q.shape[-1], "flash-attn 3")
 
     def forward(self, q, k, v, causal, scale):
         fa3 = _import()
