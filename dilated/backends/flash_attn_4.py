@@ -97,12 +97,12 @@ class FlashAttn4Backend(Backend):
             self._compile_variants(q, k, v, causal, scale)
             return self._backward(dout, q, k, v, out, lse, causal, scale)
 
-        return padded_backward(run, dout, q, k, v, out.to(q.dtype))
+        return padded_backward(run, dout.to(q.dtype), q, k, v, out.to(q.dtype))
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
         fa4 = _import()
         dq, dk, dv = call_by_name(fa4._flash_attn_bwd, dict(
-            q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.contiguous(), softmax_scale=scale,
+            q=q, k=k, v=v, out=out, dout=dout, lse=lse.contiguous(), softmax_scale=scale,
             causal=causal),
             required=("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal"))[:3]
         return dq, dk, dv
