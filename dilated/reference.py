@@ -7,7 +7,7 @@
   (``-inf`` where ``c == 0``). Dense attention with this bias *is* the definition (mixing by
   softmax denominators included), so it is the reference for both dilated implementations.
 * :func:`sampled_reference`: exact attention for a sample of query rows, streaming over key
-  blocks in float32/float64, so that a 1M-token result can still be checked.
+  blocks in float64, so that a 1M-token result can still be checked.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def dilated_reference(q, k, v, segment_lengths, dilation_rates, causal=False, sc
 
 
 def sampled_reference(q, k, v, rows: torch.Tensor, causal=False, scale=None, segment_lengths=None,
-                      dilation_rates=None, block: int = 8192, dtype=torch.float32, dout=None):
+                      dilation_rates=None, block: int = 8192, dtype=torch.float64, dout=None):
     """Exact output for query ``rows`` only (``[R]`` indices), streaming over key blocks.
 
     With a schedule given, the keys are weighted by the branch counts of :func:`dilated_bias`

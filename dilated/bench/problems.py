@@ -198,8 +198,8 @@ class SelfAttentionLayer(DilatedAttention):
 
     def sampled_reference(self, case, inputs, model, rows, dout=None):
         out = super().sampled_reference(case, inputs, model, rows)
-        with torch.no_grad():
-            out = model.output(out.to(inputs[0].dtype)).float()
+        with torch.no_grad():  # the output projection (and sub-LN) of the sampled rows in float64 too
+            out = copy.deepcopy(model).to(out.dtype).output(out)
         return out if dout is None else (out, None)  # the gradient is x's, through the projections
 
 

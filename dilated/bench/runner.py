@@ -84,7 +84,7 @@ def _check(impl, case, inputs, model, out, mode, grads, dout):
         with_dq = mode != "fwd" and grads is not None
         ref = impl.sampled_reference(case, inputs, model, rows, dout if with_dq else None)
         ref, ref_dq = ref if with_dq else (ref, None)
-        res["reference"] = f"float32 streaming, {len(rows)} sampled rows"
+        res["reference"] = f"float64 streaming, {len(rows)} sampled rows"
         res["max_abs_err"], res["rel_err"] = _rel(out[:, rows], ref)
         if ref_dq is not None:  # a query's gradient depends on its own row only
             res["grad_rel_err"] = _rel(grads[0][:, rows], ref_dq)[1]
