@@ -85,9 +85,9 @@ def _no_lse(backend: Backend) -> ValueError:
 def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float, need_lse: bool = True):
     """``(out, lse)`` without autograd; bottom-right causal, GQA and strided head_dim handled here.
     ``need_lse=False``: a backend without a log-sum-exp may return None for it."""
-    note_kernel(backend.name)
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     k, v, _ = _kv_for(backend, q, k, v)
+    note_kernel(backend.kernel_name(q, k, causal))
     pieces = causal_pieces(q.shape[1], k.shape[1], causal, backend.longest_causal_block(q, k) if causal else None)
     if len(pieces) == 1 and pieces[0][0] == 0:
         out, lse = backend.forward(q, k, v, pieces[0][4], scale)
@@ -124,9 +124,9 @@ def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float, nee
 @one_operation()
 def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, scale: float, dlse=None):
     """``dq, dk, dv`` of the attention whose (merged) output and lse are ``out`` and ``lse``."""
-    note_kernel(backend.name)
     dout, q, k, v, out = (dense_rows(t) for t in (dout, q, k, v, out))
     k_e, v_e, groups = _kv_for(backend, q, k, v)
+    note_kernel(backend.kernel_name(q, k_e, causal))
     pieces = causal_pieces(q.shape[1], k.shape[1], causal)
 
     def run(dout_, v_, out_):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dilated
-from dilated.backends import auto, get_backend, register_backend
+from dilated.backends import auto, get_backend, record_kernels, register_backend
 from dilated.backends.base import Backend
 from dilated.backends import _REGISTRY, AUTO_ORDER
 
@@ -51,10 +51,12 @@ def test_auto_takes_the_fastest_not_the_first_and_remembers_it(measured, gen):
     assert get_backend("auto", q, k, False, v=v) is fast and slow.calls == calls  # no second measurement
     out = dilated.attention(q, k, v)  # and it computes the right thing through the chosen kernel
     assert torch.allclose(out, dilated.attention(q, k, v, backend="manual"))
-    entries = json.loads(cache.read_text())
-    assert list(entries.values()) == ["fast_for_test"]
-    key = json.loads(next(iter(entries)))
-    assert key[1] == ["slow_for_test", "fast_for_test"] and key[2]["nq"] == 64 and key[2]["causal"] is False
+    entries = json.loads(cache.read_text())  # the class and its sibling of the other batch state
+    assert list(entries.values()) == ["fast_for_test"] * 2
+    keys = [json.loads(key) for key in entries]
+    assert all(key[1] == ["slow_for_test", "fast_for_test"] and key[2]["nq"] == 64 and key[2]["causal"] is False
+               for key in keys)
+    assert sorted(key[2]["batch"] for key in keys) == [1, auto.ROWS_TIMED // 64]
 
 
 def test_the_disk_cache_answers_a_new_process(measured, gen):
@@ -102,13 +104,67 @@ def test_rows_record_the_kernel_that_ran_and_the_first_call():
     assert all(r["first_call_ms"] > 0 for r in rows)
 
 
-def test_the_batch_is_part_of_the_class_up_to_a_device_filling_call(gen):
-    """A call of many short sequences (a dilated branch) is timed as a batch that fills the GPU,
-    not as one sequence (whose time is mostly host overhead)."""
-    assert auto.shape_class(rand(1, 2048, 2, 16, gen=gen), *[rand(1, 2048, 2, 16, gen=gen)] * 2, False)["batch"] == 1
-    assert auto.shape_class(*[rand(3, 64, 2, 16, gen=gen)] * 3, False)["batch"] == 4
+def test_the_batch_is_one_sequence_or_a_device_filling_call(gen):
+    """One short sequence is timed as it is (host overhead is most of its time); anything larger (a
+    dilated branch's segments, one long sequence) as a batch that fills the GPU."""
+    one = rand(1, 2048, 2, 16, gen=gen)
+    assert auto.shape_class(one, one, one, False)["batch"] == 1
+    assert auto.shape_class(*[rand(3, 64, 2, 16, gen=gen)] * 3, False)["batch"] == auto.ROWS_TIMED // 64
     big = torch.empty(1, 1, 2, 16).expand(512, 2048, 2, 16)
     assert auto.shape_class(big, big, big, False)["batch"] == auto.ROWS_TIMED // 2048
+    long = torch.empty(1, 1, 2, 16).expand(1, 100_000, 2, 16)
+    assert auto.shape_class(long, long, long, False)["batch"] == auto.ROWS_TIMED // auto.LONGEST_TIMED
+    decode = auto.shape_class(torch.empty(8, 1, 2, 16), long[:1], long[:1], False)  # bounded by the keys too
+    assert decode["nq"] == 1 and decode["batch"] == auto.ROWS_TIMED // auto.LONGEST_TIMED
+
+
+def test_a_segment_count_that_crosses_batch_states_measures_nothing(measured, gen):
+    """A dilated step at a new length has another segment count (the batch of its largest call):
+    both batch states of its class are measured at the first call, so the later length measures
+    nothing."""
+    slow, fast, _ = measured
+    seg = 64
+    one, many = rand(1, seg, 2, 16, gen=gen), rand(5, seg, 2, 16, gen=gen)
+    assert get_backend("auto", one, one, False, v=one) is fast
+    calls = slow.calls + fast.calls
+    assert get_backend("auto", many, many, False, v=many) is fast and slow.calls + fast.calls == calls
+    auto.clear()
+    assert get_backend("auto", many, many, True, v=many) is fast  # and from the other side
+    calls = slow.calls + fast.calls
+    assert get_backend("auto", one, one, True, v=one) is fast and slow.calls + fast.calls == calls
+
+
+def test_one_kernel_is_timed_once_and_per_shape_compilers_not_beside_others(measured, monkeypatch, gen):
+    """A backend that would run the same kernel as one before it (``sdpa`` resolving to cuDNN) is
+    not timed again; one that compiles per shape (flex) is not timed where another works."""
+    slow, fast, _ = measured
+    twin = register_backend(_Timed("twin_for_test", 0.0))
+    twin.kernel_name = lambda q, k, causal: "slow_for_test"
+    compiler = register_backend(_Timed("compiler_for_test", 0.0))
+    compiler.compiles_per_shape = True
+    try:
+        monkeypatch.setitem(AUTO_ORDER, "cpu", ["compiler_for_test", "slow_for_test", "twin_for_test"])
+        q = rand(1, 64, 2, 16, gen=gen)
+        from dilated.backends import backend_reason
+
+        for name in ("twin_for_test", "compiler_for_test"):
+            assert backend_reason(name, q.device) is None  # availability probes before counting
+        before = twin.calls, compiler.calls
+        assert get_backend("auto", q, q, False, v=q) is slow  # the twin, as fast as it is, never ran
+        assert (twin.calls, compiler.calls) == before
+        monkeypatch.setitem(AUTO_ORDER, "cpu", ["compiler_for_test"])  # the only one: taken
+        auto.clear()
+        assert get_backend("auto", q, q, False, v=q) is compiler
+    finally:
+        del _REGISTRY["twin_for_test"], _REGISTRY["compiler_for_test"]
+
+
+def test_sdpa_rows_name_the_kernel_pytorch_chose(gen):
+    q, k = rand(1, 64, 4, 16, gen=gen), rand(1, 64, 2, 16, gen=gen)
+    with record_kernels() as ran:
+        dilated.attention(q, k, k, backend="sdpa")
+    assert len(ran) == 1 and next(iter(ran)).startswith("sdpa_")
+    assert ran == {get_backend("sdpa").kernel_name(q, k.repeat_interleave(2, 2), False)}
 
 
 def test_dilated_attention_chooses_its_kernel_by_the_calls_it_makes(monkeypatch, gen):

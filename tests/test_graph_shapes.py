@@ -92,13 +92,18 @@ class _CountingOps:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.backends.cudnn.is_available(), reason="needs cuDNN")
+@pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa"])
 @pytest.mark.parametrize("n, causal", [(1024, False), (1000, True)])
-def test_gpu_cudnn_first_calls_run_flash_then_build(n, causal, gen, monkeypatch):
+def test_gpu_cudnn_first_calls_run_flash_then_build(name, n, causal, gen, monkeypatch):
     """A dilated call at a new length: its first call runs every call on the flash kernel, the
     second builds cuDNN's graphs for the full segments (a clipped last segment, N = 1000, stays on
-    flash); every call right against float64, forward and gradients."""
+    flash); every call right against float64, forward and gradients. ``sdpa`` the same where
+    PyTorch's choice is cuDNN, and rows name cuDNN, not ``sdpa``."""
     dilated.available_backends("cuda")  # its probe calls are made before the counting starts
-    backend = get_backend("sdpa_cudnn", device="cuda")
+    backend = get_backend(name, device="cuda")
+    x = torch.zeros(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16)
+    if backend.kernel_name(x, x, causal) != "sdpa_cudnn":
+        pytest.skip(f"PyTorch's SDPA choice here is {backend.kernel_name(x, x, causal)}")
     monkeypatch.setattr(backend, "graph_shapes", GraphShapes(2))
     ops = _CountingOps(torch.ops.aten)
     monkeypatch.setattr("dilated.backends.sdpa.aten", ops)
@@ -112,7 +117,7 @@ def test_gpu_cudnn_first_calls_run_flash_then_build(n, causal, gen, monkeypatch)
     for _ in range(3):
         ops.calls.clear()
         with record_kernels() as kernels:
-            out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=causal, backend="sdpa_cudnn")
+            out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=causal, backend=name)
             grads = torch.autograd.grad(out, (q, k, v), dout)
         counts.append({name.split("_")[4] + ("_bwd" if name.endswith("backward") else ""): c
                        for name, c in ops.calls.items()})

@@ -5,15 +5,19 @@ and on disk.
 A *shape class* is what decides which kernel wins: the GPU, dtype, head dims, GQA or not, causal,
 whether gradients are needed (forward and backward are timed together then), the query and
 key lengths rounded up to a power of two and capped at :data:`LONGEST_TIMED` (beyond it the
-ranking no longer changes, and timing stays short), and the batch rounded up to a power of two and
-capped at :data:`ROWS_TIMED` query rows in all: a call of many short sequences (a dilated branch:
-hundreds of segments of 2048 rows) is timed as a device-filling batch, not as one sequence, whose
-time is mostly a kernel's host overhead. Each candidate runs :data:`WARMUP` calls
-(which absorb a first call's compilation) then :data:`REPS` timed ones (CUDA events on a GPU) on
-random inputs of the class's representative shape; the lowest median wins. Kernels that
-materialise the score matrix (``manual``, ``sdpa_math``) are not timed where a fused one works:
-they never win there, and at a device-filling shape their scores alone take gigabytes (the
-first call's peak memory includes the measurement).
+ranking no longer changes, and timing stays short), and one of two batch states: one sequence of
+at most that length, timed as it is (its time is mostly a kernel's host overhead), or anything
+larger, timed as a device-filling batch of :data:`ROWS_TIMED` rows (a dilated branch, hundreds of
+segments of 2048 rows, or one long sequence). The two states of a class are measured together,
+so a dilated step whose segment count changes with the length never measures at a later length.
+Each candidate runs :data:`WARMUP` calls (which absorb a first call's compilation) then
+:data:`REPS` timed ones (CUDA events on a GPU) on random inputs of the class's representative
+shape; the lowest median wins. A candidate that would run the same kernel as one before it
+(``sdpa`` where PyTorch chooses cuDNN) is not timed twice. Kernels that materialise the score
+matrix (``manual``, ``sdpa_math``) are not timed where a fused one works: they never win there,
+and at a device-filling shape their scores alone take gigabytes (the first call's peak memory
+includes the measurement). Nor is one that compiles per shape (``flex``, a few seconds per class)
+where one that does not works.
 
 The disk cache (``$DILATED_AUTO_CACHE``, default ``~/.cache/dilated/auto.json``; ``0`` turns it
 off) is keyed by the GPU, torch, CUDA, cuDNN, triton and the installed kernel libraries' versions,
@@ -54,11 +58,16 @@ def shape_class(q, k, v, causal: bool) -> dict:
     """What decides which kernel is fastest for these inputs."""
     name = _device_name(q.device)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
-    nq = _bucket(q.shape[1])
+    nq, nk = _bucket(q.shape[1]), _bucket(k.shape[1])
+    one = q.shape[0] == 1 and q.shape[1] <= LONGEST_TIMED  # one sequence short enough to be timed as it is
     return {"device": name, "dtype": str(q.dtype).removeprefix("torch."), "head_dim": q.shape[3],
             "head_dim_v": (v if v is not None else k).shape[3], "heads": q.shape[2], "kv_heads": k.shape[2],
-            "causal": causal, "grad": needs_grad, "nq": nq, "nk": _bucket(k.shape[1]),
-            "batch": min(_bucket(q.shape[0]), max(1, ROWS_TIMED // nq))}
+            "causal": causal, "grad": needs_grad, "nq": nq, "nk": nk, "batch": 1 if one else _filling_batch(nq, nk)}
+
+
+def _filling_batch(nq: int, nk: int) -> int:
+    """The batch of a device-filling representative call: :data:`ROWS_TIMED` rows of the longer side."""
+    return max(1, ROWS_TIMED // max(nq, nk))
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,8 +113,8 @@ def _write_disk(key: str, name: str) -> None:
         pass  # an unwritable cache costs a measurement next time, nothing else
 
 
-def _time_ms(backend, shape: dict, device) -> float:
-    """Median time of ``backend`` on random inputs of the class's representative shape."""
+def _inputs(shape: dict, device):
+    """Random q, k, v and dout (None without gradients) of the class's representative shape."""
     dtype = getattr(torch, shape["dtype"])
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -114,12 +123,13 @@ def _time_ms(backend, shape: dict, device) -> float:
 
     q, k, v = r(shape["nq"], shape["heads"], shape["head_dim"]), r(shape["nk"], shape["kv_heads"], shape["head_dim"]), \
         r(shape["nk"], shape["kv_heads"], shape["head_dim_v"])
-    scale = shape["head_dim"] ** -0.5
-    causal = shape["causal"] and shape["nq"] == shape["nk"]  # backends take square-causal pieces only
-    if backend.native_gqa is False and shape["kv_heads"] != shape["heads"]:
-        g = shape["heads"] // shape["kv_heads"]
-        k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
-    dout = r(shape["nq"], shape["heads"], shape["head_dim_v"]) if shape["grad"] else None
+    return q, k, v, (r(shape["nq"], shape["heads"], shape["head_dim_v"]) if shape["grad"] else None)
+
+
+def _time_ms(backend, q, k, v, dout, causal: bool) -> float:
+    """Median time of ``backend`` on these inputs (k and v expanded to q's heads already where it
+    has no native GQA)."""
+    scale = q.shape[-1] ** -0.5
 
     def call():
         out, lse = backend.forward(q, k, v, causal, scale)
@@ -131,7 +141,7 @@ def _time_ms(backend, shape: dict, device) -> float:
             call()
         times = []
         for _ in range(REPS):
-            if device.type == "cuda":
+            if q.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 call()
@@ -145,37 +155,66 @@ def _time_ms(backend, shape: dict, device) -> float:
     return statistics.median(times)
 
 
+def _measure(candidates: list, shape: dict, device) -> str:
+    """The name of the fastest of ``candidates`` on the class's representative shape. A candidate
+    that would run the same kernel as one before it (``sdpa`` where PyTorch chooses cuDNN, beside
+    ``sdpa_cudnn``) is not timed again; one that fails there is not chosen."""
+    q, k, v, dout = _inputs(shape, device)
+    causal = shape["causal"] and shape["nq"] == shape["nk"]  # backends take square-causal pieces only
+    times, kernels = {}, set()
+    for c in candidates:
+        kc, vc = k, v
+        if c.native_gqa is False and shape["kv_heads"] != shape["heads"]:
+            g = shape["heads"] // shape["kv_heads"]
+            kc, vc = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+        try:
+            kernel = c.kernel_name(q, kc, causal)
+            if kernel in kernels:
+                continue
+            times[c.name] = _time_ms(c, q, kc, vc, dout, causal)
+            kernels.add(kernel)
+        except Exception:  # a kernel that fails on the representative shape is not chosen
+            continue
+    return min(times, key=times.get) if times else candidates[0].name
+
+
+def _sibling(shape: dict) -> dict:
+    """The same class for the other batch state: one sequence <-> a device-filling batch."""
+    return {**shape, "batch": _filling_batch(shape["nq"], shape["nk"]) if shape["batch"] == 1 else 1}
+
+
 def fastest(candidates: list, q, k, v, causal: bool):
     """The fastest of ``candidates`` (backends that work here and accept the inputs, in the fixed
-    order) for the inputs' shape class; the first of them where measuring is off or fails."""
+    order) for the inputs' shape class; the first of them where measuring is off or fails.
+
+    A class not yet known is measured together with its sibling of the other batch state, so that a
+    later call whose batch (a dilated step's segment count at another length) crosses between them
+    measures nothing."""
     device = q.device
     if len(candidates) == 1 or device.type not in MEASURED_DEVICES or os.environ.get("DILATED_AUTO") == "order":
         return candidates[0]
-    fused = [c for c in candidates if not c.materializes_scores]
-    if fused and len(fused) < len(candidates):  # never the fastest, and their scores take gigabytes
-        candidates = fused
-        if len(candidates) == 1:
-            return candidates[0]
+    # kernels that materialise the scores never win where a fused one works, and at a device-filling
+    # shape their scores alone take gigabytes; one that compiles per shape would cost seconds per class
+    fused = [c for c in candidates if not c.materializes_scores] or candidates
+    candidates = [c for c in fused if not c.compiles_per_shape] or fused
+    if len(candidates) == 1:
+        return candidates[0]
     shape = shape_class(q, k, v, causal)
     names = tuple(c.name for c in candidates)
-    key = (names, tuple(shape.values()))
     by_name = {c.name: c for c in candidates}
-    name = _CHOSEN.get(key)
-    if name is not None:
-        return by_name[name]
-    disk_key = json.dumps([_software(), names, shape], sort_keys=True)
-    name = _read_disk().get(disk_key)
-    if name not in by_name:
-        times = {}
-        for c in candidates:
-            try:
-                times[c.name] = _time_ms(c, shape, device)
-            except Exception:  # a kernel that fails on the representative shape is not chosen
-                continue
-        name = min(times, key=times.get) if times else candidates[0].name
-        _write_disk(disk_key, name)
-    _CHOSEN[key] = name
-    return by_name[name]
+    chosen = None
+    for cls in (shape, _sibling(shape)):
+        key = (names, tuple(cls.values()))
+        name = _CHOSEN.get(key)
+        if name is None:
+            disk_key = json.dumps([_software(), names, cls], sort_keys=True)
+            name = _read_disk().get(disk_key)
+            if name not in by_name:
+                name = _measure(candidates, cls, device)
+                _write_disk(disk_key, name)
+            _CHOSEN[key] = name
+        chosen = chosen or name
+    return by_name[chosen]
 
 
 def clear() -> None:

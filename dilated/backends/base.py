@@ -42,6 +42,9 @@ class Backend:
     #: whether it materialises the score matrix (memory quadratic in the length): ``auto`` does not
     #: time such a kernel where a fused one works.
     materializes_scores: bool = False
+    #: whether its first call at each new shape compiles (seconds): ``auto`` does not time such a
+    #: kernel where one that does not compile per shape works.
+    compiles_per_shape: bool = False
 
     # -- availability -------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> str | None:
@@ -74,6 +77,11 @@ class Backend:
         unmasked call over the keys before it and a causal call on its own block, merged by lse
         (:func:`dilated.functional.causal_pieces`): the same causal work at the unmasked rate."""
         return None
+
+    def kernel_name(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str:
+        """The kernel that runs for these inputs, by the name of the backend that forces it: the
+        backend's own name, but ``sdpa`` (PyTorch's choice) says which SDPA kernel it chose."""
+        return self.name
 
     def probe_dtype(self, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -59,6 +59,7 @@ def _lse_kwargs():
 class FlexBackend(Backend):
     name = "flex"
     native_gqa = True
+    compiles_per_shape = True  # compiled with dynamic=False: seconds at each new shape
 
     def unavailable_reason(self, device):
         try:

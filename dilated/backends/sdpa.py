@@ -15,7 +15,8 @@ attention uses), and backward calls their private backward ops with the (merged)
 * cuDNN: ``aten._scaled_dot_product_cudnn_attention(compute_log_sumexp=True)`` / ``..._backward``.
   cuDNN rejects one query against one key; such calls go to the flash kernel. cuDNN builds a graph
   per call shape: the first call of a shape goes to the flash kernel too, the graph is built when
-  the shape comes back (:mod:`dilated.backends.graph_shapes`); both are recorded as run.
+  the shape comes back (:mod:`dilated.backends.graph_shapes`), also where ``sdpa`` resolves to
+  cuDNN; both are recorded as run (``sdpa`` records the kernel it resolved to).
 * flash's backward (CUDA) indexes its float32 dq accumulator, ``batch * heads * round_up(seq_q,
   128) * round_up(head_dim, 32)`` elements, with 32-bit integers: beyond 2**31 it reads and writes
   out of bounds (an illegal memory access on an H200, torch 2.11, at 15872 x 2048 rows x 128; fixed
@@ -71,7 +72,8 @@ class SDPABackend(Backend):
         self.kernel = kernel
         self.name = "sdpa" if kernel is None else f"sdpa_{kernel}"
         self.materializes_scores = kernel == "math"
-        self.graph_shapes = GraphShapes() if kernel == "cudnn" else None
+        # cuDNN's graphs wait for a shape's second call also where PyTorch's choice (``sdpa``) is cuDNN
+        self.graph_shapes = GraphShapes() if kernel in ("cudnn", None) else None
 
     # -- availability -------------------------------------------------------------------
     def unavailable_reason(self, device):
@@ -92,6 +94,10 @@ class SDPABackend(Backend):
         if kern is None:
             return "PyTorch found no SDPA kernel for these inputs"
         return None
+
+    def kernel_name(self, q, k, causal):
+        kern = self._resolve(q, k, causal) if self.kernel is None else None
+        return self.name if kern is None else f"sdpa_{kern}"
 
     def _resolve(self, q, k, causal, v=None):
         if self.kernel == "cudnn" and q.shape[1] == 1 and k.shape[1] == 1:
