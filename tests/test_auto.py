@@ -97,7 +97,7 @@ def test_rows_record_the_kernel_that_ran_and_the_first_call():
                            .scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                          v.transpose(1, 2)).transpose(1, 2))
     jobs = [(IMPLEMENTATIONS["improved"], case, "manual"), (IMPLEMENTATIONS["dense"], case, "auto"), (plain, case, "x")]
-    rows = run_sweep(jobs, RunOptions(reps=2, warmup=1), None, "test", progress=False)
+    rows = run_sweep(jobs, RunOptions(reps=2, warmup=1, device="cpu"), None, "test", progress=False)
     assert rows[0]["kernels"] == ["manual"]
     assert rows[1]["kernels"] == [dilated.backends.AUTO_ORDER["cpu"][0]]  # auto on CPU: the first that works
     assert rows[2]["kernels"] is None  # not through dilated's backends: nothing to say

@@ -555,6 +555,9 @@ def test_varied_lengths_scenario_reports_each_first_call(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["config"]["seq_len"] for r in rows] == [500, 600, 700, 1000]
+    # one module at every length (a schedule per length would time new schedules, not new lengths)
+    assert len({(tuple(r["config"]["segment_lengths"]), tuple(r["config"]["dilation_rates"])) for r in rows}) == 1
+    assert rows[0]["check"]["passed"] and rows[0]["config"]["segment_lengths"][-1] > 500  # segments longer than N
     assert all(r["first_call_ms"] > 0 and r["second_call_ms"] > 0 and r["kernels"] and r["second_call_kernels"]
                for r in rows)
     table = run.stdout.split("first and second call at each new length")[1]
