@@ -33,6 +33,7 @@ class _Timed(Backend):
 def measured(monkeypatch, tmp_path):
     """Measuring on CPU, a fresh disk cache; two registered backends, the slow one first in the order."""
     monkeypatch.setattr(auto, "MEASURED_DEVICES", {"cpu"})
+    monkeypatch.setattr(auto, "ROWS_TIMED", 256)  # a small device-filling batch: the delays decide, not the work
     monkeypatch.setenv("DILATED_AUTO_CACHE", str(tmp_path / "auto.json"))
     monkeypatch.delenv("DILATED_AUTO", raising=False)
     slow, fast = register_backend(_Timed("slow_for_test", 0.004)), register_backend(_Timed("fast_for_test", 0.0))

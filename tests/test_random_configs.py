@@ -126,3 +126,48 @@ def test_gpu_random_dense_configurations(seed):
 @pytest.mark.parametrize("seed", range(32))
 def test_gpu_random_dilated_configurations(seed):
     _dilated_case(seed, "cuda", torch.bfloat16, GPU_BACKENDS, GPU_HEAD_DIMS)
+
+
+def _harness_case(rng):
+    """A random configuration at the sizes users run: an implementation, a backend (fused, or
+    auto), thousands to hundreds of thousands of tokens, GQA, head dims 32-256, bf16/fp16, causal
+    or not, packed documents, a schedule that N does not divide, a logit scale."""
+    from dilated.bench import Case
+
+    fused = [n for n in GPU_BACKENDS if not dilated.backends.get_backend(n, device="cuda").materializes_scores]
+    impl = rng.choice(["improved", "improved", "dilated", "multihead", "improved_pool", "dense", "dense"])
+    hkv = rng.choice([1, 2, 4, 8])
+    h, d = hkv * rng.choice([1, 2, 4]), rng.choice([32, 64, 80, 96, 128, 192, 256])
+    segs = sorted({rng.choice([512, 1000, 1536, 2048, 3000, 4096, 8192, 16384, 32768]) for _ in range(rng.randint(1, 5))})
+    rates = sorted(rng.choice([1, 2, 3, 4, 6, 8, 16]) for _ in segs)
+    rates[0] = 1
+    n = rng.randint(3000, 32000 if impl == "dense" else 200_000)
+    b = rng.choice([1, 1, 2])
+    while b * n * h * d > 2e8:
+        n //= 2
+    docs = rng.choice([None, "fixed:4k", "uniform:1k-16k", "lognormal:8k,1.0"]) if impl == "dense" else None
+    case = Case(batch=b, seq_len=n * (4 if docs else 1), num_heads=h, head_dim=d,
+                num_kv_heads=None if hkv == h or impl == "multihead" else hkv,
+                dtype=rng.choice(["bfloat16", "bfloat16", "float16"]), causal=rng.random() < 0.5,
+                mode=rng.choice(["fwd", "fwd_bwd", "fwd_bwd"]), documents=docs,
+                segment_lengths=None if impl == "dense" else tuple(segs),
+                dilation_rates=None if impl == "dense" else tuple(rates), input_scale=rng.choice([1.0, 0.1, 4.0]))
+    return impl, case, rng.choice(fused + ["auto"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seed", range(16))
+def test_gpu_random_configurations_at_scale_through_the_harness(seed):
+    """Beyond the float64 reference's size: every row checked on sampled rows (output, and dq for
+    gradients) against the streamed float64 reference, or a clean unsupported/oom row."""
+    from dilated.bench import RunOptions, run_sweep
+    from dilated.bench.registry import get_implementation
+
+    impl, case, backend = _harness_case(random.Random(1000 + seed))
+    row = run_sweep([(get_implementation(impl), case, backend)], RunOptions(warmup=1, reps=1, warmup_s=0, rep_s=0),
+                    None, "test", progress=False)[0]
+    if row["status"] in ("unsupported", "oom"):
+        assert row["reason"]
+        return
+    assert row["status"] == "ok", row["reason"]
+    assert row["check"]["passed"], (impl, backend, case, row["check"])
