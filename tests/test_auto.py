@@ -204,3 +204,22 @@ def test_kernels_that_materialise_the_scores_are_not_timed_beside_fused_ones(mea
         assert get_backend("auto", q, q, False, v=q) is scores
     finally:
         del _REGISTRY["scores_for_test"]
+
+
+def test_a_measurement_that_ran_out_of_memory_is_not_kept_on_disk(measured, gen):
+    """With more memory free another time, the kernel that ran out might have won: the choice holds
+    for this process only."""
+    slow, fast, cache = measured
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    fast.forward = out_of_memory
+    try:
+        q = rand(1, 64, 2, 16, gen=gen)
+        assert get_backend("auto", q, q, False, v=q) is slow
+        assert not cache.exists() or json.loads(cache.read_text()) == {}
+        calls = slow.calls
+        assert get_backend("auto", q, q, False, v=q) is slow and slow.calls == calls  # remembered in-process
+    finally:
+        del fast.forward

@@ -21,7 +21,8 @@ where one that does not works.
 
 The disk cache (``$DILATED_AUTO_CACHE``, default ``~/.cache/dilated/auto.json``; ``0`` turns it
 off) is keyed by the GPU, torch, CUDA, cuDNN, triton and the installed kernel libraries' versions,
-so a new driver stack measures again. ``DILATED_AUTO=order`` skips measuring: the first backend
+so a new driver stack measures again. A measurement in which a candidate ran out of memory is
+kept for the process only, and the measurement's memory goes back to the device after it. ``DILATED_AUTO=order`` skips measuring: the first backend
 of the fixed order that works is taken (the order of :data:`dilated.backends.AUTO_ORDER`).
 Measuring is on by default on CUDA; on CPU the fixed order is used (:data:`MEASURED_DEVICES`).
 """
@@ -155,27 +156,37 @@ def _time_ms(backend, q, k, v, dout, causal: bool) -> float:
     return statistics.median(times)
 
 
-def _measure(candidates: list, shape: dict, device) -> str:
-    """The name of the fastest of ``candidates`` on the class's representative shape. A candidate
-    that would run the same kernel as one before it (``sdpa`` where PyTorch chooses cuDNN, beside
-    ``sdpa_cudnn``) is not timed again; one that fails there is not chosen."""
-    q, k, v, dout = _inputs(shape, device)
+def _measure(candidates: list, shape: dict, device) -> tuple[str, bool]:
+    """``(name, lasting)``: the fastest of ``candidates`` on the class's representative shape, and
+    whether the answer may be kept on disk (not where a candidate ran out of memory: with more
+    memory free, another time, it might have won). A candidate that would run the same kernel as
+    one before it (``sdpa`` where PyTorch chooses cuDNN, beside ``sdpa_cudnn``) is not timed again;
+    one that fails there is not chosen."""
+    times, kernels, lasting = {}, set(), True
+    try:
+        q, k, v, dout = _inputs(shape, device)
+    except torch.OutOfMemoryError:
+        return candidates[0].name, False
     causal = shape["causal"] and shape["nq"] == shape["nk"]  # backends take square-causal pieces only
-    times, kernels = {}, set()
     for c in candidates:
         kc, vc = k, v
-        if c.native_gqa is False and shape["kv_heads"] != shape["heads"]:
-            g = shape["heads"] // shape["kv_heads"]
-            kc, vc = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
         try:
+            if c.native_gqa is False and shape["kv_heads"] != shape["heads"]:
+                g = shape["heads"] // shape["kv_heads"]
+                kc, vc = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
             kernel = c.kernel_name(q, kc, causal)
             if kernel in kernels:
                 continue
             times[c.name] = _time_ms(c, q, kc, vc, dout, causal)
             kernels.add(kernel)
+        except torch.OutOfMemoryError:
+            lasting = False
         except Exception:  # a kernel that fails on the representative shape is not chosen
             continue
-    return min(times, key=times.get) if times else candidates[0].name
+    del q, k, v, dout, kc, vc
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the measurement's inputs and workspaces go back to the device
+    return (min(times, key=times.get) if times else candidates[0].name), lasting
 
 
 def _sibling(shape: dict) -> dict:
@@ -210,8 +221,9 @@ def fastest(candidates: list, q, k, v, causal: bool):
             disk_key = json.dumps([_software(), names, cls], sort_keys=True)
             name = _read_disk().get(disk_key)
             if name not in by_name:
-                name = _measure(candidates, cls, device)
-                _write_disk(disk_key, name)
+                name, lasting = _measure(candidates, cls, device)
+                if lasting:
+                    _write_disk(disk_key, name)
             _CHOSEN[key] = name
         chosen = chosen or name
     return by_name[chosen]
