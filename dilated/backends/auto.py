@@ -184,7 +184,7 @@ def _measure(candidates: list, shape: dict, device) -> tuple[str, bool]:
         except Exception:  # a kernel that fails on the representative shape is not chosen
             continue
     del q, k, v, dout, kc, vc
-    if device.type == "cuda":
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         torch.cuda.empty_cache()  # the measurement's inputs and workspaces go back to the device
     return (min(times, key=times.get) if times else candidates[0].name), lasting
 
