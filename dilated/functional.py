@@ -28,7 +28,7 @@ import torch
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .backends import Backend, get_backend
 from .backends.graph_shapes import one_operation
-from .backends.kernel_log import note_kernel
+from .backends.kernel_log import note_kernel, recording
 from .merge import empty_accumulators, merge_
 
 
@@ -87,7 +87,8 @@ def attention_forward(backend: Backend, q, k, v, causal: bool, scale: float, nee
     ``need_lse=False``: a backend without a log-sum-exp may return None for it."""
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     k, v, _ = _kv_for(backend, q, k, v)
-    note_kernel(backend.kernel_name(q, k, causal))
+    if recording():
+        note_kernel(backend.kernel_name(q, k, causal))
     pieces = causal_pieces(q.shape[1], k.shape[1], causal, backend.longest_causal_block(q, k) if causal else None)
     if len(pieces) == 1 and pieces[0][0] == 0:
         out, lse = backend.forward(q, k, v, pieces[0][4], scale)
@@ -126,7 +127,8 @@ def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, 
     """``dq, dk, dv`` of the attention whose (merged) output and lse are ``out`` and ``lse``."""
     dout, q, k, v, out = (dense_rows(t) for t in (dout, q, k, v, out))
     k_e, v_e, groups = _kv_for(backend, q, k, v)
-    note_kernel(backend.kernel_name(q, k_e, causal))
+    if recording():
+        note_kernel(backend.kernel_name(q, k_e, causal))
     pieces = causal_pieces(q.shape[1], k.shape[1], causal)
 
     def run(dout_, v_, out_):

@@ -19,6 +19,11 @@ def record_kernels():
         _OPEN.remove(ran)
 
 
+def recording() -> bool:
+    """Whether a :func:`record_kernels` block is open (working out a kernel's name can cost host time)."""
+    return bool(_OPEN)
+
+
 def note_kernel(name: str) -> None:
     """Called by :mod:`dilated.functional` for each backend call."""
     for ran in _OPEN:
