@@ -22,9 +22,10 @@ where one that does not works.
 The disk cache (``$DILATED_AUTO_CACHE``, default ``~/.cache/dilated/auto.json``; ``0`` turns it
 off) is keyed by the GPU, torch, CUDA, cuDNN, triton and the installed kernel libraries' versions,
 so a new driver stack measures again. A measurement in which a candidate ran out of memory is
-kept for the process only, and the measurement's memory goes back to the device after it. ``DILATED_AUTO=order`` skips measuring: the first backend
-of the fixed order that works is taken (the order of :data:`dilated.backends.AUTO_ORDER`).
-Measuring is on by default on CUDA; on CPU the fixed order is used (:data:`MEASURED_DEVICES`).
+kept for the process only, and the measurement's memory goes back to the device after it.
+``DILATED_AUTO=order`` skips measuring: the first backend of the fixed order that works is taken
+(the order of :data:`dilated.backends.AUTO_ORDER`). Measuring is on by default on CUDA; on CPU the
+fixed order is used (:data:`MEASURED_DEVICES`).
 """
 from __future__ import annotations
 
@@ -213,6 +214,9 @@ def fastest(candidates: list, q, k, v, causal: bool):
     shape = shape_class(q, k, v, causal)
     names = tuple(c.name for c in candidates)
     by_name = {c.name: c for c in candidates}
+    name = _CHOSEN.get((names, tuple(shape.values())))
+    if name is not None:  # known in this process, and so is its sibling
+        return by_name[name]
     chosen = None
     for cls in (shape, _sibling(shape)):
         key = (names, tuple(cls.values()))
