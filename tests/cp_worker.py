@@ -1,6 +1,7 @@
 """Workers for tests/test_context_parallel.py: Ulysses and the Ulysses x ring hybrid on real gloo
 process groups, against a float64 dense reference of the whole sequence."""
 import os
+import random
 import sys
 
 import torch
@@ -215,3 +216,81 @@ def dilated_any_schedule(rank, world):
                 assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9, name
                 for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
                     assert _rel(module.unshard(local.grad), full.grad) < 1e-9, f"{name} d{t}"
+
+
+def _random_case(rng, world):
+    """One seeded configuration of a sequence-parallel module for ``world`` ranks: the module and
+    its layout or grid, heads (GQA split or replicated), length, causal, packed documents (one,
+    random cuts, or documents of one position) or a dilated schedule that the shards do not line up
+    with, and dtype (float64 on ``manual``; float32 on ``manual``, ``sdpa`` or ``auto``)."""
+    c = {"kind": rng.choice(["ring", "ulysses", "hybrid", "dilated"]), "causal": rng.random() < 0.5,
+         "d": rng.choice([8, 16, 24]), "b": rng.randint(1, 2), "docs": None, "layout": None, "grid": None}
+    c["dtype"] = rng.choice([torch.float64, torch.float64, torch.float32])
+    c["backend"] = "manual" if c["dtype"] == torch.float64 else rng.choice(["manual", "sdpa", "auto"])
+    ring_ranks, heads_unit = world, 1
+    if c["kind"] in ("ring", "hybrid"):
+        c["layout"] = rng.choice(["contiguous", "zigzag"])
+    if c["kind"] == "hybrid":
+        c["grid"] = rng.choice([(u, world // u) for u in range(1, world + 1) if world % u == 0])
+        heads_unit, ring_ranks = c["grid"]
+    elif c["kind"] == "ulysses":
+        heads_unit = world
+    c["h"] = heads_unit * rng.randint(1, 3) if c["kind"] != "ring" else rng.randint(1, 6)
+    c["hkv"] = rng.choice([x for x in range(1, c["h"] + 1) if c["h"] % x == 0])
+    chunks = ring_ranks * (2 if c["layout"] == "zigzag" else 1)
+    c["n"] = (world // ring_ranks) * chunks * rng.randint(1, 10)
+    if c["kind"] == "dilated":
+        segs = sorted(rng.sample(range(1, c["n"] + 1), min(c["n"], rng.randint(1, 3))))
+        dils = [rng.randint(1, min(4, w)) for w in segs]
+        dils[0] = 1  # every row covered
+        c["schedule"] = (segs, dils)
+    elif rng.random() < 0.6:
+        n = c["n"]
+        cuts = {"one": [], "ones": range(1, n), "random": rng.sample(range(1, n), min(n - 1, rng.randint(1, 8)))}
+        c["docs"] = sorted({0, n, *cuts[rng.choice(list(cuts))]})
+    return c
+
+
+def _random_module(c):
+    if c["kind"] == "ring":
+        return dilated.RingAttention(causal=c["causal"], layout=c["layout"], backend=c["backend"])
+    if c["kind"] == "ulysses":
+        return dilated.UlyssesAttention(causal=c["causal"], backend=c["backend"])
+    if c["kind"] == "hybrid":
+        return dilated.HybridAttention(*c["grid"], causal=c["causal"], layout=c["layout"], backend=c["backend"])
+    return dilated.DistributedDilatedAttention(*c["schedule"], causal=c["causal"], backend=c["backend"])
+
+
+@worker
+def random_configurations(rank, world, seeds):
+    """Seeded random configurations (:func:`_random_case`) on this group, each against the float64
+    reference of the whole problem: the dense one, each document alone, or the dilated one;
+    forward and gradients. Errors are relative to the reference's largest entry, or to a floor where
+    that is smaller (documents of one position have gradients of q and k that are exactly zero):
+    1e-3 in float64, 0.05 in float32, whose rounding on gradients near zero is some 1e-7."""
+    from dilated.reference import dilated_reference
+
+    for seed in seeds:
+        rng, gen = random.Random(1000 * world + seed), torch.Generator().manual_seed(seed)
+        c = _random_case(rng, world)
+        q, k, v = (torch.randn(c["b"], c["n"], hh, c["d"], generator=gen, dtype=torch.float64)
+                   for hh in (c["h"], c["hkv"], c["hkv"]))
+        dout = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+        module = _random_module(c)
+        ql, kl, vl = (module.shard(t.to(c["dtype"])).requires_grad_() for t in (q, k, v))
+        docs = {} if c["docs"] is None else {"cu_seqlens": torch.tensor(c["docs"], dtype=torch.int32)}
+        out = module(ql, kl, vl, **docs)
+        out.backward(module.shard(dout.to(c["dtype"])))
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        if c["kind"] == "dilated":
+            ref = dilated_reference(qf, kf, vf, *c["schedule"], c["causal"])
+        else:
+            ref = _per_document(qf, kf, vf, c["docs"] or [0, c["n"]], c["causal"])
+        ref.backward(dout)
+        tol, floor = (1e-9, 1e-3) if c["dtype"] == torch.float64 else (2e-4, 0.05)
+        pairs = {"out": (out.detach(), ref.detach()), **{f"d{t}": (lo.grad, fu.grad) for t, lo, fu in
+                                                         zip("qkv", (ql, kl, vl), (qf, kf, vf))}}
+        errs = {name: ((module.unshard(got).double() - want).abs().max() / want.abs().max().clamp_min(floor)).item()
+                for name, (got, want) in pairs.items()}
+        bad = {name: e for name, e in errs.items() if not e < tol}
+        assert not bad, f"seed {seed} on {world} ranks: {c}: {bad}"

@@ -173,3 +173,10 @@ def test_yunchang_rows_say_what_its_torch_attention_cannot_do(monkeypatch):
         assert out.shape == q.shape and yunchang.globals.DEGREES == [(1, 1)]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6])
+def test_random_configurations_of_every_sequence_parallel_module(world):
+    """Ring, zigzag ring, Ulysses, every hybrid grid and distributed dilated attention on seeded
+    random shapes, GQA ratios, documents and schedules (tests/cp_worker.py), exact against float64."""
+    mp.spawn(cp_worker.random_configurations, args=(world, _port(), range(30)), nprocs=world, join=True)
