@@ -14,9 +14,12 @@ from .dilated_attention import DilatedAttention, dilated_attention  # noqa: E402
 from .improved_dilated_attention import ImprovedDilatedAttention, improved_dilated_attention  # noqa: E402
 from .memory_pool import MemoryPool  # noqa: E402
 from .pattern_cache import PatternCache  # noqa: E402
+from .residue_major import (from_residue_major, residue_major_fast_path_reason, residue_major_positions,  # noqa: E402
+                            to_residue_major)
 
 __all__ += ["dilated_attention", "DilatedAttention", "improved_dilated_attention", "ImprovedDilatedAttention",
-            "MemoryPool", "PatternCache"]
+            "MemoryPool", "PatternCache", "to_residue_major", "from_residue_major", "residue_major_positions",
+            "residue_major_fast_path_reason"]
 from .multihead import MultiheadDilatedAttention  # noqa: E402
 
 __all__ += ["MultiheadDilatedAttention"]

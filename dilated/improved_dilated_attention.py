@@ -43,6 +43,7 @@ from .ops import dilated_forward_op
 from .memory_pool import MemoryPool
 from .pattern_cache import PatternCache
 from .plan import AttentionSpec, KernelCall, largest_call_inputs, plan_for
+from .residue_major import from_residue_major, geometric_schedule_reason, residue_major_attention, to_residue_major
 
 
 def _covering_part(plan, parts, shape):
@@ -258,14 +259,39 @@ def resolve_dilated(q, k, v, segment_lengths, dilation_rates, causal, scale, bac
     return resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
 
 
+LAYOUTS = ("natural", "residue_major")
+
+
+def check_layout(layout, segment_lengths=None, dilation_rates=None) -> str:
+    """``layout`` itself, or a ValueError naming the choices (or why the schedule has no such order)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    if layout == "residue_major" and segment_lengths is not None:
+        reason = geometric_schedule_reason(segment_lengths, dilation_rates)
+        if reason:
+            raise ValueError(reason)
+    return layout
+
+
 def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
                                backend="auto", pattern_cache: PatternCache | None = None,
-                               memory_pool: MemoryPool | None = None):
+                               memory_pool: MemoryPool | None = None, layout: str = "natural"):
     """Fast exact dilated attention; the same function as :func:`dilated.dilated_attention`.
 
     ``pattern_cache``: works out what the inputs' signature determines (validation, backend, plan)
     once per signature. Under ``torch.compile`` the computation is one custom op
-    (:mod:`dilated.ops`)."""
+    (:mod:`dilated.ops`).
+
+    ``layout="residue_major"``: q, k, v and the output are in the residue-major order of the
+    schedule along the sequence (:mod:`dilated.residue_major`), where the whole computation is one
+    block-sparse kernel call without a combine (flash-attn 4 on Hopper, non-causal)."""
+    if check_layout(layout) == "residue_major":
+        def natural(q, k, v):
+            return improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
+                                              backend=backend, pattern_cache=pattern_cache, memory_pool=memory_pool)
+
+        return residue_major_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
+                                       backend=backend, natural=natural, pattern_cache=pattern_cache)
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
     if torch.compiler.is_compiling():
         # errors at trace time; the op warns of uncovered rows when it runs (dynamo cannot trace a warning)
@@ -285,12 +311,18 @@ class ImprovedDilatedAttention(nn.Module):
 
     ``pattern_cache`` (on by default) and ``memory_pool`` (off by default: PyTorch's caching
     allocator already recycles memory; see the benchmarks) may be True/False or an instance.
+
+    ``layout="residue_major"`` (a geometric schedule, N a multiple of the largest segment): the
+    sequence is in the schedule's residue-major order (:mod:`dilated.residue_major`);
+    :meth:`to_layout` / :meth:`from_layout` put a tensor in it and back, once per model.
     """
 
     def __init__(self, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto",
-                 pattern_cache: bool | PatternCache = True, memory_pool: bool | MemoryPool = False):
+                 pattern_cache: bool | PatternCache = True, memory_pool: bool | MemoryPool = False,
+                 layout: str = "natural"):
         super().__init__()
         self.segment_lengths, self.dilation_rates = check_schedule(segment_lengths, dilation_rates)
+        self.layout = check_layout(layout, self.segment_lengths, self.dilation_rates)
         check_causal(causal)
         check_scale(scale)
         self.causal, self.scale, self.backend = causal, scale, backend
@@ -300,9 +332,19 @@ class ImprovedDilatedAttention(nn.Module):
     def forward(self, q, k, v):
         return improved_dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates, causal=self.causal, scale=self.scale,
-            backend=self.backend, pattern_cache=self.pattern_cache, memory_pool=self.memory_pool)
+            backend=self.backend, pattern_cache=self.pattern_cache, memory_pool=self.memory_pool, layout=self.layout)
+
+    def to_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, N, ...]`` in the natural order put in this module's layout (a no-op for
+        ``"natural"``): what a model does once to its tokens, and to their positions."""
+        return to_residue_major(x, self.segment_lengths, self.dilation_rates) if self.layout == "residue_major" else x
+
+    def from_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`to_layout`."""
+        return from_residue_major(x, self.segment_lengths, self.dilation_rates) if self.layout == "residue_major" else x
 
     def extra_repr(self):
         return (f"segment_lengths={list(self.segment_lengths)}, dilation_rates={list(self.dilation_rates)}, "
                 f"causal={self.causal}, backend={self.backend!r}, pattern_cache={self.pattern_cache is not None}, "
-                f"memory_pool={self.memory_pool is not None}")
+                f"memory_pool={self.memory_pool is not None}"
+                + (f", layout={self.layout!r}" if self.layout != "natural" else ""))

@@ -514,7 +514,7 @@ def test_a_new_problem_is_a_class_the_harness_asks_not_a_branch():
 
 
 def test_an_unknown_problem_name_is_refused():
-    with pytest.raises(ValueError, match="unknown problem 'sparse'.*dense, dilated, module"):
+    with pytest.raises(ValueError, match="unknown problem 'sparse'.*dense, dilated, dilated_residue_major, module"):
         Implementation("x", "sparse", lambda c, b: None)
 
 
@@ -638,3 +638,31 @@ def test_long_rows_check_the_query_gradients_of_sampled_rows(name, documents, mo
     assert "sampled rows" in right_row["reference"] and "dq of the sampled rows" in right_row["grad_check"]
     assert right_row["passed"] and right_row["grad_rel_err"] < 1e-4
     assert not wrong_row["passed"] and wrong_row["grad_rel_err"] > 0.1
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_residue_major_rows_are_checked_in_their_order(sampled, monkeypatch):
+    """The residue-major implementation's rows are checked against the float64 definition in its
+    order (the full reference, or sampled rows with their dq), and report the one-call floor; a
+    step that ran the natural order on those inputs fails its check."""
+    from dilated.bench import runner
+
+    if sampled:
+        monkeypatch.setattr(runner, "DENSE_REFERENCE_LIMIT", 0)
+    base = IMPLEMENTATIONS["improved_residue_major"]
+    natural = register_implementation(Implementation("natural_order_for_test", base.problem,
+                                                     IMPLEMENTATIONS["improved"].build))
+    try:
+        case = Case(batch=1, seq_len=256, num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32",
+                    mode="fwd_bwd", segment_lengths=(32, 64, 128), dilation_rates=(1, 2, 4))
+        rows = run_sweep([(base, case, "manual"), (natural, case, "manual")],
+                         RunOptions(reps=2, warmup=1, floor=True, device="cpu"), None, "t", progress=False)
+    finally:
+        del IMPLEMENTATIONS["natural_order_for_test"]
+    right, wrong = rows
+    assert right["status"] == "ok" and right["check"]["passed"] and right["check"]["rel_err"] < 1e-5
+    assert ("sampled rows" in right["check"]["reference"]) == sampled
+    if sampled:
+        assert right["check"]["grad_rel_err"] < 1e-5
+    assert right["kernels"] == ["manual"] and right["one_call_floor_ratio"] > 0 and "floor_ratio" not in right
+    assert not wrong["check"]["passed"]

@@ -78,6 +78,11 @@ class Backend:
         (:func:`dilated.functional.causal_pieces`): the same causal work at the unmasked rate."""
         return None
 
+    def block_sparse_reason(self, q: torch.Tensor, k: torch.Tensor, block: int) -> str | None:
+        """Why this kernel cannot run a block-sparse attention over ``block`` x ``block`` tiles of
+        q and k (:meth:`block_sparse_forward`), or None where it can."""
+        return f"{self.name} does not take lists of key blocks per query block"
+
     def kernel_name(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str:
         """The kernel that runs for these inputs, by the name of the backend that forces it: the
         backend's own name, but ``sdpa`` (PyTorch's choice) says which SDPA kernel it chose."""
@@ -91,6 +96,19 @@ class Backend:
         """Return ``(out, lse)``; ``out`` in q's dtype, ``lse`` ``[B, H, Nq]`` float32 (float64 for
         float64 inputs). Inputs have a contiguous last dimension. No autograd."""
         raise NotImplementedError
+
+    def block_sparse_forward(self, q, k, v, lists, scale: float):
+        """``(out, lse)`` of non-causal attention where query block ``m`` (of ``lists.block`` rows)
+        of head ``h`` sees the key blocks ``lists.indices[0, h, m, :lists.counts[0, h, m]]``, each as
+        many times as it is listed (a block listed twice counts twice in the softmax). ``lists``
+        is a :class:`dilated.residue_major.BlockLists`; see :meth:`block_sparse_reason`."""
+        raise NotImplementedError(self.block_sparse_reason(q, k, lists.block))
+
+    def block_sparse_backward(self, dout, q, k, v, out, lse, lists, scale: float):
+        """``dq, dk, dv`` of :meth:`block_sparse_forward`; the lists must be symmetric (key block
+        ``n`` lists query block ``m`` as often as ``m`` lists ``n``), as the backward reads them per
+        key block."""
+        raise NotImplementedError(self.block_sparse_reason(q, k, lists.block))
 
     def forward_autograd(self, q, k, v, causal: bool, scale: float):
         """``(out, lse)`` built with autograd, both differentiable. Used by the default backward."""

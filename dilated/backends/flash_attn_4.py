@@ -47,6 +47,24 @@ def _import():
 VARIANT_ROWS = (1, 65, 81, 97, 113, 129, 177, 193, 257)
 
 
+#: the block-sparse path on Hopper: 128 x 128 tiles, head dims measured exact forward and backward
+BLOCK_SPARSE_BLOCK = 128
+BLOCK_SPARSE_HEAD_DIMS = (64, 128)
+
+
+def _block_sparse_tensors(lists):
+    """flash-attn 4's ``BlockSparseTensorsTorch`` for ``lists`` (a
+    :class:`dilated.residue_major.BlockLists`): every listed block is a full block (no mask within
+    it); the same lists serve the forward (key blocks per query block) and, being symmetric, the
+    backward (query blocks per key block)."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    none_cnt = torch.zeros_like(lists.counts)
+    none_idx = torch.zeros(*lists.counts.shape, 1, dtype=torch.int32, device=lists.counts.device)
+    return BlockSparseTensorsTorch(mask_block_cnt=none_cnt, mask_block_idx=none_idx, full_block_cnt=lists.counts,
+                                   full_block_idx=lists.indices, block_size=(lists.block, lists.block))
+
+
 def backward_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     """The head dims its backward runs at: each rounded up to a multiple of 32."""
     return -(-head_dim // 32) * 32, -(-head_dim_v // 32) * 32
@@ -105,6 +123,32 @@ class FlashAttn4Backend(Backend):
             q=q, k=k, v=v, out=out, dout=dout, lse=lse.contiguous(), softmax_scale=scale,
             causal=causal),
             required=("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal"))[:3]
+        return dq, dk, dv
+
+    def block_sparse_reason(self, q, k, block):
+        reason = self.unavailable_reason(q.device) or self.input_reason(q, k, False)
+        if reason:
+            return reason
+        if torch.cuda.get_device_capability(q.device)[0] != 9:
+            return "flash-attn 4's block-sparse path is used on Hopper (compute capability 9.x) only"
+        if block != BLOCK_SPARSE_BLOCK:
+            return f"flash-attn 4's block-sparse path on Hopper takes blocks of {BLOCK_SPARSE_BLOCK} rows, not {block}"
+        if q.shape[-1] not in BLOCK_SPARSE_HEAD_DIMS:
+            return (f"flash-attn 4's block-sparse path is tested with head_dim in {BLOCK_SPARSE_HEAD_DIMS}, "
+                    f"got {q.shape[-1]}")
+        return None
+
+    def block_sparse_forward(self, q, k, v, lists, scale):
+        fa4 = _import()
+        out, lse = fa4._flash_attn_fwd(q=q, k=k, v=v, softmax_scale=scale, causal=False, return_lse=True,
+                                       block_sparse_tensors=_block_sparse_tensors(lists))[:2]
+        return out, lse.float()
+
+    def block_sparse_backward(self, dout, q, k, v, out, lse, lists, scale):
+        fa4 = _import()
+        dq, dk, dv = fa4._flash_attn_bwd(q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype),
+                                         lse=lse.contiguous(), softmax_scale=scale, causal=False,
+                                         block_sparse_tensors=_block_sparse_tensors(lists))[:3]
         return dq, dk, dv
 
     def _compile_variants(self, q, k, v, causal, scale):

@@ -6,6 +6,7 @@ thing to benchmark is a new :class:`Problem` subclass registered in :data:`PROBL
 
 * :class:`DenseAttention` – ``f(q, k, v)``, exact (optionally causal) attention.
 * :class:`DilatedAttention` – ``f(q, k, v)``, LongNet dilated attention over ``case``'s schedule.
+* :class:`ResidueMajorDilatedAttention` – the same on q, k, v in the schedule's residue-major order.
 * :class:`SelfAttentionLayer` – ``f(x)`` on ``[B, N, E]``, a layer with projections around dilated
   attention; the layer itself says how it projects (``model.project(x)`` gives q, k, v and
   ``model.output(attn)`` the layer's output), so the reference runs the same projections in float64.
@@ -16,6 +17,7 @@ import copy
 
 import torch
 
+import dilated
 from dilated.reference import dense_reference, dilated_bias, sampled_reference
 
 from . import flops as F
@@ -164,6 +166,33 @@ class DilatedAttention(DenseAttention):
                                      dilation_rates=case.dilation_rates, dout=dout)
 
 
+class ResidueMajorDilatedAttention(DilatedAttention):
+    """Dilated attention of q, k, v that lie in the schedule's residue-major order
+    (``layout="residue_major"``, :mod:`dilated.residue_major`): the same work and FLOPs, the
+    reference in that order. No kernel floor: on a block-sparse kernel the step is one call."""
+
+    name = "dilated_residue_major"
+
+    def kernel_floor(self, inputs, case, backend: str):
+        return None
+
+    def _natural(self, case, tensors):
+        return [dilated.from_residue_major(t, case.segment_lengths, case.dilation_rates) for t in tensors]
+
+    def reference(self, case, inputs, model, dtype=torch.float64):
+        out = super().reference(case, self._natural(case, self.qkv(case, inputs, model)), model, dtype)
+        return dilated.to_residue_major(out, case.segment_lengths, case.dilation_rates)
+
+    def sampled_reference(self, case, inputs, model, rows, dout=None):
+        with torch.no_grad():
+            q, k, v = self._natural(case, self.qkv(case, inputs, model))
+            dout = None if dout is None else self._natural(case, [dout])[0]
+            at = dilated.residue_major_positions(case.seq_len, case.segment_lengths, case.dilation_rates,
+                                                 torch.as_tensor(rows).device)[torch.as_tensor(rows)]
+            return sampled_reference(q, k, v, at, causal=case.causal, segment_lengths=case.segment_lengths,
+                                     dilation_rates=case.dilation_rates, dout=dout)
+
+
 class SelfAttentionLayer(DilatedAttention):
     """A self-attention layer on ``x`` ``[B, N, num_heads * head_dim]``: the model's projections
     (``model.project(x) -> q, k, v`` and ``model.output(attn) -> y``) around dilated attention."""
@@ -204,7 +233,8 @@ class SelfAttentionLayer(DilatedAttention):
 
 
 #: the problems by name (an implementation may name one instead of passing it)
-PROBLEMS = {p.name: p for p in (DenseAttention(), DilatedAttention(), SelfAttentionLayer())}
+PROBLEMS = {p.name: p for p in (DenseAttention(), DilatedAttention(), ResidueMajorDilatedAttention(),
+                                 SelfAttentionLayer())}
 
 
 def problem_named(problem) -> DenseAttention:

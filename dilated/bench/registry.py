@@ -157,9 +157,10 @@ def _dilated(case, backend):
     return dilated.DilatedAttention(case.segment_lengths, case.dilation_rates, causal=case.causal, backend=backend)
 
 
-def _improved(case, backend, pattern_cache=True, memory_pool=False):
+def _improved(case, backend, pattern_cache=True, memory_pool=False, layout="natural"):
     return dilated.ImprovedDilatedAttention(case.segment_lengths, case.dilation_rates, causal=case.causal,
-                                            backend=backend, pattern_cache=pattern_cache, memory_pool=memory_pool)
+                                            backend=backend, pattern_cache=pattern_cache, memory_pool=memory_pool,
+                                            layout=layout)
 
 
 def _multihead(case, backend, improved=True):
@@ -190,6 +191,11 @@ for _impl in [
                    "ImprovedDilatedAttention with the memory pool on"),
     Implementation("improved_nocache", "dilated", lambda c, b: _improved(c, b, pattern_cache=False),
                    "ImprovedDilatedAttention with the pattern cache off"),
+    Implementation("improved_residue_major", "dilated_residue_major",
+                   lambda c, b: _improved(c, b, layout="residue_major"),
+                   "ImprovedDilatedAttention(layout='residue_major') on inputs in that order: one block-sparse "
+                   "call where a kernel takes block lists (flash-attn 4 on Hopper), else the natural path between "
+                   "permutes"),
     Implementation("multihead", "module", _multihead, "MultiheadDilatedAttention(improved=True)"),
     Implementation("multihead_readable", "module", lambda c, b: _multihead(c, b, improved=False),
                    "MultiheadDilatedAttention(improved=False)"),

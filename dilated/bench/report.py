@@ -65,7 +65,8 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
     for r in rows:
         groups[_table_key(r, several)].append(r)
     out = []
-    head = f"{'implementation':<22}{'backend':<24}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
+    width = max([22] + [len(r["implementation"]) + 2 for r in rows])
+    head = f"{'implementation':<{width}}{'backend':<24}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
     for key, grp in groups.items():
         out.append("")
         out.append(_cfg_title(grp[0]["config"]) + (f" on {_device_kind(grp[0])}" if several else ""))
@@ -90,12 +91,14 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             status = r["status"] + ("" if not r.get("reason") else f" ({r['reason'][:60]})")
             if r.get("check_failed"):
                 status += " CHECK FAILED"
+            floors = []
             if r.get("floor_ratio"):
-                status += f" ({r['floor_ratio']:.2f}x kernel floor {r['kernel_floor_ms']['median']:.3f} ms"
-                if r.get("one_call_floor_ratio"):
-                    status += (f", {r['one_call_floor_ratio']:.2f}x the {r['one_call_floor_calls']}-call floor "
-                               f"{r['one_call_floor_ms']['median']:.3f} ms")
-                status += ")"
+                floors.append(f"{r['floor_ratio']:.2f}x kernel floor {r['kernel_floor_ms']['median']:.3f} ms")
+            if r.get("one_call_floor_ratio"):
+                floors.append(f"{r['one_call_floor_ratio']:.2f}x the {r['one_call_floor_calls']}-call floor "
+                              f"{r['one_call_floor_ms']['median']:.3f} ms")
+            if floors:
+                status += f" ({', '.join(floors)})"
             scores = (r.get("memory") or {}).get("score_matrix_mib")
             if scores is not None and r["status"] == "ok":
                 status += f" (the score matrix alone: {scores:.4g} MiB)"
@@ -104,7 +107,7 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             tok = f"{r['tokens_per_s']:.3g}" if r.get("tokens_per_s") else "-"
             tfl = f"{r['tflops']:.2f}" if r.get("tflops") else "-"
             mib = f"{mem:.1f}" if mem is not None else "-"
-            out.append(f"{mark}{r['implementation']:<21}{_backend_ran(r):<24}{_fmt_time(t):<30}"
+            out.append(f"{mark}{r['implementation']:<{width - 1}}{_backend_ran(r):<24}{_fmt_time(t):<30}"
                        f"{tok:>12}{tfl:>9}{pct:>7}{mib:>10}{err:>9}  {speed:>8}  {status}")
     return "\n".join(out + format_winners(rows) + format_device_speedups(rows) + format_repeats(rows))
 

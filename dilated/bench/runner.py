@@ -265,10 +265,10 @@ class _RowRun:
             runs = [[first_ms]]  # one call took longer than the row's budget: it is the row's one sample
             self.row["time_note"] = (f"one call ({first_ms / 1e3:.1f} s, its first) exceeded --time-budget "
                                      f"{opts.budget_s:g} s: the only sample, not warmed up")
-        elif floor is None:
+        elif floor_backend is None:
             runs = in_turns(timed)
-        else:  # [step, kernel floor, step, one-call floor]
-            runs = in_turns(timed + [(floor, None)])
+        else:  # [step, kernel floor (None where the problem has none), step, one-call floor]
+            runs = in_turns(timed + [(floor, None)]) if floor is not None else [in_turns(timed)[0], None]
             floor = None  # its tensors are freed before the one-call floor's are made
             one_call = impl.problem.one_call_floor(self.inputs, self.case, floor_backend)
             if one_call is not None:
@@ -318,7 +318,7 @@ class _RowRun:
         row.update(flops=fl, tflops=fl / sec / 1e12, tokens_per_s=case.batch * case.nq / sec, bytes_min=by,
                    bandwidth_gbs=by / sec / 1e9, arith_intensity=fl / by)
         row["pct_peak"] = 100 * row["tflops"] / peak if peak else None
-        if len(runs) > 1:
+        if len(runs) > 1 and runs[1] is not None:
             floor = summarize(runs[1])
             row["kernel_floor_ms"], row["floor_ratio"] = floor, t["median"] / floor["median"]
         if len(runs) > 2:  # the step timed again, in turns with the one-call floor

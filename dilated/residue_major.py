@@ -1,0 +1,240 @@
+"""LongNet's dilated attention in a residue-major order: one block-sparse kernel call, no combine.
+
+On a *geometric* schedule (every branch ``w_i = L * r_i`` for one ``L``, every rate dividing the
+largest rate ``R``; LongNet's standard ``[2048 .. 32768]`` over ``[1 .. 16]`` is one), reorder each
+segment of the largest length ``W = L * R`` by residue: position ``R * a + b`` of a segment goes to
+row ``b * (W / R) + a``. In that order:
+
+* a query block of ``block`` rows holds one residue ``b``, so all its queries take part in the same
+  branches (branch i, head h: ``b = h mod r_i``);
+* branch i's keys of such a block are whole blocks: the residues ``b' = h mod r_i``, at the block
+  positions ``j`` whose ``j // g_i`` equals the query block's (``g_i = w_i / (R * block)``).
+
+So the whole computation is one block-sparse attention over ``block x block`` tiles, where a query
+block lists each key block once per branch that has it (:func:`block_lists`). The softmax over
+those lists *is* LongNet's mixture of the branches by their softmax denominators, so there is no
+combine; the lists are symmetric (the dilated relation is), so the same lists give the backward.
+
+Inputs and output of ``layout="residue_major"`` are in this order along the sequence; a model
+puts its tokens (and their positions, for rotary embeddings) in it once, with
+:func:`to_residue_major` / :func:`residue_major_positions`, and every token-wise layer is
+indifferent to it (like the ring's zigzag order). The fast path needs a kernel that takes
+block-sparse lists (:meth:`dilated.backends.base.Backend.block_sparse_reason`; flash-attn 4 on
+Hopper) and a non-causal schedule whose ``w_i / R`` are multiples of the kernel's block; elsewhere
+the same function runs as the natural-order computation between two permutes
+(:func:`residue_major_fast_path_reason` says why).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_scale, check_schedule, dense_rows
+from .backends import backend_reason, get_backend
+from .backends.kernel_log import note_kernel, recording
+from .dilated_attention import check_dilated_inputs
+from .functional import default_scale
+
+#: the largest tile of the block lists (a kernel that takes smaller ones gets them where the
+#: schedule's ``w_i / R`` are not multiples of it)
+BLOCK = 128
+
+
+def geometric_schedule_reason(segment_lengths, dilation_rates) -> str | None:
+    """Why the schedule has no residue-major order, or None: every ``w_i / r_i`` must be one length
+    and every rate must divide the largest."""
+    segs, rates = check_schedule(segment_lengths, dilation_rates, warn=False)
+    ratios = {w / r for w, r in zip(segs, rates)}
+    if any(w % r for w, r in zip(segs, rates)) or len(ratios) != 1:
+        return (f"layout='residue_major' needs segment_lengths[i] / dilation_rates[i] to be one whole length for "
+                f"every branch (a geometric schedule such as [2048, 4096, 8192] over [1, 2, 4]); got "
+                f"{list(segs)} over {list(rates)}: use layout='natural'")
+    largest = max(rates)
+    if any(largest % r for r in rates):
+        return (f"layout='residue_major' needs every dilation rate to divide the largest ({largest}); got "
+                f"{list(rates)}: use layout='natural'")
+    return None
+
+
+def _shape(segment_lengths, dilation_rates) -> tuple[int, int]:
+    """``(W, R)``: the largest segment and the largest rate; raises where the schedule has no order."""
+    reason = geometric_schedule_reason(segment_lengths, dilation_rates)
+    if reason:
+        raise ValueError(reason)
+    return max(segment_lengths), max(dilation_rates)
+
+
+def _check_length(n: int, segment_lengths, dilation_rates, what: str = "the sequence") -> tuple[int, int]:
+    w, r = _shape(segment_lengths, dilation_rates)
+    if n % w:
+        raise ValueError(f"layout='residue_major' needs {what} length to be a multiple of the largest segment "
+                         f"({w}); got {n}: pad the sequence to {-(-n // w) * w} or use layout='natural'")
+    return w, r
+
+
+def to_residue_major(x: torch.Tensor, segment_lengths, dilation_rates) -> torch.Tensor:
+    """``x`` ``[B, N, ...]`` in the residue-major order of the schedule (a copy)."""
+    w, r = _check_length(x.shape[1], segment_lengths, dilation_rates)
+    b, n = x.shape[:2]
+    return x.reshape(b, n // w, w // r, r, *x.shape[2:]).transpose(2, 3).reshape(x.shape)
+
+
+def from_residue_major(x: torch.Tensor, segment_lengths, dilation_rates) -> torch.Tensor:
+    """The inverse of :func:`to_residue_major`: ``x`` back in the natural order (a copy)."""
+    w, r = _check_length(x.shape[1], segment_lengths, dilation_rates)
+    b, n = x.shape[:2]
+    return x.reshape(b, n // w, r, w // r, *x.shape[2:]).transpose(2, 3).reshape(x.shape)
+
+
+def residue_major_positions(n: int, segment_lengths, dilation_rates, device=None) -> torch.Tensor:
+    """``[N]`` int64: the natural position of each row of the residue-major order (for positional
+    embeddings: row ``j`` of :func:`to_residue_major` output is token ``positions[j]``)."""
+    return to_residue_major(torch.arange(n, device=device).view(1, n), segment_lengths, dilation_rates)[0]
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """Per head and query block, the key blocks it sees, each as often as branches share it.
+
+    ``counts`` ``[1, H, N / block]`` int32 and ``indices`` ``[1, H, N / block, K]`` int32 (entries
+    past a row's count are 0 and never read); the lists are symmetric, so they also give, per key
+    block, the query blocks that see it."""
+
+    counts: torch.Tensor
+    indices: torch.Tensor
+    block: int
+
+
+def _lists_of_one_segment(head_class: int, segs, rates, block: int) -> list[list[int]]:
+    """For one head class (``h mod R``), each query block of one largest segment: its key blocks."""
+    w_max, r_max = max(segs), max(rates)
+    per_residue = w_max // r_max // block  # blocks of one residue in a largest segment
+    lists = [[] for _ in range(r_max * per_residue)]
+    for w, r in zip(segs, rates):
+        g = w // r_max // block  # consecutive blocks of a residue in one of this branch's segments
+        residues = [b for b in range(r_max) if b % r == head_class % r]
+        for b in residues:
+            for m in range(per_residue):
+                first = m // g * g
+                lists[b * per_residue + m] += [b2 * per_residue + j for b2 in residues for j in range(first, first + g)]
+    return lists
+
+
+def block_lists(n: int, num_heads: int, segment_lengths, dilation_rates, block: int = BLOCK,
+                device=None) -> BlockLists:
+    """The :class:`BlockLists` of dilated attention in the residue-major order over ``block``-row
+    tiles (non-causal); each ``w_i / R`` must be a multiple of ``block``."""
+    w_max, r_max = _check_length(n, segment_lengths, dilation_rates)
+    segs, rates = check_schedule(segment_lengths, dilation_rates, warn=False)
+    if any((w // r_max) % block for w in segs):
+        raise ValueError(f"block lists over {block}-row tiles need every segment length / {r_max} to be a "
+                         f"multiple of {block}; got segments {list(segs)}")
+    classes = [_lists_of_one_segment(c, segs, rates, block) for c in range(min(r_max, num_heads))]
+    width = max(len(row) for lists in classes for row in lists)
+    per_segment = w_max // block
+    counts = torch.zeros(len(classes), per_segment, dtype=torch.int32)
+    indices = torch.zeros(len(classes), per_segment, width, dtype=torch.int32)
+    for c, lists in enumerate(classes):
+        for m, row in enumerate(lists):
+            counts[c, m] = len(row)
+            indices[c, m, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    head_class = torch.arange(num_heads) % r_max
+    segments = n // w_max
+    offsets = (torch.arange(segments, dtype=torch.int32) * per_segment).view(1, segments, 1, 1)
+    indices = (indices[head_class].unsqueeze(1) + offsets).reshape(1, num_heads, segments * per_segment, width)
+    counts = counts[head_class].repeat(1, segments).reshape(1, num_heads, segments * per_segment)
+    return BlockLists(counts.to(device), indices.to(device), block)
+
+
+def _tiles(segment_lengths, dilation_rates) -> list[int]:
+    """The tile sizes (powers of two from :data:`BLOCK` down to 8) that divide every ``w_i / R``."""
+    r_max = max(dilation_rates)
+    return [b for b in (BLOCK, 64, 32, 16, 8) if all((w // r_max) % b == 0 for w in segment_lengths)]
+
+
+def residue_major_fast_path_reason(q, k, segment_lengths, dilation_rates, causal=False,
+                                   backend="auto") -> str | None:
+    """Why ``layout="residue_major"`` runs as the natural-order computation between permutes for
+    these inputs rather than as one block-sparse call, or None where it runs as one call."""
+    return _block_sparse_kernel(q, k, segment_lengths, dilation_rates, causal, backend)[1]
+
+
+def _block_sparse_kernel(q, k, segment_lengths, dilation_rates, causal, backend):
+    """``((backend object, tile), None)`` that runs the lists, or ``(None, reason)``."""
+    _, r_max = _shape(segment_lengths, dilation_rates)
+    if causal:
+        return None, "the block-sparse path is non-causal (causal would need masked blocks on the diagonal)"
+    tiles = _tiles(segment_lengths, dilation_rates)
+    if not tiles:
+        return None, (f"the block-sparse path needs every segment length / {r_max} (the largest rate) to be a "
+                      f"multiple of 8 at least; got segments {list(segment_lengths)}")
+    if backend == "auto":  # the kernels that run the lists at a fused kernel's speed
+        impls = [get_backend(n, device=q.device) for n in ("flash_attn_4",) if backend_reason(n, q.device) is None]
+    else:
+        impls = [get_backend(backend, q, k)]
+    reasons = []
+    for impl in impls:
+        for tile in tiles:
+            reason = impl.block_sparse_reason(q, k, tile)
+            if reason is None:
+                return (impl, tile), None
+        reasons.append(reason)
+    if not impls:
+        return None, "no available backend takes block-sparse lists here (flash-attn 4 on Hopper does)"
+    return None, "; ".join(reasons)
+
+
+class _BlockSparseFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, impl, lists, scale):
+        out, lse = impl.block_sparse_forward(q, k, v, lists, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.impl, ctx.lists, ctx.scale = impl, lists, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.impl.block_sparse_backward(dout.contiguous(), q, k, v, out, lse, ctx.lists, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
+                            backend="auto", natural, pattern_cache=None):
+    """Dilated attention of q, k, v given in the residue-major order; the output in that order.
+
+    ``natural(q, k, v)``: the natural-order computation, run between permutes where the fast path
+    cannot run (:func:`residue_major_fast_path_reason`)."""
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
+
+    def resolve():
+        segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal, warn=False)
+        check_scale(scale)
+        _check_length(q.shape[1], segs, dils)
+        kernel = _block_sparse_kernel(q, k, segs, dils, causal, backend)[0]
+        if kernel is not None:
+            check_schedule(segs, dils)  # warns of rows no branch covers, as the natural path does
+        lists = None if kernel is None else block_lists(q.shape[1], q.shape[2], segs, dils, kernel[1], q.device)
+        return segs, dils, kernel and kernel[0], lists
+
+    try:
+        key = ("residue_major", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               tuple(segment_lengths), tuple(dilation_rates), causal, backend)
+    except (AttributeError, TypeError):  # not tensors / not sequences: resolve() says what is wrong
+        key = None
+    segs, dils, impl, lists = resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
+    if impl is None or torch.compiler.is_compiling():
+        out = natural(*(from_residue_major(t, segs, dils) for t in (q, k, v)))
+        return to_residue_major(out, segs, dils)
+    if recording():
+        note_kernel(impl.name)
+    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
+    scale = default_scale(q.shape[-1], scale)
+    if needs_grad:
+        return _BlockSparseFunction.apply(q, k, v, impl, lists, scale)
+    return impl.block_sparse_forward(q, k, v, lists, scale)[0]
+
+
+__all__ = ["BLOCK", "BlockLists", "block_lists", "from_residue_major", "geometric_schedule_reason",
+           "residue_major_fast_path_reason", "residue_major_positions", "to_residue_major"]
