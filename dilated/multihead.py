@@ -6,6 +6,11 @@ before the output projection) when ``layer_norm`` is set, and the output project
 Initialisation follows MAGNETO (Wang et al., 2022): Xavier-uniform for q and k with gain 1, and
 for v and the output projection with gain ``gamma`` (``sqrt(log(2L))`` for an L-layer encoder;
 pass ``gamma_init``; 1.0 by default), biases zero.
+
+``layout="residue_major"``: the layer's input and output are in the schedule's residue-major
+order along the sequence (:mod:`dilated.residue_major`; every step of the layer but the attention
+is token-wise, so only the attention sees the order); ``layer.attention.to_layout(x)`` puts a
+sequence in it once, for a whole stack of such layers.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from .improved_dilated_attention import ImprovedDilatedAttention
 class MultiheadDilatedAttention(nn.Module):
     def __init__(self, embed_dim, num_heads, segment_lengths, dilation_rates, *, num_kv_heads=None,
                  causal=False, bias=True, layer_norm=True, backend="auto", improved=True, device=None,
-                 dtype=None, layer_norm_eps=1e-5, gamma_init=1.0):
+                 dtype=None, layer_norm_eps=1e-5, gamma_init=1.0, layout="natural"):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or embed_dim % num_heads:
@@ -37,8 +42,13 @@ class MultiheadDilatedAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **kw)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **kw) if layer_norm else None
-        attn_cls = ImprovedDilatedAttention if improved else DilatedAttention
-        self.attention = attn_cls(segment_lengths, dilation_rates, causal=causal, backend=backend)
+        if improved:
+            self.attention = ImprovedDilatedAttention(segment_lengths, dilation_rates, causal=causal, backend=backend,
+                                                      layout=layout)
+        elif layout != "natural":
+            raise ValueError(f"layout={layout!r} needs improved=True (DilatedAttention takes the natural order only)")
+        else:
+            self.attention = DilatedAttention(segment_lengths, dilation_rates, causal=causal, backend=backend)
         self.reset_parameters()
 
     def reset_parameters(self):

@@ -26,6 +26,7 @@ the same function runs as the natural-order computation between two permutes
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -98,12 +99,24 @@ class BlockLists:
     """Per head and query block, the key blocks it sees, each as often as branches share it.
 
     ``counts`` ``[1, H, N / block]`` int32 and ``indices`` ``[1, H, N / block, K]`` int32 (entries
-    past a row's count are 0 and never read); the lists are symmetric, so they also give, per key
-    block, the query blocks that see it."""
+    past a row's count are never read); the lists are symmetric, so they also give, per key block,
+    the query blocks that see it."""
 
     counts: torch.Tensor
     indices: torch.Tensor
     block: int
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_lists(segs: tuple, rates: tuple, block: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts [classes, W / block], indices [classes, W / block, K])`` of one largest segment,
+    per head class; the same for every sequence length (a new length only adds segments)."""
+    lists = [_lists_of_one_segment(c, segs, rates, block) for c in range(classes)]
+    width = max(len(row) for per_class in lists for row in per_class)
+    counts = torch.tensor([[len(row) for row in per_class] for per_class in lists], dtype=torch.int32)
+    indices = torch.tensor([[row + [0] * (width - len(row)) for row in per_class] for per_class in lists],
+                           dtype=torch.int32)
+    return counts, indices
 
 
 def _lists_of_one_segment(head_class: int, segs, rates, block: int) -> list[list[int]]:
@@ -130,21 +143,14 @@ def block_lists(n: int, num_heads: int, segment_lengths, dilation_rates, block: 
     if any((w // r_max) % block for w in segs):
         raise ValueError(f"block lists over {block}-row tiles need every segment length / {r_max} to be a "
                          f"multiple of {block}; got segments {list(segs)}")
-    classes = [_lists_of_one_segment(c, segs, rates, block) for c in range(min(r_max, num_heads))]
-    width = max(len(row) for lists in classes for row in lists)
-    per_segment = w_max // block
-    counts = torch.zeros(len(classes), per_segment, dtype=torch.int32)
-    indices = torch.zeros(len(classes), per_segment, width, dtype=torch.int32)
-    for c, lists in enumerate(classes):
-        for m, row in enumerate(lists):
-            counts[c, m] = len(row)
-            indices[c, m, :len(row)] = torch.tensor(row, dtype=torch.int32)
-    head_class = torch.arange(num_heads) % r_max
+    counts, indices = (t.to(device) for t in _segment_lists(segs, rates, block, min(r_max, num_heads)))
+    per_segment, width = counts.shape[1], indices.shape[2]
+    head_class = torch.arange(num_heads, device=counts.device) % r_max
     segments = n // w_max
-    offsets = (torch.arange(segments, dtype=torch.int32) * per_segment).view(1, segments, 1, 1)
+    offsets = (torch.arange(segments, dtype=torch.int32, device=counts.device) * per_segment).view(1, segments, 1, 1)
     indices = (indices[head_class].unsqueeze(1) + offsets).reshape(1, num_heads, segments * per_segment, width)
     counts = counts[head_class].repeat(1, segments).reshape(1, num_heads, segments * per_segment)
-    return BlockLists(counts.to(device), indices.to(device), block)
+    return BlockLists(counts, indices, block)
 
 
 def _tiles(segment_lengths, dilation_rates) -> list[int]:
@@ -206,6 +212,11 @@ def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=
 
     ``natural(q, k, v)``: the natural-order computation, run between permutes where the fast path
     cannot run (:func:`residue_major_fast_path_reason`)."""
+    if torch.compiler.is_compiling():  # traced: the natural path's custom op between two permutes
+        segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal, warn=False)
+        _check_length(q.shape[1], segs, dils)
+        out = natural(*(from_residue_major(t, segs, dils) for t in (q, k, v)))
+        return to_residue_major(out, segs, dils)
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
 
     def resolve():
@@ -224,7 +235,7 @@ def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=
     except (AttributeError, TypeError):  # not tensors / not sequences: resolve() says what is wrong
         key = None
     segs, dils, impl, lists = resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
-    if impl is None or torch.compiler.is_compiling():
+    if impl is None:
         out = natural(*(from_residue_major(t, segs, dils) for t in (q, k, v)))
         return to_residue_major(out, segs, dils)
     if recording():

@@ -162,3 +162,31 @@ def test_gpu_flash_attn_4_block_sparse(d, dtype, kv_heads, segs, rates, gen):
         with record_kernels() as ran:
             layout_case(segs, rates, 4096, 4, kv_heads, dtype, "auto", gen, d=d, device="cuda", batch=2)
     assert ran == {"flash_attn_4"}
+
+
+def test_compiled_layout_is_the_natural_op_between_permutes(gen):
+    """Under ``torch.compile(fullgraph=True)`` the layout traces (the natural path's custom op between
+    two permutes): the same output and gradients as eager."""
+    segs, rates = [64, 128, 256], [1, 2, 4]
+    attn = dilated.ImprovedDilatedAttention(segs, rates, backend="manual", layout="residue_major")
+    q, k, v = (rand(1, 512, 4, 16, gen=gen, requires_grad=True) for _ in range(3))
+    out = torch.compile(attn, fullgraph=True, backend="eager")(q, k, v)
+    ref = attn(q, k, v)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    dout = rand(*ref.shape, gen=gen)
+    for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        assert rel_err(g, rg) < TOL[torch.float32]
+
+
+def test_multihead_layer_in_the_layout(gen):
+    """A layer with ``layout="residue_major"`` on the permuted sequence is the natural layer, permuted."""
+    segs, rates = [64, 128, 256], [1, 2, 4]
+    natural = dilated.MultiheadDilatedAttention(64, 4, segs, rates, num_kv_heads=2, backend="manual", dtype=torch.float64)
+    layer = dilated.MultiheadDilatedAttention(64, 4, segs, rates, num_kv_heads=2, backend="manual",
+                                              dtype=torch.float64, layout="residue_major")
+    layer.load_state_dict(natural.state_dict())
+    x = rand(2, 512, 64, gen=gen, dtype=torch.float64)
+    got = layer(layer.attention.to_layout(x))
+    assert rel_err(layer.attention.from_layout(got), natural(x)) < TOL[torch.float64]
+    with pytest.raises(ValueError, match="needs improved=True"):
+        dilated.MultiheadDilatedAttention(64, 4, segs, rates, improved=False, layout="residue_major")
