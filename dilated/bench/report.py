@@ -57,6 +57,11 @@ def _cfg_title(cfg):
     return " ".join(parts)
 
 
+def _name_width(rows: list[dict]) -> int:
+    """The implementation column's width: 22, or wider where a name needs it."""
+    return max([22] + [len(r["implementation"]) + 2 for r in rows])
+
+
 def format_tables(rows: list[dict], baseline: str | None = None) -> str:
     """A table per config: the fastest marked *, speed-up against ``baseline`` (implementation or
     implementation/backend)."""
@@ -65,7 +70,7 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
     for r in rows:
         groups[_table_key(r, several)].append(r)
     out = []
-    width = max([22] + [len(r["implementation"]) + 2 for r in rows])
+    width = _name_width(rows)
     head = f"{'implementation':<{width}}{'backend':<24}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
     for key, grp in groups.items():
         out.append("")
@@ -174,8 +179,9 @@ def format_first_calls(rows: list[dict]) -> str:
     """Each row's first and second calls against its steady median, in the order run: what a length
     never seen before costs (the first row of a process also pays its one-time set-up), and what it
     costs when it comes back (where a kernel builds per shape at that call)."""
+    width = _name_width(rows)
     out = ["", "first and second call at each new length (in the order run; the first row also pays the process's "
-           "set-up):", f"{'implementation':<22}{'backend':<24}{'mode':<9}{'N':>9}{'first ms':>12}{'second ms':>12}"
+           "set-up):", f"{'implementation':<{width}}{'backend':<24}{'mode':<9}{'N':>9}{'first ms':>12}{'second ms':>12}"
            f"{'steady ms':>12}{'extra 1st':>11}{'extra 2nd':>11}"]
     for r in rows:
         first, t = r.get("first_call_ms"), (r.get("time_ms") or {}).get("median")
@@ -183,7 +189,7 @@ def format_first_calls(rows: list[dict]) -> str:
             continue
         second = r.get("second_call_ms")
         two = ("-".rjust(12), "-".rjust(11)) if second is None else (f"{second:>12.3f}", f"{second - t:>11.3f}")
-        out.append(f"{r['implementation']:<22}{_backend_ran(r):<24}{r['config']['mode']:<9}{r['config']['seq_len']:>9}"
+        out.append(f"{r['implementation']:<{width}}{_backend_ran(r):<24}{r['config']['mode']:<9}{r['config']['seq_len']:>9}"
                    f"{first:>12.3f}{two[0]}{t:>12.3f}{first - t:>11.3f}{two[1]}")
     return "\n".join(out)
 
