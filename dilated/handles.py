@@ -25,3 +25,8 @@ def handle_of(obj) -> int:
 def object_of(handle: int):
     """The object of ``handle``: None for 0 and for an object that was freed."""
     return _OBJECTS.get(handle) if handle else None
+
+
+def handle_or_zero(obj) -> int:
+    """The handle an object made for itself at construction (its ``handle``), or 0 for None."""
+    return 0 if obj is None else obj.handle

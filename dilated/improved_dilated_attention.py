@@ -42,6 +42,7 @@ from .rows import add_call, combine, gather, merge_call, merged_lse_for
 from .ops import dilated_forward_op
 from .memory_pool import MemoryPool
 from .pattern_cache import PatternCache
+from .handles import handle_or_zero
 from .plan import AttentionSpec, KernelCall, largest_call_inputs, plan_for
 from .residue_major import from_residue_major, geometric_schedule_reason, residue_major_attention, to_residue_major
 
@@ -234,10 +235,6 @@ class _ImprovedDilatedFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _handle(obj) -> int:
-    return 0 if obj is None else obj.handle
-
-
 def resolve_dilated(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
                     pattern_cache: PatternCache | None = None) -> tuple[AttentionSpec, list]:
     """Validate the inputs and work out the spec and the plan of kernel calls; with a
@@ -291,14 +288,15 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
                                               backend=backend, pattern_cache=pattern_cache, memory_pool=memory_pool)
 
         return residue_major_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
-                                       backend=backend, natural=natural, pattern_cache=pattern_cache)
+                                       backend=backend, natural=natural, pattern_cache=pattern_cache,
+                                       memory_pool=memory_pool)
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
     if torch.compiler.is_compiling():
         # errors at trace time; the op warns of uncovered rows when it runs (dynamo cannot trace a warning)
         segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal, warn=False)
         check_scale(scale)
-        return dilated_forward_op(q, k, v, list(segs), list(dils), causal, scale, backend, _handle(pattern_cache),
-                                  _handle(memory_pool), needs_grad)[0]
+        return dilated_forward_op(q, k, v, list(segs), list(dils), causal, scale, backend, handle_or_zero(pattern_cache),
+                                  handle_or_zero(memory_pool), needs_grad)[0]
     spec, plan = resolve_dilated(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, pattern_cache)
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     if needs_grad:

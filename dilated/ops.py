@@ -7,6 +7,8 @@ graph breaks (as flash-attention registers its kernels).
   name), its lse, and the gradients of both.
 * ``dilated::dilated_forward`` / ``dilated_backward``: the whole fast dilated computation of
   :func:`~dilated.improved_dilated_attention` (plan, gathers, kernel calls, combine).
+* ``dilated::residue_major_forward`` / ``residue_major_backward``: the same in the residue-major
+  layout (:mod:`dilated.residue_major`): one block-sparse call, or the above between permutes.
 
 Each has a fake implementation (shapes and dtypes only) and the forward ops have autograd
 formulas that call the backward ops. The ops take what a graph can carry: tensors, numbers,
@@ -133,3 +135,54 @@ def _dilated_grad(ctx, dout, dlse):
 
 
 dilated_forward_op.register_autograd(_dilated_grad, setup_context=_dilated_setup)
+
+# -- the residue-major layout (dilated.residue_major) --------------------------------------
+
+
+@torch.library.custom_op("dilated::residue_major_forward", mutates_args=())
+def residue_major_forward_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int], dilation_rates: list[int],
+                             causal: bool, scale: Optional[float], backend: str, cache: int, pool: int,
+                             with_lse: bool) -> tuple[Tensor, Tensor]:
+    """``(out [B, N, H, D], lse [B, H, N])`` of ``improved_dilated_attention(..., layout="residue_major")``
+    (lse empty unless ``with_lse``): one block-sparse call, or the natural path between permutes."""
+    from .residue_major import residue_major_forward  # it imports this module
+
+    out, lse = residue_major_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
+                                     object_of(cache), object_of(pool), with_lse)
+    return out.contiguous(), (lse.contiguous() if with_lse else q.new_empty(0, dtype=acc_dtype(q.dtype)))
+
+
+@residue_major_forward_op.register_fake
+def _(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache, pool, with_lse):
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if with_lse else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("dilated::residue_major_backward", mutates_args=())
+def residue_major_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              segment_lengths: list[int], dilation_rates: list[int], causal: bool,
+                              scale: Optional[float], backend: str, cache: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` of :func:`residue_major_forward_op` given its ``out`` and ``lse``."""
+    from .residue_major import residue_major_backward
+
+    grads = residue_major_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, backend,
+                                   object_of(cache))
+    return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v)))
+
+
+@residue_major_backward_op.register_fake
+def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, backend, cache):
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+
+def _residue_major_grad(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    segs, dils, causal, scale, backend, cache, _pool, with_lse = ctx.args
+    if not with_lse:
+        raise RuntimeError("dilated::residue_major_forward was called with with_lse=False, which keeps no lse for "
+                           "a backward; call it with with_lse=True where gradients are needed")
+    dq, dk, dv = residue_major_backward_op(dout, q, k, v, out, lse, segs, dils, causal, scale, backend, cache)
+    return dq, dk, dv, *([None] * 8)
+
+
+residue_major_forward_op.register_autograd(_residue_major_grad, setup_context=_dilated_setup)

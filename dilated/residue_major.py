@@ -36,6 +36,8 @@ from .backends import backend_reason, get_backend
 from .backends.kernel_log import note_kernel, recording
 from .dilated_attention import check_dilated_inputs
 from .functional import default_scale
+from .handles import handle_or_zero
+from .ops import residue_major_forward_op
 
 #: the largest tile of the block lists (a kernel that takes smaller ones gets them where the
 #: schedule's ``w_i / R`` are not multiples of it)
@@ -206,18 +208,10 @@ class _BlockSparseFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                            backend="auto", natural, pattern_cache=None):
-    """Dilated attention of q, k, v given in the residue-major order; the output in that order.
-
-    ``natural(q, k, v)``: the natural-order computation, run between permutes where the fast path
-    cannot run (:func:`residue_major_fast_path_reason`)."""
-    if torch.compiler.is_compiling():  # traced: the natural path's custom op between two permutes
-        segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal, warn=False)
-        _check_length(q.shape[1], segs, dils)
-        out = natural(*(from_residue_major(t, segs, dils) for t in (q, k, v)))
-        return to_residue_major(out, segs, dils)
-    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
+def resolve_residue_major(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, pattern_cache=None):
+    """``(segments, rates, kernel, lists)``: the inputs validated, and the block-sparse kernel with
+    its :class:`BlockLists` (both None where the natural path runs); once per input signature
+    with a ``pattern_cache``."""
 
     def resolve():
         segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal, warn=False)
@@ -231,10 +225,67 @@ def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=
 
     try:
         key = ("residue_major", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               tuple(segment_lengths), tuple(dilation_rates), causal, backend)
+               tuple(segment_lengths), tuple(dilation_rates), causal, scale, backend)
     except (AttributeError, TypeError):  # not tensors / not sequences: resolve() says what is wrong
         key = None
-    segs, dils, impl, lists = resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
+    return resolve() if pattern_cache is None or key is None else pattern_cache.get(key, resolve)
+
+
+def residue_major_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, pattern_cache=None,
+                          memory_pool=None, with_lse=True):
+    """``(out, lse [B, H, N])`` in the residue-major order, without autograd (lse empty unless
+    ``with_lse``): one block-sparse call, or the natural path's calls and combine between permutes.
+    What the custom op ``dilated::residue_major_forward`` computes."""
+    segs, dils, impl, lists = resolve_residue_major(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
+                                                    pattern_cache)
+    if impl is not None:
+        if recording():
+            note_kernel(impl.name)
+        q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
+        return impl.block_sparse_forward(q, k, v, lists, default_scale(q.shape[-1], scale))
+    from .improved_dilated_attention import forward_calls, resolve_dilated  # it imports this module
+
+    qkv = tuple(dense_rows(from_residue_major(t, segs, dils)) for t in (q, k, v))
+    spec, plan = resolve_dilated(*qkv, segs, dils, causal, scale, backend, pattern_cache)
+    out, lse_rows = forward_calls(qkv, plan, spec, pool=memory_pool, with_lse=with_lse)
+    lse = to_residue_major(lse_rows, segs, dils).transpose(1, 2).contiguous() if with_lse else None
+    return to_residue_major(out, segs, dils), lse
+
+
+def residue_major_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, backend,
+                           pattern_cache=None):
+    """``dq, dk, dv`` (residue-major order) of :func:`residue_major_forward` given its ``out`` and ``lse``."""
+    segs, dils, impl, lists = resolve_residue_major(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
+                                                    pattern_cache)
+    if impl is not None:
+        q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
+        return impl.block_sparse_backward(dout.contiguous(), q, k, v, out, lse, lists, default_scale(q.shape[-1], scale))
+    from .improved_dilated_attention import backward_calls, resolve_dilated
+
+    qkv = tuple(dense_rows(from_residue_major(t, segs, dils)) for t in (q, k, v))
+    spec, plan = resolve_dilated(*qkv, segs, dils, causal, scale, backend, pattern_cache)
+    out, dout = (from_residue_major(t, segs, dils) for t in (out, dout))
+    lse_rows = from_residue_major(lse.transpose(1, 2), segs, dils)
+    grads = backward_calls(qkv, plan, spec, out, lse_rows, dout.contiguous())
+    return tuple(to_residue_major(g, segs, dils) for g in grads)
+
+
+def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
+                            backend="auto", natural, pattern_cache=None, memory_pool=None):
+    """Dilated attention of q, k, v given in the residue-major order; the output in that order.
+
+    ``natural(q, k, v)``: the natural-order computation, run between permutes where the fast path
+    cannot run (:func:`residue_major_fast_path_reason`). Under ``torch.compile`` the computation is
+    one custom op (:mod:`dilated.ops`), which runs the same paths."""
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
+    if torch.compiler.is_compiling():  # errors at trace time, the paths inside the op
+        segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal, warn=False)
+        check_scale(scale)
+        _check_length(q.shape[1], segs, dils)
+        return residue_major_forward_op(q, k, v, list(segs), list(dils), causal, scale, backend,
+                                        handle_or_zero(pattern_cache), handle_or_zero(memory_pool), needs_grad)[0]
+    segs, dils, impl, lists = resolve_residue_major(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
+                                                    pattern_cache)
     if impl is None:
         out = natural(*(from_residue_major(t, segs, dils) for t in (q, k, v)))
         return to_residue_major(out, segs, dils)

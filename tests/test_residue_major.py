@@ -164,13 +164,23 @@ def test_gpu_flash_attn_4_block_sparse(d, dtype, kv_heads, segs, rates, gen):
     assert ran == {"flash_attn_4"}
 
 
-def test_compiled_layout_is_the_natural_op_between_permutes(gen):
-    """Under ``torch.compile(fullgraph=True)`` the layout traces (the natural path's custom op between
-    two permutes): the same output and gradients as eager."""
+@pytest.mark.parametrize("backend", ["manual", "sdpa"])
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_compiled_layout_is_one_custom_op(backend, compiler, gen):
+    """Under ``torch.compile(fullgraph=True)`` the layout is one custom op (``manual``: the block
+    lists inside it; ``sdpa``: the natural path between permutes inside it): the same output and
+    gradients as eager."""
     segs, rates = [64, 128, 256], [1, 2, 4]
-    attn = dilated.ImprovedDilatedAttention(segs, rates, backend="manual", layout="residue_major")
+    attn = dilated.ImprovedDilatedAttention(segs, rates, backend=backend, layout="residue_major")
     q, k, v = (rand(1, 512, 4, 16, gen=gen, requires_grad=True) for _ in range(3))
-    out = torch.compile(attn, fullgraph=True, backend="eager")(q, k, v)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm.code)
+        return torch._dynamo.backends.registry.lookup_backend(compiler)(gm, example_inputs)
+
+    out = torch.compile(attn, fullgraph=True, backend=capture)(q, k, v)
+    assert "residue_major_forward" in graphs[0]
     ref = attn(q, k, v)
     assert rel_err(out, ref) < TOL[torch.float32]
     dout = rand(*ref.shape, gen=gen)
