@@ -200,3 +200,21 @@ def test_multihead_layer_in_the_layout(gen):
     assert rel_err(layer.attention.from_layout(got), natural(x)) < TOL[torch.float64]
     with pytest.raises(ValueError, match="needs improved=True"):
         dilated.MultiheadDilatedAttention(64, 4, segs, rates, improved=False, layout="residue_major")
+
+
+@pytest.mark.skipif(not FA4_HERE, reason="needs flash-attn 4 on a CUDA device")
+def test_gpu_compiled_flash_attn_4_block_sparse(gen):
+    """Compiled (inductor, fullgraph), the layout on flash-attn 4 is its block-sparse call inside the
+    custom op: the output and gradients of the eager module."""
+    segs, rates = [512, 1024, 2048], [1, 2, 4]
+    attn = dilated.ImprovedDilatedAttention(segs, rates, backend="flash_attn_4", layout="residue_major")
+    q, k, v = (rand(1, 4096, 4, 128, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
+    if residue_major_fast_path_reason(q, k, segs, rates, backend="flash_attn_4"):
+        pytest.skip(residue_major_fast_path_reason(q, k, segs, rates, backend="flash_attn_4"))
+    with record_kernels() as ran:
+        out = torch.compile(attn, fullgraph=True)(q, k, v)
+    ref = attn(q, k, v)
+    assert ran == {"flash_attn_4"} and rel_err(out, ref) < 1e-6
+    dout = rand(*ref.shape, gen=gen, dtype=torch.bfloat16).cuda()
+    for g, rg in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        assert rel_err(g, rg) < 1e-2  # the backward's dq accumulates in float32 atomics: not bitwise
