@@ -283,13 +283,8 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
     schedule along the sequence (:mod:`dilated.residue_major`), where the whole computation is one
     block-sparse kernel call without a combine (flash-attn 4 on Hopper, non-causal)."""
     if check_layout(layout) == "residue_major":
-        def natural(q, k, v):
-            return improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
-                                              backend=backend, pattern_cache=pattern_cache, memory_pool=memory_pool)
-
         return residue_major_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
-                                       backend=backend, natural=natural, pattern_cache=pattern_cache,
-                                       memory_pool=memory_pool)
+                                       backend=backend, pattern_cache=pattern_cache, memory_pool=memory_pool)
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
     if torch.compiler.is_compiling():
         # errors at trace time; the op warns of uncovered rows when it runs (dynamo cannot trace a warning)

@@ -193,21 +193,6 @@ def _block_sparse_kernel(q, k, segment_lengths, dilation_rates, causal, backend)
     return None, "; ".join(reasons)
 
 
-class _BlockSparseFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, impl, lists, scale):
-        out, lse = impl.block_sparse_forward(q, k, v, lists, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.impl, ctx.lists, ctx.scale = impl, lists, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.impl.block_sparse_backward(dout.contiguous(), q, k, v, out, lse, ctx.lists, ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
 def resolve_residue_major(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, pattern_cache=None):
     """``(segments, rates, kernel, lists)``: the inputs validated, and the block-sparse kernel with
     its :class:`BlockLists` (both None where the natural path runs); once per input signature
@@ -270,13 +255,25 @@ def residue_major_backward(dout, q, k, v, out, lse, segment_lengths, dilation_ra
     return tuple(to_residue_major(g, segs, dils) for g in grads)
 
 
-def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                            backend="auto", natural, pattern_cache=None, memory_pool=None):
-    """Dilated attention of q, k, v given in the residue-major order; the output in that order.
+class _ResidueMajorFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, segs, dils, causal, scale, backend, pattern_cache, memory_pool):
+        out, lse = residue_major_forward(q, k, v, segs, dils, causal, scale, backend, pattern_cache, memory_pool)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = segs, dils, causal, scale, backend, pattern_cache
+        return out
 
-    ``natural(q, k, v)``: the natural-order computation, run between permutes where the fast path
-    cannot run (:func:`residue_major_fast_path_reason`). Under ``torch.compile`` the computation is
-    one custom op (:mod:`dilated.ops`), which runs the same paths."""
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*residue_major_backward(dout, q, k, v, out, lse, *ctx.args), *([None] * 7))
+
+
+def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
+                            backend="auto", pattern_cache=None, memory_pool=None):
+    """Dilated attention of q, k, v given in the residue-major order; the output in that order:
+    :func:`residue_major_forward` and :func:`residue_major_backward` as an autograd Function, and
+    under ``torch.compile`` as one custom op (:mod:`dilated.ops`)."""
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
     if torch.compiler.is_compiling():  # errors at trace time, the paths inside the op
         segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal, warn=False)
@@ -284,18 +281,11 @@ def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=
         _check_length(q.shape[1], segs, dils)
         return residue_major_forward_op(q, k, v, list(segs), list(dils), causal, scale, backend,
                                         handle_or_zero(pattern_cache), handle_or_zero(memory_pool), needs_grad)[0]
-    segs, dils, impl, lists = resolve_residue_major(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
-                                                    pattern_cache)
-    if impl is None:
-        out = natural(*(from_residue_major(t, segs, dils) for t in (q, k, v)))
-        return to_residue_major(out, segs, dils)
-    if recording():
-        note_kernel(impl.name)
-    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
-    scale = default_scale(q.shape[-1], scale)
     if needs_grad:
-        return _BlockSparseFunction.apply(q, k, v, impl, lists, scale)
-    return impl.block_sparse_forward(q, k, v, lists, scale)[0]
+        return _ResidueMajorFunction.apply(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
+                                           pattern_cache, memory_pool)
+    return residue_major_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, pattern_cache,
+                                 memory_pool, with_lse=False)[0]
 
 
 __all__ = ["BLOCK", "BlockLists", "block_lists", "from_residue_major", "geometric_schedule_reason",
