@@ -124,17 +124,23 @@ def _dilated_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output)
 
 
-def _dilated_grad(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    segs, dils, causal, scale, backend, cache, _pool, with_lse = ctx.args
-    if not with_lse:
-        raise RuntimeError("dilated::dilated_forward was called with with_lse=False, which keeps no lse for a "
-                           "backward; call it with with_lse=True where gradients are needed")
-    dq, dk, dv = dilated_backward_op(dout, q, k, v, out, lse, segs, dils, causal, scale, backend, cache)
-    return dq, dk, dv, *([None] * 8)
+def _grad_by(backward_op, forward_name: str):
+    """The autograd formula of a forward op with :func:`_dilated_setup`'s arguments: ``backward_op``
+    on the saved inputs, output and lse."""
+
+    def grad(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        segs, dils, causal, scale, backend, cache, _pool, with_lse = ctx.args
+        if not with_lse:
+            raise RuntimeError(f"dilated::{forward_name} was called with with_lse=False, which keeps no lse for a "
+                               "backward; call it with with_lse=True where gradients are needed")
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, segs, dils, causal, scale, backend, cache)
+        return dq, dk, dv, *([None] * 8)
+
+    return grad
 
 
-dilated_forward_op.register_autograd(_dilated_grad, setup_context=_dilated_setup)
+dilated_forward_op.register_autograd(_grad_by(dilated_backward_op, "dilated_forward"), setup_context=_dilated_setup)
 
 # -- the residue-major layout (dilated.residue_major) --------------------------------------
 
@@ -175,14 +181,5 @@ def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, b
     return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
 
-def _residue_major_grad(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    segs, dils, causal, scale, backend, cache, _pool, with_lse = ctx.args
-    if not with_lse:
-        raise RuntimeError("dilated::residue_major_forward was called with with_lse=False, which keeps no lse for "
-                           "a backward; call it with with_lse=True where gradients are needed")
-    dq, dk, dv = residue_major_backward_op(dout, q, k, v, out, lse, segs, dils, causal, scale, backend, cache)
-    return dq, dk, dv, *([None] * 8)
-
-
-residue_major_forward_op.register_autograd(_residue_major_grad, setup_context=_dilated_setup)
+residue_major_forward_op.register_autograd(_grad_by(residue_major_backward_op, "residue_major_forward"),
+                                           setup_context=_dilated_setup)
