@@ -172,7 +172,8 @@ def _block_sparse_kernel(q, k, segment_lengths, dilation_rates, causal, backend)
     """``((backend object, tile), None)`` that runs the lists, or ``(None, reason)``."""
     _, r_max = _shape(segment_lengths, dilation_rates)
     if causal:
-        return None, "the block-sparse path is non-causal (causal would need masked blocks on the diagonal)"
+        return None, ("the block-sparse path is non-causal: causal would make most listed blocks masked blocks on "
+                      "the diagonal (about 1.7x the useful work on LongNet's schedule)")
     tiles = _tiles(segment_lengths, dilation_rates)
     if not tiles:
         return None, (f"the block-sparse path needs every segment length / {r_max} (the largest rate) to be a "
