@@ -275,6 +275,8 @@ class _RowRun:
                 runs += in_turns(timed + [(one_call[0], None)])
                 self.row["one_call_floor_calls"] = len(one_call[1])
                 one_call = None
+            elif runs[1] is None:  # the problem has neither floor: the step's calls alone, as without --floor
+                runs = runs[:1]
         ranks.settle("timed calls done")
         if state_before is not None:  # the GPU's clocks and temperature before and after the timed calls
             self.row["gpu_state"] = {"before": state_before, "after": envmod.gpu_state(device),
