@@ -413,6 +413,47 @@ def test_warmup_seconds_extend_the_warm_up():
     assert len(samples) == 3 and len(calls) >= 3 + 8
 
 
+def test_no_timed_call_builds_a_cudnn_graph(monkeypatch):
+    """On a GPU, warm-up runs at least up to the call at which a shape's cuDNN graph is built
+    (its second by default), whatever --warmup asks; floors timed in turns with a step start cold."""
+    from dilated.bench.runner import warmup_calls
+
+    monkeypatch.setenv("DILATED_CUDNN_BUILD_AFTER", "2")  # the default (the tests build at once)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert warmup_calls(gpu, 1, 1) == 1 and warmup_calls(gpu, 0, 1) == 1 and warmup_calls(gpu, 1, 0) == 2
+    assert warmup_calls(gpu, 3, 2) == 1 and warmup_calls(gpu, 3, 0) == 3
+    assert warmup_calls(cpu, 1, 1) == 0 and warmup_calls(cpu, 1, 0) == 1 and warmup_calls(cpu, 0, 0) == 0
+    monkeypatch.setenv("DILATED_CUDNN_BUILD_AFTER", "3")
+    assert warmup_calls(gpu, 1, 1) == 2 and warmup_calls(gpu, 5, 2) == 3
+
+
+def test_floors_timed_in_turns_are_warmed_up(monkeypatch):
+    """A floor timed in turns with the step has run no call before: it gets the warm-up the step
+    got (--warmup calls), so its first call is not a timed one."""
+    from dilated.bench.problems import DilatedAttention
+
+    calls = {"kernel_floor": 0, "one_call_floor": 0}
+    for name in calls:
+        real = getattr(DilatedAttention, name)
+
+        def counted(self, inputs, case, backend, real=real, name=name):
+            made = real(self, inputs, case, backend)
+            step = made[0] if isinstance(made, tuple) else made
+
+            def call():
+                calls[name] += 1
+                return step()
+            return (call, *made[1:]) if isinstance(made, tuple) else call
+        monkeypatch.setattr(DilatedAttention, name, counted)
+    case = Case(batch=1, seq_len=256, num_heads=4, head_dim=16, dtype="float32", mode="fwd",
+                segment_lengths=(64, 256), dilation_rates=(1, 4))
+    row = run_sweep([(IMPLEMENTATIONS["improved"], case, "auto")], RunOptions(warmup=2, reps=3, floor=True,
+                                                                             device="cpu"), None, "t",
+                    progress=False)[0]
+    assert row["status"] == "ok" and row["kernel_floor_ms"]["n"] == 3 and row["one_call_floor_ms"]["n"] == 3
+    assert calls == {"kernel_floor": 2 + 3, "one_call_floor": 2 + 3}
+
+
 def test_rep_seconds_extend_the_timed_calls_and_repeats_are_reported():
     """--rep-s: timed calls go on until that much time has run; a config timed twice in one run is
     reported with how far apart its medians are, flagged beyond 2%."""

@@ -154,7 +154,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
                    help="captured tensors: a directory of .pt files, each a dict of q, k, v [B, N, H, D] "
                         "(or x [B, N, E] for modules), loaded with weights_only; shapes come from the files")
     t = p.add_argument_group("measurement")
-    t.add_argument("--warmup", type=nonnegative_int, default=3)
+    t.add_argument("--warmup", type=nonnegative_int, default=3,
+                   help="warm-up calls, the first included; on a GPU at least 2 (DILATED_CUDNN_BUILD_AFTER): a "
+                        "shape's cuDNN graph is built at its second call, which is then never a timed one")
     t.add_argument("--warmup-s", type=nonnegative_float, default=None,
                    help="warm up for at least this many seconds too (default 1 on a GPU, 0 on CPU: a GPU held at "
                         "its power cap lowers its clocks within a row's first second; each GPU row records them)")

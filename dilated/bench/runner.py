@@ -17,6 +17,7 @@ from .flops import peak_tflops
 from .rank_failures import FailedOnRanks, OverBudget, RankFailures, outcome
 from .memory import PeakMemory, free_memory, large_allocations_tracked
 from dilated.backends import record_kernels
+from dilated.backends.graph_shapes import build_after_from_env
 
 from .problems import device_generator
 from .registry import Case, Implementation
@@ -28,6 +29,14 @@ TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 3e-2, tor
 #: beyond this many score entries (B*H*Nq*Nk) the float64 reference is replaced by sampled rows.
 DENSE_REFERENCE_LIMIT = 1 << 26
 SAMPLED_ROWS = 64
+
+
+def warmup_calls(device: torch.device, asked: int, warmed: int) -> int:
+    """Warm-up calls still to make before timing a step that has already run ``warmed`` calls: up
+    to ``asked`` calls in all, and on a GPU at least up to the call at which a shape's cuDNN graph
+    is built (:mod:`dilated.backends.graph_shapes`), so that no timed call builds one."""
+    least = build_after_from_env() if device.type == "cuda" else 0
+    return max(0, max(asked, least) - warmed)
 
 
 @dataclass
@@ -212,10 +221,11 @@ class _RowRun:
     def second_call(self, first_ms: float) -> bool:
         """The second call, timed alone as the first was (``second_call_ms``): where a kernel builds
         what a shape needs when the shape comes back (cuDNN's graphs, :mod:`dilated.backends.graph_shapes`),
-        this is the call that pays. It is the second warm-up call; taken where ``--warmup`` asks for
-        two or more and the first call was within the time budget. Returns whether it ran."""
+        this is the call that pays. It is the second warm-up call; taken where there are two or more
+        (:func:`warmup_calls`) and the first call was within the time budget. Returns whether it ran."""
         opts = self.opts
-        if opts.warmup < 2 or (opts.budget_s is not None and first_ms > 1e3 * opts.budget_s):
+        over_budget = opts.budget_s is not None and first_ms > 1e3 * opts.budget_s
+        if not warmup_calls(self.device, opts.warmup, 1) or over_budget:
             return False
         with record_kernels() as ran:
             self.row["second_call_ms"] = self._timed_call("second call done")
@@ -254,8 +264,9 @@ class _RowRun:
             self.row["time_note"] = f"--cuda-graph: {not_graphed}; timed as eager calls"
         self.row["cuda_graph"] = graphed
 
-        def in_turns(steps):
-            return measure_side_by_side(steps, device, warmup=max(0, opts.warmup - warmed), reps=opts.reps,
+        def in_turns(steps):  # floors timed in turns with the step have run no call yet
+            warmup = warmup_calls(device, opts.warmup, warmed if len(steps) == 1 else 0)
+            return measure_side_by_side(steps, device, warmup=warmup, reps=opts.reps,
                                         budget_s=opts.budget_s, flush_l2=opts.flush_l2,
                                         warmup_s=steady if opts.warmup_s is None else opts.warmup_s,
                                         rep_s=steady if opts.rep_s is None else opts.rep_s,
