@@ -147,7 +147,7 @@ def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, 
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     dq, dk, dv = run(dout, v_e, out)
-    if dlse is not None and bool((dlse != 0).any()):
+    if dlse is not None:
         dq_l, dk_l = lse_gradient(run, dout, v_e, out, dlse.transpose(1, 2))
         dq, dk = dq + dq_l, dk + dk_l
     return dq, _reduce(dk, groups), _reduce(dv, groups)
@@ -171,6 +171,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, backend: Backend, causal: bool, scale: float):
+        ctx.set_materialize_grads(False)  # an unused lse's gradient comes as None, not as zeros
         out, lse = attention_forward(backend, q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.backend, ctx.causal, ctx.scale = backend, causal, scale
@@ -225,7 +226,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
                 a, b_, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)
         return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # one custom op (dilated.ops): dynamo traces no backend code
-        out, lse = torch.ops.dilated.attention_forward(q, k, v, causal, scale, backend)
+        out, lse = torch.ops.dilated.attention_forward(q, k, v, causal, scale, backend, return_lse)
         return (out, lse) if return_lse else out
     impl = get_backend(backend, q, k, causal, v=v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

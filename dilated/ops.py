@@ -32,14 +32,16 @@ from .handles import object_of
 
 @torch.library.custom_op("dilated::attention_forward", mutates_args=())
 def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
-                         backend: str) -> tuple[Tensor, Tensor]:
-    """``(out [B, Nq, H, Dv], lse [B, H, Nq])`` of :func:`dilated.attention` on ``backend``."""
+                         backend: str, lse_grad: bool = True) -> tuple[Tensor, Tensor]:
+    """``(out [B, Nq, H, Dv], lse [B, H, Nq])`` of :func:`dilated.attention` on ``backend``.
+    ``lse_grad=False`` where the caller drops lse: its backward then takes no lse gradient (autograd
+    hands it zeros, and telling zeros apart on the host would wait for the GPU)."""
     out, lse = attention_forward(get_backend(backend, q, k, causal, v=v), q, k, v, causal, scale)
     return out.contiguous(), lse.contiguous()
 
 
 @attention_forward_op.register_fake
-def _(q, k, v, causal, scale, backend):
+def _(q, k, v, causal, scale, backend, lse_grad=True):
     b, nq, h, _ = q.shape
     return q.new_empty(b, nq, h, v.shape[3]), q.new_empty(b, h, nq, dtype=acc_dtype(q.dtype))
 
@@ -60,15 +62,16 @@ def _(dout, q, k, v, out, lse, dlse, causal, scale, backend):
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.scale, ctx.backend = inputs
+    q, k, v, ctx.causal, ctx.scale, ctx.backend, ctx.lse_grad = inputs
     ctx.save_for_backward(q, k, v, *output)
 
 
 def _attention_grad(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
+    dlse = dlse if ctx.lse_grad else None
     dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 attention_forward_op.register_autograd(_attention_grad, setup_context=_attention_setup)

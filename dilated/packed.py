@@ -74,13 +74,19 @@ def packed_attention(q, k, v, cu_seqlens, attend, causal: bool):
 
 
 def _document_rows(cu: list[int], causal: bool, n: int, device):
-    """Per kernel call of :func:`document_calls`: ``(length, documents, pos, real)``: the positions
-    its ``[documents, length]`` rows read (``n``: a padding row) and which of them are real."""
+    """Per kernel call of :func:`document_calls`: ``(length, documents, pos, real, at)``: the
+    positions its ``[documents, length]`` rows read (``n``: a padding row), the indices of its real
+    rows among them and their positions in the sequence. Made on the device from the documents'
+    starts and lengths without waiting for it: the sizes are known here (a boolean mask would
+    make indexing wait for its count)."""
     for length, docs in document_calls(cu, causal):
         starts, lengths = host_values_on(docs, torch.int64, device)[0].unbind(1)
         offsets = torch.arange(length, device=device)
         pos = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, n).flatten()
-        yield length, len(docs), pos, pos != n
+        total = sum(size for _, size in docs)
+        doc = torch.repeat_interleave(torch.arange(len(docs), device=device), lengths, output_size=total)
+        within = torch.arange(total, device=device) - (torch.cumsum(lengths, 0) - lengths)[doc]
+        yield length, len(docs), pos, doc * length + within, starts[doc] + within
 
 
 def _padded(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -96,13 +102,13 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool):
         return attend(q, k, v)
     ext = [_padded(x) for x in (q, k, v)]
     outs, lses, order = [], [], []
-    for length, count, pos, real in _document_rows(cu, causal, n, q.device):
+    for length, count, pos, real, at in _document_rows(cu, causal, n, q.device):
         qg, kg, vg = (x[:, pos].reshape(b * count, length, *x.shape[2:]) for x in ext)
         o, lse = attend(qg, kg, vg)
         outs.append(o.reshape(b, count * length, *o.shape[2:])[:, real])
         lses.append(lse.reshape(b, count, lse.shape[1], length).transpose(1, 2)
                     .reshape(b, lse.shape[1], count * length)[:, :, real])
-        order.append(pos[real])
+        order.append(at)
     inverse = torch.empty(n, dtype=torch.long, device=q.device)
     inverse[torch.cat(order)] = torch.arange(n, device=q.device)
     return torch.cat(outs, 1)[:, inverse], torch.cat(lses, 2)[:, :, inverse]
@@ -120,14 +126,14 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool):
     ext = [_padded(x) for x in (dout, q, k, v, out)]
     lse_ext = _padded(lse, 2)
     grads = [None, None, None]
-    for length, count, pos, real in _document_rows(cu, causal, n, q.device):
+    for length, count, pos, real, at in _document_rows(cu, causal, n, q.device):
         dg, qg, kg, vg, og = (x[:, pos].reshape(b * count, length, *x.shape[2:]) for x in ext)
         h = lse.shape[1]
         lg = lse_ext[:, :, pos].reshape(b, h, count, length).transpose(1, 2).reshape(b * count, h, length)
         for i, (x, gi) in enumerate(zip((q, k, v), backward(dg, qg, kg, vg, og, lg.contiguous()))):
             if grads[i] is None:
                 grads[i] = torch.zeros(x.shape, dtype=gi.dtype, device=x.device)
-            grads[i][:, pos[real]] = gi.reshape(b, count * length, *gi.shape[2:])[:, real]
+            grads[i][:, at] = gi.reshape(b, count * length, *gi.shape[2:])[:, real]
     return tuple(grads)
 
 
@@ -177,6 +183,7 @@ class VarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kernel: VarlenKernel, cu: tuple, causal: bool, scale: float):
+        ctx.set_materialize_grads(False)  # an unused lse's gradient comes as None, not as zeros
         out, lse = varlen_forward(kernel, q, k, v, list(cu), causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.cu, ctx.causal, ctx.scale = kernel, list(cu), causal, scale
@@ -186,7 +193,6 @@ class VarlenFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
-        dlse = dlse if dlse is not None and bool((dlse != 0).any()) else None
         dq, dk, dv = varlen_backward(ctx.kernel, (dout, q, k, v, out, lse), ctx.cu, ctx.causal, ctx.scale, dlse)
         return dq, dk, dv, None, None, None, None
 

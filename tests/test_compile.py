@@ -79,6 +79,39 @@ def test_compiled_attention_and_its_lse(compiler, causal, gen):
         assert rel_err(g, rg) < 2 * TOL[torch.float32]
 
 
+def test_an_unused_lse_costs_no_backward_pass(compiler, gen, monkeypatch):
+    """The lse's gradient is one more kernel backward; it runs only where lse gets a gradient. Without
+    return_lse, compiled too, where autograd hands the op's unused lse zeros (the op is told that lse
+    is dropped: telling zeros from a gradient on the device would make the host wait for the GPU).
+    With return_lse, eager knows whether lse got a gradient; compiled, the op counts it as used."""
+    from dilated.backends.manual import ManualBackend
+
+    calls = []
+    real = ManualBackend.backward
+    monkeypatch.setattr(ManualBackend, "backward", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
+    q, k, v = _qkv(gen)
+    dilated.attention(q, k, v, backend="manual")  # the backend's first use probes its calls
+
+    def out_only(q, k, v):
+        return dilated.attention(q, k, v, backend="manual") * 1.0
+
+    def with_lse(q, k, v):
+        out, lse = dilated.attention(q, k, v, backend="manual", return_lse=True)
+        return out * 1.0, lse
+
+    def backward_calls(fn, lse_grad):
+        calls.clear()
+        out, lse = fn(q, k, v)
+        torch.autograd.grad((out, lse.sum()) if lse_grad else out, (q, k, v),
+                            (rand(*out.shape, gen=gen), None) if lse_grad else rand(*out.shape, gen=gen))
+        return len(calls)
+
+    assert backward_calls(lambda *t: (out_only(*t), None), False) == 1
+    assert backward_calls(lambda *t: (compiler(out_only)(*t), None), False) == 1
+    assert backward_calls(with_lse, False) == 1 and backward_calls(with_lse, True) == 2
+    assert backward_calls(compiler(with_lse), True) == 2
+
+
 @pytest.mark.parametrize("module", ["improved", "dilated"])
 def test_compiled_dilated_modules(compiler, module, gen):
     cls = dilated.ImprovedDilatedAttention if module == "improved" else dilated.DilatedAttention
@@ -219,6 +252,7 @@ def test_custom_ops_pass_opcheck(dtype, gen):
     ops = torch.ops.dilated
     for causal in (False, True):
         torch.library.opcheck(ops.attention_forward, (q, k, v, causal, 0.25, "manual"))
+        torch.library.opcheck(ops.attention_forward, (q, k, v, causal, 0.25, "manual", False))
         qd, kd, vd = (t.detach() for t in (q, k, v))  # the backward ops have no backward of their own
         out, lse = ops.attention_forward(qd, kd, vd, causal, 0.25, "manual")
         dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)

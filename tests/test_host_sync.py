@@ -1,0 +1,90 @@
+"""A steady call makes the host wait for the GPU nowhere (GPU only).
+
+A synchronizing operation inside a layer (``.item()``, ``.tolist()`` of a device tensor, a copy
+from pageable memory) stops the host until every queued kernel has run, so the next launches leave
+the GPU idle: in a model, once per layer and step. Each entry point runs twice to fill its caches
+(plans, cuDNN graphs, block lists), then forward and backward once more under
+``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronizing operation."""
+import contextlib
+
+import pytest
+import torch
+
+import dilated
+
+from conftest import rand
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@contextlib.contextmanager
+def syncs_raise():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def steady_call_does_not_sync(call, inputs, gen):
+    """``call(*inputs)`` forward and backward: twice to warm up, then once with syncs raising."""
+    dout = None
+    for warm in (True, True, False):
+        with contextlib.nullcontext() if warm else syncs_raise():
+            out = call(*inputs)
+            if dout is None:
+                dout = rand(*out.shape, gen=gen, dtype=out.dtype).to(out.device)
+            torch.autograd.backward(out, dout)
+    torch.cuda.synchronize()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in inputs)
+
+
+def qkv(gen, n=2048, heads=8, kv_heads=8, d=64, dtype=torch.bfloat16):
+    q = rand(1, n, heads, d, gen=gen, dtype=dtype).cuda().requires_grad_()
+    k, v = (rand(1, n, kv_heads, d, gen=gen, dtype=dtype).cuda().requires_grad_() for _ in range(2))
+    return q, k, v
+
+
+def available(names):
+    return [n for n in names if dilated.available_backends("cuda").get(n) is None]
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex",
+                                     "flash_attn_4"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_attention(backend, causal, gen):
+    if backend not in available([backend]):
+        pytest.skip(f"{backend} is not available here")
+    steady_call_does_not_sync(lambda q, k, v: dilated.attention(q, k, v, causal=causal, backend=backend),
+                              qkv(gen, kv_heads=2), gen)
+
+
+@pytest.mark.parametrize("improved", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_attention(improved, causal, gen):
+    cls = dilated.ImprovedDilatedAttention if improved else dilated.DilatedAttention
+    attn = cls([512, 1024, 2048], [1, 2, 4], causal=causal)
+    steady_call_does_not_sync(attn, qkv(gen, n=3000), gen)
+
+
+def test_multihead_dilated_attention(gen):
+    layer = dilated.MultiheadDilatedAttention(512, 8, [512, 1024], [1, 2], device="cuda", dtype=torch.bfloat16)
+    x = rand(2, 2048, 512, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_()
+    steady_call_does_not_sync(layer, (x,), gen)
+
+
+def test_residue_major_layout(gen):
+    attn = dilated.ImprovedDilatedAttention([1024, 2048, 4096], [1, 2, 4], layout="residue_major")
+    steady_call_does_not_sync(attn, qkv(gen, n=8192, d=128), gen)
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa_cudnn", "flash_attn_4"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_documents_with_cu_seqlens_on_the_host(backend, causal, gen):
+    """cu_seqlens given as a host tensor: its values are read without waiting for the GPU."""
+    if backend not in available([backend]):
+        pytest.skip(f"{backend} is not available here")
+    cu = torch.tensor([0, 300, 1024, 1100, 2048], dtype=torch.int32)
+    steady_call_does_not_sync(
+        lambda q, k, v: dilated.attention(q, k, v, causal=causal, backend=backend, cu_seqlens=cu), qkv(gen), gen)
