@@ -205,7 +205,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
 
     ``cu_seqlens``: packed documents (int32 cumulative lengths ``[0, ..., N]``, the same for every
     batch row; q and k/v of one length): attention stays within each document, causal applies
-    within each (see :mod:`dilated.packed`).
+    within each (see :mod:`dilated.packed`). Its values are read on the host: pass a CPU tensor,
+    since reading a CUDA one waits for the GPU to finish the work queued before the call.
     """
     check_qkv(q, k, v)
     check_causal(causal)
