@@ -321,3 +321,44 @@ def random_strategies(rank, world, port, seed, count):
         for name, gl, rg in zip("qkv", grads, torch.autograd.grad(ref, ref_in, dout)):
             _check(f"d{name} of {what}", mod.unshard(gl), rg, tol=1e-9)
     dist.destroy_process_group()
+
+
+def steady_calls_do_not_sync(rank, world, port):
+    """On GPUs (NCCL): every sequence-parallel module's third call, forward and backward, makes the
+    host wait for the GPU nowhere (``torch.cuda.set_sync_debug_mode("error")``), with and without
+    packed documents (``cu_seqlens`` a host tensor)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
+                            timeout=datetime.timedelta(seconds=120))
+    n, h = 1024 * world, 4 * world
+    cu = torch.tensor([0, 100, 700, n // 2 + 3, n], dtype=torch.int32)
+    modules = [(f"ring {layout} {transport} causal={causal}",
+                dilated.RingAttention(causal=causal, layout=layout, transport=transport), True)
+               for layout in ("contiguous", "zigzag") for transport in ("copy_engine", "p2p") for causal in (False, True)]
+    modules += [(f"ulysses causal={causal}", dilated.UlyssesAttention(causal=causal), True) for causal in (False, True)]
+    modules += [(f"hybrid {u}x{world // u}", dilated.HybridAttention(u, world // u, causal=True), True)
+                for u in (1, world)]
+    modules += [("distributed dilated", dilated.DistributedDilatedAttention([512, 1024, 2048], [1, 2, 4]), False)]
+    g = torch.Generator(device=dev).manual_seed(5)
+    full = [torch.randn(1, n, hh, 64, device=dev, dtype=torch.bfloat16, generator=g) for hh in (h, h // 2, h // 2)]
+    dout = torch.randn(full[0].shape, device=dev, dtype=torch.bfloat16, generator=g)
+    for name, module, takes_documents in modules:
+        for docs in ((None, cu) if takes_documents else (None,)):
+            kw = {} if docs is None else {"cu_seqlens": docs}
+            q, k, v = (module.shard(t).requires_grad_() for t in full)
+            dl = module.shard(dout)
+            for call in range(3):
+                if call == 2:
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    module(q, k, v, **kw).backward(dl)
+                except RuntimeError as e:
+                    raise AssertionError(f"{name}{' documents' if kw else ''}: call {call + 1}: {e}") from e
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()

@@ -200,3 +200,11 @@ def test_a_rank_that_stops_ends_the_job_within_the_timeout_naming_it(tmp_path):
     assert res.returncode != 0
     assert "a rank died, or stopped for longer than --timeout" in res.stderr
     assert "rank 1: dense/fails_on_rank_1 N=128 fwd: inputs built" in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 GPUs (NCCL)")
+def test_sequence_parallel_steady_calls_do_not_sync_on_gpus():
+    import torch
+
+    world = min(torch.cuda.device_count(), 4)
+    mp.spawn(dist_worker.steady_calls_do_not_sync, args=(world, _port()), nprocs=world, join=True)
