@@ -8,8 +8,10 @@ of waiting for it in the next collective.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -86,7 +88,39 @@ def check_ranks_agree(group, fields: dict, device: torch.device, what: str) -> N
                                 f"settings): " + "; ".join(lines))
 
 
-def validate_on_all_ranks(group, checked: set, what: str, validate):
+class AgreedSignatures:
+    """The input signatures a module's ranks have agreed on: the most recent ``capacity`` of them
+    (digests, not the signatures), so that a training run whose packed documents change every step
+    holds a bounded record, not one entry per step. A signature dropped from it is checked again
+    when it comes back."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self._seen: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def _digest(key: str) -> bytes:
+        return hashlib.sha256(key.encode()).digest()
+
+    def __contains__(self, key: str) -> bool:
+        digest = self._digest(key)
+        if digest in self._seen:
+            self._seen.move_to_end(digest)
+            return True
+        return False
+
+    def add(self, key: str) -> None:
+        digest = self._digest(key)
+        self._seen[digest] = None
+        self._seen.move_to_end(digest)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def validate_on_all_ranks(group, checked: AgreedSignatures, what: str, validate):
     """Run ``validate() -> (result, fields)`` on this rank and make every rank of ``group`` agree
     before any collective of the call: where ``fields`` (the call's signature) is new to this
     module, or validation failed here, one :func:`check_ranks_agree`. A rank whose own validation

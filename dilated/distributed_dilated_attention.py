@@ -34,7 +34,7 @@ from torch import nn
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
 from .backends import get_backend
 from .backends.graph_shapes import one_operation
-from .agreement import signature, validate_on_all_ranks
+from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .improved_dilated_attention import backward_calls, forward_calls
@@ -287,7 +287,7 @@ class DistributedDilatedAttention(nn.Module):
         check_causal(causal)
         check_scale(scale)
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
-        self._agreed: set = set()  # input signatures all ranks agreed on
+        self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
         self._groups: dict[int, list] = {}
         self._layouts: dict = {}
         self.stats = CommStats(measure_comm)

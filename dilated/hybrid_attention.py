@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._checks import check_causal, check_qkv, check_scale, dense_rows
-from .agreement import signature, validate_on_all_ranks
+from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import LAYOUTS, CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
 from .functional import default_scale
 from .packed import check_cu_seqlens
@@ -65,7 +65,7 @@ class HybridAttention(nn.Module):
         self.ring = RingAttention(causal=causal, scale=scale, backend=backend, layout=layout, group=self.ring_group,
                                   transport=transport, measure_comm=measure_comm)
         self.stats = self.ring.stats = CommStats(measure_comm)  # the all-to-alls and the ring's steps together
-        self._agreed: set = set()
+        self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
 
     def _validate(self, q, k, v, cu_seqlens):
         check_qkv(q, k, v)

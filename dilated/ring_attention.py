@@ -41,7 +41,7 @@ from . import peer_copy
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .backends import get_backend
 from .backends.graph_shapes import one_operation
-from .agreement import signature, validate_on_all_ranks
+from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import empty_accumulators, merge_
@@ -353,7 +353,7 @@ class RingAttention(nn.Module):
         check_causal(causal)
         check_scale(scale)
         self.causal, self.scale, self.backend, self.layout, self.group = causal, scale, backend, layout, group
-        self._agreed: set = set()  # input signatures all ranks agreed on
+        self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
         self.overlap, self.transport, self.transport_used = overlap, transport, None
         self.stats = CommStats(measure_comm)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._checks import check_causal, check_qkv, check_scale, dense_rows
-from .agreement import signature, validate_on_all_ranks
+from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats, _world, heads_to_sequence, sequence_to_heads
 from .functional import attention, default_scale
 from .packed import check_cu_seqlens
@@ -56,7 +56,7 @@ class UlyssesAttention(nn.Module):
         check_causal(causal)
         check_scale(scale)
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
-        self._agreed: set = set()
+        self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
         self.stats = CommStats(measure_comm)
 
     def _validate(self, q, k, v, cu_seqlens):

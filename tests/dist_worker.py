@@ -256,6 +256,13 @@ def ranks_disagree(rank, world, port):
     ring(same, same, same)
     ring(same, same, same)
     assert len(ring._agreed) == 1
+    # packed documents that change every call (training): the record of agreed signatures stays bounded
+    n = 8 * world
+    packings = [[0, a, b, n] for a in range(1, n) for b in range(a + 1, n)][:ring._agreed.capacity + 6]
+    for cu in packings:
+        ring(same, same, same, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    assert len(packings) > ring._agreed.capacity and len(ring._agreed) == ring._agreed.capacity
+    ring(same, same, same, cu_seqlens=torch.tensor(packings[0], dtype=torch.int32))  # dropped: checked again
     assert time.time() - t0 < 30
     dist.destroy_process_group()
 
