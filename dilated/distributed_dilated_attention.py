@@ -38,6 +38,7 @@ from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .improved_dilated_attention import backward_calls, forward_calls
+from .pattern_cache import PatternCache
 from .plan import AttentionSpec, KernelCall, plan_for
 from .crossing_segments import CrossingSegments, Saved as _Saved, crossing_backward, crossing_forward
 
@@ -289,7 +290,7 @@ class DistributedDilatedAttention(nn.Module):
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
         self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
         self._groups: dict[int, list] = {}
-        self._layouts: dict = {}
+        self._layouts = PatternCache()  # per input shape: the local plan and the segments across shards
         self.stats = CommStats(measure_comm)
 
     def _segment_group(self, span: int, rank: int, p: int):
@@ -305,7 +306,8 @@ class DistributedDilatedAttention(nn.Module):
     def _layout(self, q, k, rank, p, in_place):
         b, n, h, d = q.shape
         key = (b, n, h, k.shape[2], str(q.device), in_place)
-        if key not in self._layouts:
+
+        def make():
             big_n = n * p
             local, spans = [], []
             for w, r in zip(self.segment_lengths, self.dilation_rates):
@@ -317,9 +319,9 @@ class DistributedDilatedAttention(nn.Module):
                                        q.device))
                 else:  # segments across shard boundaries at any offset: every rank's rows to every rank
                     spans.append(CrossingSegments(w, r, (rank, n, p), (h, h // k.shape[2]), self.group, q.device))
-            plan = plan_for(q, k, [w for w, _ in local], [r for _, r in local], in_place)
-            self._layouts[key] = (plan, spans)
-        return self._layouts[key]
+            return plan_for(q, k, [w for w, _ in local], [r for _, r in local], in_place), spans
+
+        return self._layouts.get(key, make)
 
     def _validate(self, q, k, v):
         check_qkv(q, k, v)

@@ -216,6 +216,14 @@ def dilated_any_schedule(rank, world):
                 assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9, name
                 for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
                     assert _rel(module.unshard(local.grad), full.grad) < 1e-9, f"{name} d{t}"
+    # one module at many lengths (an inference server's): what it keeps per length stays bounded
+    module = dilated.DistributedDilatedAttention([16, 48], [1, 2], backend="manual")
+    kept = module._layouts.max_entries
+    for n_local in range(8, 8 + kept + 4):
+        q, k, v = _full(3, n_local * world, 2, 2)
+        out = module(*(module.shard(t) for t in (q, k, v)))
+        assert _rel(module.unshard(out), dilated_reference(q, k, v, [16, 48], [1, 2])) < 1e-9, n_local
+    assert module._layouts.stats()["size"] == kept
 
 
 def _random_case(rng, world):
