@@ -60,6 +60,27 @@ def test_dense_attention(backend, causal, gen):
                               qkv(gen, kv_heads=2), gen)
 
 
+def test_long_causal_calls_in_query_chunks(gen, monkeypatch):
+    """cuDNN's long causal forward runs as query chunks merged by lse (here chunks of 512 rows)."""
+    import dilated.backends.sdpa as sdpa
+
+    if "sdpa_cudnn" not in available(["sdpa_cudnn"]):
+        pytest.skip("sdpa_cudnn is not available here")
+    monkeypatch.setattr(sdpa, "CUDNN_LONGEST_CAUSAL_BLOCK", 512)
+    steady_call_does_not_sync(lambda q, k, v: dilated.attention(q, k, v, causal=True, backend="sdpa_cudnn"),
+                              qkv(gen), gen)
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash_attn_4"])
+def test_fewer_queries_than_keys(backend, gen):
+    """Causal attention of the last queries over a longer prefix (bottom-right aligned)."""
+    if backend not in available([backend]):
+        pytest.skip(f"{backend} is not available here")
+    q = qkv(gen, n=300)[0]
+    k, v = qkv(gen, n=2048, heads=2, kv_heads=2)[1:]
+    steady_call_does_not_sync(lambda q, k, v: dilated.attention(q, k, v, causal=True, backend=backend), (q, k, v), gen)
+
+
 @pytest.mark.parametrize("improved", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
 def test_dilated_attention(improved, causal, gen):
