@@ -4,7 +4,8 @@ A synchronizing operation inside a layer (``.item()``, ``.tolist()`` of a device
 from pageable memory) stops the host until every queued kernel has run, so the next launches leave
 the GPU idle: in a model, once per layer and step. Each entry point runs twice to fill its caches
 (plans, cuDNN graphs, block lists), then forward and backward once more under
-``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronizing operation."""
+``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronizing operation. A
+CUDA-graph capture allows no sync either: training steps are captured and replayed."""
 import contextlib
 
 import pytest
@@ -46,16 +47,16 @@ def qkv(gen, n=2048, heads=8, kv_heads=8, d=64, dtype=torch.bfloat16):
     return q, k, v
 
 
-def available(names):
-    return [n for n in names if dilated.available_backends("cuda").get(n) is None]
+def skip_unless_available(backend):
+    if dilated.available_backends("cuda").get(backend) is not None:
+        pytest.skip(f"{backend} is not available here")
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex",
                                      "flash_attn_4"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_dense_attention(backend, causal, gen):
-    if backend not in available([backend]):
-        pytest.skip(f"{backend} is not available here")
+    skip_unless_available(backend)
     steady_call_does_not_sync(lambda q, k, v: dilated.attention(q, k, v, causal=causal, backend=backend),
                               qkv(gen, kv_heads=2), gen)
 
@@ -64,8 +65,7 @@ def test_long_causal_calls_in_query_chunks(gen, monkeypatch):
     """cuDNN's long causal forward runs as query chunks merged by lse (here chunks of 512 rows)."""
     import dilated.backends.sdpa as sdpa
 
-    if "sdpa_cudnn" not in available(["sdpa_cudnn"]):
-        pytest.skip("sdpa_cudnn is not available here")
+    skip_unless_available("sdpa_cudnn")
     monkeypatch.setattr(sdpa, "CUDNN_LONGEST_CAUSAL_BLOCK", 512)
     steady_call_does_not_sync(lambda q, k, v: dilated.attention(q, k, v, causal=True, backend="sdpa_cudnn"),
                               qkv(gen), gen)
@@ -74,8 +74,7 @@ def test_long_causal_calls_in_query_chunks(gen, monkeypatch):
 @pytest.mark.parametrize("backend", ["auto", "flash_attn_4"])
 def test_fewer_queries_than_keys(backend, gen):
     """Causal attention of the last queries over a longer prefix (bottom-right aligned)."""
-    if backend not in available([backend]):
-        pytest.skip(f"{backend} is not available here")
+    skip_unless_available(backend)
     q = qkv(gen, n=300)[0]
     k, v = qkv(gen, n=2048, heads=2, kv_heads=2)[1:]
     steady_call_does_not_sync(lambda q, k, v: dilated.attention(q, k, v, causal=True, backend=backend), (q, k, v), gen)
@@ -104,8 +103,7 @@ def test_residue_major_layout(gen):
 @pytest.mark.parametrize("causal", [False, True])
 def test_packed_documents_with_cu_seqlens_on_the_host(backend, causal, gen):
     """cu_seqlens given as a host tensor: its values are read without waiting for the GPU."""
-    if backend not in available([backend]):
-        pytest.skip(f"{backend} is not available here")
+    skip_unless_available(backend)
     cu = torch.tensor([0, 300, 1024, 1100, 2048], dtype=torch.int32)
     steady_call_does_not_sync(
         lambda q, k, v: dilated.attention(q, k, v, causal=causal, backend=backend, cu_seqlens=cu), qkv(gen), gen)
