@@ -69,3 +69,18 @@ def flash_grads(dout, q, k, v, out, lse, scale, causal, dlse=None):
     dk = torch.einsum("bhnm,bnhd->bmhd", ds, qd)
     hk = k.shape[2]
     return dq, dk.reshape(b, -1, hk, g, d).sum(3), dv.reshape(b, -1, hk, g, v.shape[-1]).sum(3)
+
+
+def captured(step, warmup: int = 1):
+    """``(graph, what step returned while captured)``: ``step`` warmed up on a side stream (as
+    torch's CUDA-graph recipe asks), then captured once."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result

@@ -5,6 +5,8 @@ import torch
 from dilated import ImprovedDilatedAttention
 from dilated.call_streams import ENV, call_streams, streams_from_env
 
+from conftest import captured
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SLEEP = 50_000_000  # cycles of torch.cuda._sleep: tens of milliseconds, far longer than the launches
 
@@ -80,20 +82,6 @@ def test_backward_the_same_on_one_stream_and_two(monkeypatch, backend):
         assert (one - two).abs().max() <= 1e-2 * one.abs().max()
 
 
-def _captured(step):
-    """``(graph, what step returned while captured)``: ``step`` warmed up once on a side stream
-    (as torch's CUDA-graph recipe asks), then captured."""
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        step()
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = step()
-    return graph, result
-
-
 @cuda
 def test_forward_captured_in_a_cuda_graph(monkeypatch):
     """The fork and join are recorded into a graph: its replays compute what eager calls do."""
@@ -102,7 +90,7 @@ def test_forward_captured_in_a_cuda_graph(monkeypatch):
     q, k, v = (torch.randn(1, 8192, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     m = ImprovedDilatedAttention([1024, 2048, 4096], [1, 2, 4], backend="sdpa_flash")
     with torch.no_grad():
-        graph, out = _captured(lambda: m(q, k, v))
+        graph, out = captured(lambda: m(q, k, v))
         for x in (q, k, v):
             x.copy_(torch.randn_like(x))  # new inputs where the graph reads them
         graph.replay()
@@ -129,7 +117,7 @@ def test_forward_and_backward_captured_in_a_cuda_graph():
         out.backward(dout)
         return out
 
-    graph, out = _captured(step)
+    graph, out = captured(step)
     grads = [x.grad for x in (q, k, v)]
     branch_combine._TABLES.clear()
     torch.cuda.empty_cache()

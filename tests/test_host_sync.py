@@ -13,7 +13,7 @@ import torch
 
 import dilated
 
-from conftest import rand
+from conftest import captured, rand
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -133,15 +133,7 @@ def test_a_training_step_captures_in_a_cuda_graph(entry, causal, gen):
         out.backward(dout)
         return out
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step, warmup=3)
     grads = (q.grad, k.grad, v.grad)
     fresh = qkv(gen, kv_heads=2)
     with torch.no_grad():
