@@ -81,6 +81,18 @@ class CommStats:
                 "exposed_comm_ms": self.exposed_ms if self.measure else None, "ring_steps": self.steps}
 
 
+def _check_one_gpu_per_rank(local_ranks: int, gpus: int, backend: str | None) -> None:
+    """NCCL needs a GPU of its own per rank: two ranks on one GPU fail inside NCCL ("Duplicate GPU detected").
+
+    ``local_ranks`` is torchrun's LOCAL_WORLD_SIZE, whose ranks all see the same GPUs (srun may give each
+    task GPUs of its own, so its task count is not checked here).
+    """
+    if (backend or "nccl") == "nccl" and local_ranks > gpus:
+        raise RuntimeError(f"{local_ranks} ranks on this node but {gpus} GPU(s) visible, and NCCL needs one GPU "
+                           f"per rank: start {gpus} rank(s) per node (torchrun --nproc_per_node={gpus}), or "
+                           "pass backend='gloo' to run on the CPU")
+
+
 def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> tuple[int, int, torch.device]:
     """Initialise the default group from the environment; return ``(rank, world_size, device)``."""
     env = os.environ
@@ -91,6 +103,8 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> tu
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
     local = int(env.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if use_cuda:
+        _check_one_gpu_per_rank(int(env.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count(), backend)
     device = torch.device("cuda", local % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

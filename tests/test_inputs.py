@@ -380,3 +380,30 @@ def test_value_head_dim_where_a_kernel_cannot(gen):
         dilated.attention(q, q, v, backend="sdpa_flash")
     with pytest.raises(ValueError, match="v's head_dim"):
         dilated.DilatedAttention(*SCHEDULE)(q, q, v)
+
+
+@pytest.mark.parametrize("local_ranks,gpus,backend,fails", [
+    (2, 1, None, True), (8, 4, "nccl", True), (2, 2, None, False), (1, 8, None, False), (2, 1, "gloo", False)])
+def test_more_torchrun_ranks_than_gpus_is_refused_before_nccl_starts(monkeypatch, local_ranks, gpus, backend, fails):
+    """Two NCCL ranks on one GPU fail deep inside NCCL; every rank gets an error naming the fix first."""
+    import dilated.distributed as dd
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dd.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dd.dist, "init_process_group", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(dd.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dd.dist, "get_world_size", lambda: local_ranks)
+    for var, value in {"RANK": "0", "WORLD_SIZE": str(local_ranks), "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": str(local_ranks), "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(var, value)
+    if fails:
+        with pytest.raises(RuntimeError, match=rf"{local_ranks} ranks on this node but {gpus} GPU.*"
+                                               rf"--nproc_per_node={gpus}.*gloo"):
+            dd.init_distributed(backend=backend)
+        assert not started
+    else:
+        dd.init_distributed(backend=backend)
+        assert len(started) == 1
