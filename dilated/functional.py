@@ -223,8 +223,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
             q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
             out, lse = varlen_attention(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), causal, scale, kernel)
         else:
-            out, lse = packed_attention(q, k, v, cu_seqlens, lambda a, b_, c: attention(
-                a, b_, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)
+            out, lse = packed_attention(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), backend, causal, scale)
         return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # one custom op (dilated.ops): dynamo traces no backend code
         out, lse = torch.ops.dilated.attention_forward(q, k, v, causal, scale, backend, return_lse)

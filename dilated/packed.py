@@ -66,32 +66,92 @@ def document_calls(cu: list[int], causal: bool) -> list[tuple[int, list[tuple[in
     return sorted(groups.items())
 
 
-def packed_attention(q, k, v, cu_seqlens, attend, causal: bool):
-    """``attend(q, k, v) -> (out, lse)`` (a plain attention, causal as given) over each document of
-    the packed ``[B, N, H, D]`` q, k, v separately; returns ``(out, lse)`` for the whole sequence,
-    lse ``[B, H, N]``. Differentiable (gathers and one inverse permutation)."""
-    return documents_forward(q, k, v, check_cu_seqlens(cu_seqlens, q.shape[1]), attend, causal)
+def packed_attention(q, k, v, cu: list[int], backend: str, causal: bool, scale: float):
+    """``(out, lse)`` (lse ``[B, H, N]``) of the packed ``[B, N, H, D]`` q, k, v, each document of the
+    validated cumulative lengths ``cu`` attended alone, in the batched calls of :func:`document_calls`
+    on ``backend`` (resolved per call). Differentiable through out and lse: the backward runs the
+    kernels' backward on the same calls (:class:`DocumentsFunction`)."""
+    from .functional import attention
+
+    if torch.compiler.is_compiling():  # each call one custom op (dilated.ops); autograd through the gathers
+        return documents_forward(q, k, v, cu, lambda a, b, c: attention(
+            a, b, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return DocumentsFunction.apply(q, k, v, tuple(cu), backend, causal, scale)
+    return documents_forward(q, k, v, cu, _DocumentCalls(backend, causal, scale).forward, causal)
+
+
+class _DocumentCalls:
+    """The kernel calls of one packed attention: each call's backend resolved in the forward (``auto``
+    by the call's shape) and reused, call by call, in the backward."""
+
+    def __init__(self, backend: str, causal: bool, scale: float):
+        self.backend, self.causal, self.scale, self.resolved = backend, causal, scale, []
+
+    def forward(self, q, k, v):
+        from .backends import get_backend
+        from .functional import attention_forward
+
+        impl = get_backend(self.backend, q, k, self.causal, v=v)
+        self.resolved.append(impl)
+        return attention_forward(impl, q, k, v, self.causal, self.scale)
+
+    def backward(self, index: int, dout, q, k, v, out, lse, dlse=None):
+        from .functional import attention_backward
+
+        return attention_backward(self.resolved[index], dout, q, k, v, out, lse, self.causal, self.scale, dlse)
+
+
+class DocumentsFunction(torch.autograd.Function):
+    """Autograd over :func:`documents_forward` / :func:`documents_backward`: the backward gathers each
+    call's rows and scatters its gradients back (autograd through the forward's gathers would
+    accumulate them by sorting indices: a third of a step at 64K on an H200)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu: tuple, backend: str, causal: bool, scale: float):
+        ctx.set_materialize_grads(False)  # an unused lse's gradient comes as None, not as zeros
+        calls = _DocumentCalls(backend, causal, scale)
+        out, lse = documents_forward(q, k, v, list(cu), calls.forward, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.calls, ctx.cu = calls, list(cu)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        count = iter(range(len(ctx.calls.resolved)))
+        grads = documents_backward((dout, q, k, v, out, lse), ctx.cu,
+                                   lambda *t, dlse=None: ctx.calls.backward(next(count), *t, dlse=dlse),
+                                   ctx.calls.causal, dlse)
+        return *grads, None, None, None, None
 
 
 def _document_rows(cu: list[int], causal: bool, n: int, device):
-    """Per kernel call of :func:`document_calls`: ``(length, documents, pos, real, at)``: the
-    positions its ``[documents, length]`` rows read (``n``: a padding row), the indices of its real
-    rows among them and their positions in the sequence. Made on the device from the documents'
-    starts and lengths without waiting for it: the sizes are known here (a boolean mask would
-    make indexing wait for its count)."""
+    """Per kernel call of :func:`document_calls`: ``(length, documents, pos, pad, real, at)``: the
+    positions its ``[documents, length]`` rows read, a mask of its padding rows among them (None
+    where it has none), the indices of its real rows among them and their positions in the
+    sequence. Made on the device from the documents' starts and lengths without waiting for it:
+    the sizes are known here (a boolean mask would make indexing wait for its count)."""
     for length, docs in document_calls(cu, causal):
         starts, lengths = host_values_on(docs, torch.int64, device)[0].unbind(1)
         offsets = torch.arange(length, device=device)
-        pos = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, n).flatten()
+        inside = offsets < lengths[:, None]
+        pos = torch.where(inside, starts[:, None] + offsets, 0).flatten()
         total = sum(size for _, size in docs)
         doc = torch.repeat_interleave(torch.arange(len(docs), device=device), lengths, output_size=total)
         within = torch.arange(total, device=device) - (torch.cumsum(lengths, 0) - lengths)[doc]
-        yield length, len(docs), pos, doc * length + within, starts[doc] + within
+        pad = None if total == length * len(docs) else ~inside.flatten()
+        yield length, len(docs), pos, pad, doc * length + within, starts[doc] + within
 
 
-def _padded(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """``x`` with one zero row appended along ``dim`` (what padded positions read)."""
-    return torch.cat([x, x.new_zeros(*x.shape[:dim], 1, *x.shape[dim + 1:])], dim)
+def _gather(x: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
+    """``x``'s rows ``pos`` along ``dim``, the padding rows ``pad`` zero (so a padded query or key
+    adds nothing, and a padded key holds no NaN or Inf read from elsewhere)."""
+    rows = x.index_select(dim, pos)
+    if pad is not None:
+        rows.masked_fill_(pad.view(-1, *([1] * (x.dim() - dim - 1))), 0)
+    return rows
 
 
 def documents_forward(q, k, v, cu: list[int], attend, causal: bool):
@@ -100,10 +160,9 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool):
     b, n = q.shape[:2]
     if len(cu) == 2:
         return attend(q, k, v)
-    ext = [_padded(x) for x in (q, k, v)]
     outs, lses, order = [], [], []
-    for length, count, pos, real, at in _document_rows(cu, causal, n, q.device):
-        qg, kg, vg = (x[:, pos].reshape(b * count, length, *x.shape[2:]) for x in ext)
+    for length, count, pos, pad, real, at in _document_rows(cu, causal, n, q.device):
+        qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
         o, lse = attend(qg, kg, vg)
         outs.append(o.reshape(b, count * length, *o.shape[2:])[:, real])
         lses.append(lse.reshape(b, count, lse.shape[1], length).transpose(1, 2)
@@ -114,25 +173,26 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool):
     return torch.cat(outs, 1)[:, inverse], torch.cat(lses, 2)[:, :, inverse]
 
 
-def documents_backward(tensors, cu: list[int], backward, causal: bool):
-    """``backward(dout, q, k, v, out, lse) -> (dq, dk, dv)`` (a kernel backward, causal as given)
-    over each document of the packed ``tensors = (dout, q, k, v, out, lse)`` separately, in the
-    calls of :func:`documents_forward`; lse ``[B, H, N]``. Padded rows have q, out and dout 0 and
-    lse 0: they add no gradient."""
+def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None):
+    """``backward(dout, q, k, v, out, lse[, dlse=]) -> (dq, dk, dv)`` (a kernel backward, causal as
+    given) over each document of the packed ``tensors = (dout, q, k, v, out, lse)`` separately, in
+    the calls of :func:`documents_forward`; lse ``[B, H, N]``; ``dlse`` (``[B, H, N]`` or None) the
+    gradient of lse. Padded rows have q, out and dout 0 and lse and dlse 0: they add no gradient."""
     dout, q, k, v, out, lse = tensors
     b, n = q.shape[:2]
     if len(cu) == 2:
-        return backward(*tensors)
-    ext = [_padded(x) for x in (dout, q, k, v, out)]
-    lse_ext = _padded(lse, 2)
+        return backward(*tensors) if dlse is None else backward(*tensors, dlse=dlse)
+    h = lse.shape[1]
     grads = [None, None, None]
-    for length, count, pos, real, at in _document_rows(cu, causal, n, q.device):
-        dg, qg, kg, vg, og = (x[:, pos].reshape(b * count, length, *x.shape[2:]) for x in ext)
-        h = lse.shape[1]
-        lg = lse_ext[:, :, pos].reshape(b, h, count, length).transpose(1, 2).reshape(b * count, h, length)
-        for i, (x, gi) in enumerate(zip((q, k, v), backward(dg, qg, kg, vg, og, lg.contiguous()))):
-            if grads[i] is None:
-                grads[i] = torch.zeros(x.shape, dtype=gi.dtype, device=x.device)
+    for length, count, pos, pad, real, at in _document_rows(cu, causal, n, q.device):
+        dg, qg, kg, vg, og = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:])
+                              for x in (dout, q, k, v, out))
+        lg, dlg = (None if x is None else _gather(x, pos, pad, 2).reshape(b, h, count, length).transpose(1, 2)
+                   .reshape(b * count, h, length).contiguous() for x in (lse, dlse))
+        call_grads = backward(dg, qg, kg, vg, og, lg) if dlg is None else backward(dg, qg, kg, vg, og, lg, dlse=dlg)
+        for i, (x, gi) in enumerate(zip((q, k, v), call_grads)):
+            if grads[i] is None:  # every position is in one call: all of it is written
+                grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
             grads[i][:, at] = gi.reshape(b, count * length, *gi.shape[2:])[:, real]
     return tuple(grads)
 
