@@ -129,8 +129,8 @@ class DocumentsFunction(torch.autograd.Function):
 
 def _document_rows(cu: list[int], causal: bool, n: int, device):
     """Per kernel call of :func:`document_calls`: ``(length, documents, pos, pad, real, at)``: the
-    positions its ``[documents, length]`` rows read, a mask of its padding rows among them (None
-    where it has none), the indices of its real rows among them and their positions in the
+    positions its ``[documents, length]`` rows read, the indices of its padding rows among them
+    (None where it has none), the indices of its real rows among them and their positions in the
     sequence. Made on the device from the documents' starts and lengths without waiting for it:
     the sizes are known here (a boolean mask would make indexing wait for its count)."""
     for length, docs in document_calls(cu, causal):
@@ -139,19 +139,26 @@ def _document_rows(cu: list[int], causal: bool, n: int, device):
         inside = offsets < lengths[:, None]
         pos = torch.where(inside, starts[:, None] + offsets, 0).flatten()
         total = sum(size for _, size in docs)
-        doc = torch.repeat_interleave(torch.arange(len(docs), device=device), lengths, output_size=total)
-        within = torch.arange(total, device=device) - (torch.cumsum(lengths, 0) - lengths)[doc]
-        pad = None if total == length * len(docs) else ~inside.flatten()
+        doc, within = _runs(lengths, total)
+        pad = None
+        if total < length * len(docs):
+            pad_doc, pad_within = _runs(length - lengths, length * len(docs) - total)
+            pad = pad_doc * length + lengths[pad_doc] + pad_within
         yield length, len(docs), pos, pad, doc * length + within, starts[doc] + within
+
+
+def _runs(sizes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(run, offset)`` of each of the ``total = sum(sizes)`` elements of consecutive runs of the given
+    sizes (``total`` given: the host knows it, and computing it would wait for the device)."""
+    run = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes, output_size=total)
+    return run, torch.arange(total, device=sizes.device) - (torch.cumsum(sizes, 0) - sizes)[run]
 
 
 def _gather(x: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
     """``x``'s rows ``pos`` along ``dim``, the padding rows ``pad`` zero (so a padded query or key
     adds nothing, and a padded key holds no NaN or Inf read from elsewhere)."""
     rows = x.index_select(dim, pos)
-    if pad is not None:
-        rows.masked_fill_(pad.view(-1, *([1] * (x.dim() - dim - 1))), 0)
-    return rows
+    return rows if pad is None else rows.index_fill_(dim, pad, 0)
 
 
 def documents_forward(q, k, v, cu: list[int], attend, causal: bool):
