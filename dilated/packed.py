@@ -3,9 +3,10 @@
 a document boundary; causal applies within each document.
 
 On CUDA, with half-precision inputs, documents go to a kernel's own varlen entry point in one
-call over all of them (:mod:`dilated.backends.varlen`): torch's varlen flash kernel (the ops
-behind ``torch.nn.attention.varlen``, where the installed torch has them) with ``backend="auto"``,
-flash-attn 4's with ``backend="flash_attn_4"``; forward and backward are the kernel's own, the
+call over all of them (:mod:`dilated.backends.varlen`) where the kernel the backend resolves to
+has one: torch's varlen flash kernel (the ops behind ``torch.nn.attention.varlen``, where the
+installed torch has them) for ``sdpa_flash``, flash-attn 4's for ``flash_attn_4`` (``auto``
+where it resolves to either); forward and backward are the kernel's own, the
 backward given the (merged) out and lse, so ring attention calls them too. Elsewhere, documents
 run in batched kernel calls, not one call per document: non-causal documents of one
 length share a call (their batch is the number of such documents); causal ones are padded at
@@ -13,7 +14,8 @@ their end to a bucket length (four buckets per octave, so at most a quarter of a
 and share the bucket's call. Padding at the end is exact under causality: a real query sees only
 keys at or before it, never a padded one, and the padded rows' outputs are dropped (their
 gradients are zero). So the calls are at most one per distinct length (non-causal) or about four
-per octave of lengths (causal).
+per octave of lengths (causal). Their backward gathers each call's rows again and scatters its
+gradients back (:class:`DocumentsFunction`), as the rings do.
 """
 from __future__ import annotations
 
