@@ -169,17 +169,24 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool):
     b, n = q.shape[:2]
     if len(cu) == 2:
         return attend(q, k, v)
-    outs, lses, order = [], [], []
+    out = lse = None
     for length, count, pos, pad, real, at in _document_rows(cu, causal, n, q.device):
         qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
-        o, lse = attend(qg, kg, vg)
-        outs.append(o.reshape(b, count * length, *o.shape[2:])[:, real])
-        lses.append(lse.reshape(b, count, lse.shape[1], length).transpose(1, 2)
-                    .reshape(b, lse.shape[1], count * length)[:, :, real])
-        order.append(at)
-    inverse = torch.empty(n, dtype=torch.long, device=q.device)
-    inverse[torch.cat(order)] = torch.arange(n, device=q.device)
-    return torch.cat(outs, 1)[:, inverse], torch.cat(lses, 2)[:, :, inverse]
+        o, l = attend(qg, kg, vg)
+        h = l.shape[1]
+        o = _real(o.reshape(b, count * length, *o.shape[2:]), real, pad)
+        l = _real(l.reshape(b, count, h, length).transpose(1, 2).reshape(b, h, count * length), real, pad, 2)
+        if out is None:  # every position is in one call: all of it is written
+            out = o.new_empty(b, n, *o.shape[2:])
+            lse = l.new_empty(b, h, n)
+        out[:, at] = o
+        lse[:, :, at] = l
+    return out, lse
+
+
+def _real(rows: torch.Tensor, real: torch.Tensor, pad: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
+    """A call's real rows ``real`` along ``dim`` (all of them where it has no padding ``pad``)."""
+    return rows if pad is None else rows.index_select(dim, real)
 
 
 def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None):
@@ -202,7 +209,7 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
         for i, (x, gi) in enumerate(zip((q, k, v), call_grads)):
             if grads[i] is None:  # every position is in one call: all of it is written
                 grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
-            grads[i][:, at] = gi.reshape(b, count * length, *gi.shape[2:])[:, real]
+            grads[i][:, at] = _real(gi.reshape(b, count * length, *gi.shape[2:]), real, pad)
     return tuple(grads)
 
 
