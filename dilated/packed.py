@@ -5,8 +5,8 @@ a document boundary; causal applies within each document.
 On CUDA, with half-precision inputs, documents go to a kernel's own varlen entry point in one
 call over all of them (:mod:`dilated.backends.varlen`) where the kernel the backend resolves to
 has one: torch's varlen flash kernel (the ops behind ``torch.nn.attention.varlen``, where the
-installed torch has them) for ``sdpa_flash``, flash-attn 4's for ``flash_attn_4`` (``auto``
-where it resolves to either); forward and backward are the kernel's own, the
+installed torch has them) for ``sdpa_flash``, flash-attn 4's for ``flash_attn_4``; ``auto`` takes
+flash-attn 4's wherever it runs, else the entry point of the kernel it resolves to; forward and backward are the kernel's own, the
 backward given the (merged) out and lse, so ring attention calls them too. Elsewhere, documents
 run in batched kernel calls, not one call per document: non-causal documents of one
 length share a call (their batch is the number of such documents); causal ones are padded at

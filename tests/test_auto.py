@@ -36,7 +36,7 @@ def measured(monkeypatch, tmp_path):
     monkeypatch.setattr(auto, "ROWS_TIMED", 256)  # a small device-filling batch: the delays decide, not the work
     monkeypatch.setenv("DILATED_AUTO_CACHE", str(tmp_path / "auto.json"))
     monkeypatch.delenv("DILATED_AUTO", raising=False)
-    slow, fast = register_backend(_Timed("slow_for_test", 0.004)), register_backend(_Timed("fast_for_test", 0.0))
+    slow, fast = register_backend(_Timed("slow_for_test", 0.02)), register_backend(_Timed("fast_for_test", 0.0))
     monkeypatch.setitem(AUTO_ORDER, "cpu", ["slow_for_test", "fast_for_test"])
     auto.clear()
     yield slow, fast, tmp_path / "auto.json"

@@ -200,3 +200,28 @@ def test_a_nan_stays_in_its_document(backend, gen):
     assert out[:, :5].isnan().all() and rel_err(out[:, 5:], ref) < 2e-4
     for name, g, rg in zip("qkv", grads, ref_grads):
         assert rel_err(g[:, 5:], rg) < 4e-4, f"d{name}"
+
+
+def test_auto_takes_flash_attn_4s_varlen_entry_point_wherever_it_runs(monkeypatch, gen):
+    """Packed documents on ``auto`` go to flash-attn 4's one varlen call even where ``auto``'s dense
+    measurement picked a kernel without a varlen entry point (cuDNN); where flash-attn 4 does not
+    run, to the batched calls of the kernel ``auto`` resolved to."""
+    import varlen_standins
+    from dilated.backends import flash_attn_4, varlen
+
+    real_reason = varlen.varlen_reason
+    fa4_runs = [True]
+    monkeypatch.setattr(flash_attn_4, "_import", lambda: varlen_standins.FA4)
+    monkeypatch.setattr(varlen, "dense_kernel", lambda q, k, v, backend, causal: "manual" if backend == "auto" else backend)
+    monkeypatch.setattr(varlen, "varlen_reason", lambda q, k, v, backend, causal=False: (
+        (None if fa4_runs[0] else "flash-attn 4 is not installed") if backend == "flash_attn_4"
+        else real_reason(q, k, v, backend, causal)))
+    cu = DOCS["varied"]
+    q, k, v = (rand(1, 40, 2, 8, gen=gen, requires_grad=True) for _ in range(3))
+    ref, _ = _per_document(*(t.detach().double() for t in (q, k, v)), cu, True)
+    for runs, calls in ((True, {"fa4_forward": 1, "fa4_backward": 1}), (False, {})):
+        fa4_runs[0] = runs
+        varlen_standins.CALLS.clear()
+        out = dilated.attention(q, k, v, causal=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+        out.sum().backward()
+        assert rel_err(out, ref) < 2e-4 and dict(varlen_standins.CALLS) == calls
