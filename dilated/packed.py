@@ -60,12 +60,14 @@ def _bucket(length: int) -> int:
 
 def document_calls(cu: list[int], causal: bool) -> list[tuple[int, list[tuple[int, int]]]]:
     """``(call length, [(start, length), ...])`` per kernel call: documents of one length, or
-    (causal) of one bucket length, together."""
+    (causal) of one bucket length, together; the longest call first, so the GPU starts on the
+    largest work while the host launches the small calls (which take it longer than they take
+    the GPU)."""
     groups = defaultdict(list)
     for start, end in zip(cu, cu[1:]):
         length = end - start
         groups[_bucket(length) if causal else length].append((start, length))
-    return sorted(groups.items())
+    return sorted(groups.items(), reverse=True)
 
 
 def packed_attention(q, k, v, cu: list[int], backend: str, causal: bool, scale: float):
