@@ -74,15 +74,20 @@ def packed_attention(q, k, v, cu: list[int], backend: str, causal: bool, scale: 
     """``(out, lse)`` (lse ``[B, H, N]``) of the packed ``[B, N, H, D]`` q, k, v, each document of the
     validated cumulative lengths ``cu`` attended alone, in the batched calls of :func:`document_calls`
     on ``backend`` (resolved per call). Differentiable through out and lse: the backward runs the
-    kernels' backward on the same calls (:class:`DocumentsFunction`)."""
+    kernels' backward on the same calls (:class:`DocumentsFunction`). With ``auto``, the documents of
+    calls too small to keep the GPU busy (:data:`SMALL_CALL_FLOPS`) run in one call of torch's varlen
+    flash kernel where it runs."""
+    from .backends.varlen import small_documents_kernel
     from .functional import attention
 
     if torch.compiler.is_compiling():  # each call one custom op (dilated.ops); autograd through the gathers
         return documents_forward(q, k, v, cu, lambda a, b, c: attention(
             a, b, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)
+    small = small_documents_kernel(q, k, v, causal) if backend == "auto" else None
+    small = None if small is None else (small, scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return DocumentsFunction.apply(q, k, v, tuple(cu), backend, causal, scale)
-    return documents_forward(q, k, v, cu, _DocumentCalls(backend, causal, scale).forward, causal)
+        return DocumentsFunction.apply(q, k, v, tuple(cu), backend, causal, scale, small)
+    return documents_forward(q, k, v, cu, _DocumentCalls(backend, causal, scale).forward, causal, small)
 
 
 class _DocumentCalls:
@@ -112,12 +117,12 @@ class DocumentsFunction(torch.autograd.Function):
     accumulate them by sorting indices: a third of a step at 64K on an H200)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu: tuple, backend: str, causal: bool, scale: float):
+    def forward(ctx, q, k, v, cu: tuple, backend: str, causal: bool, scale: float, small=None):
         ctx.set_materialize_grads(False)  # an unused lse's gradient comes as None, not as zeros
         calls = _DocumentCalls(backend, causal, scale)
-        out, lse = documents_forward(q, k, v, list(cu), calls.forward, causal)
+        out, lse = documents_forward(q, k, v, list(cu), calls.forward, causal, small)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.calls, ctx.cu = calls, list(cu)
+        ctx.calls, ctx.cu, ctx.small = calls, list(cu), small
         return out, lse
 
     @staticmethod
@@ -127,17 +132,17 @@ class DocumentsFunction(torch.autograd.Function):
         count = iter(range(len(ctx.calls.resolved)))
         grads = documents_backward((dout, q, k, v, out, lse), ctx.cu,
                                    lambda *t, dlse=None: ctx.calls.backward(next(count), *t, dlse=dlse),
-                                   ctx.calls.causal, dlse)
-        return *grads, None, None, None, None
+                                   ctx.calls.causal, dlse, ctx.small)
+        return *grads, None, None, None, None, None
 
 
-def _document_rows(cu: list[int], causal: bool, n: int, device):
+def _document_rows(calls, device):
     """Per kernel call of :func:`document_calls`: ``(length, documents, pos, pad, real, at)``: the
     positions its ``[documents, length]`` rows read, the indices of its padding rows among them
     (None where it has none), the indices of its real rows among them and their positions in the
     sequence. Made on the device from the documents' starts and lengths without waiting for it:
     the sizes are known here (a boolean mask would make indexing wait for its count)."""
-    for length, docs in document_calls(cu, causal):
+    for length, docs in calls:
         starts, lengths = host_values_on(docs, torch.int64, device)[0].unbind(1)
         offsets = torch.arange(length, device=device)
         inside = offsets < lengths[:, None]
@@ -158,6 +163,32 @@ def _runs(sizes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     return run, torch.arange(total, device=sizes.device) - (torch.cumsum(sizes, 0) - sizes)[run]
 
 
+#: a batched call doing less work than this (about 0.4 ms of an H200 at 500 TFLOP/s) takes the host
+#: about as long to launch (its gathers, the call, its scatter) as the GPU to run: with ``auto``, the
+#: documents of such calls run in one varlen call instead. Lognormal documents of mean 1K packed to
+#: 256K made about 250 such calls: 184 ms forward on cuDNN against 27 ms in one varlen call.
+SMALL_CALL_FLOPS = 2e11
+
+
+def _split_calls(calls, heads: int, head_dim: int, causal: bool):
+    """``(calls that stay batched, [(start, length), ...] of the documents of the smaller ones)``."""
+    big, small = [], []
+    for length, docs in calls:
+        flops = 4 * len(docs) * length * length * heads * head_dim / (2 if causal else 1)
+        (big.append((length, docs)) if flops >= SMALL_CALL_FLOPS else small.extend(docs))
+    return big, sorted(small)
+
+
+def _small_rows(docs, device):
+    """``(positions of the documents' rows, one document after another; their cumulative lengths)``."""
+    starts, lengths = host_values_on(docs, torch.int64, device)[0].unbind(1)
+    run, within = _runs(lengths, sum(size for _, size in docs))
+    cu = [0]
+    for _, size in docs:
+        cu.append(cu[-1] + size)
+    return starts[run] + within, cu
+
+
 def _gather(x: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
     """``x``'s rows ``pos`` along ``dim``, the padding rows ``pad`` zero (so a padded query or key
     adds nothing, and a padded key holds no NaN or Inf read from elsewhere)."""
@@ -165,14 +196,24 @@ def _gather(x: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None, dim: i
     return rows if pad is None else rows.index_fill_(dim, pad, 0)
 
 
-def documents_forward(q, k, v, cu: list[int], attend, causal: bool):
+def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
     """:func:`packed_attention` on validated cumulative lengths ``cu`` (a list): documents of one
-    length (causal: one bucket) in one call of ``attend``."""
+    length (causal: one bucket) in one call of ``attend``; ``small = (varlen kernel, scale)``: the
+    documents of calls below :data:`SMALL_CALL_FLOPS` in one call of that kernel instead."""
     b, n = q.shape[:2]
     if len(cu) == 2:
         return attend(q, k, v)
+    calls, rest = document_calls(cu, causal), []
+    if small is not None:
+        calls, rest = _split_calls(calls, q.shape[2], q.shape[3], causal)
     out = lse = None
-    for length, count, pos, pad, real, at in _document_rows(cu, causal, n, q.device):
+    if rest:
+        pos, cu_rest = _small_rows(rest, q.device)
+        o, l = varlen_forward(small[0], *(x.index_select(1, pos) for x in (q, k, v)), cu_rest, causal, small[1])
+        out, lse = o.new_empty(b, n, *o.shape[2:]), l.new_empty(b, l.shape[1], n)
+        out[:, pos] = o
+        lse[:, :, pos] = l
+    for length, count, pos, pad, real, at in _document_rows(calls, q.device):
         qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
         o, l = attend(qg, kg, vg)
         h = l.shape[1]
@@ -191,18 +232,29 @@ def _real(rows: torch.Tensor, real: torch.Tensor, pad: torch.Tensor | None, dim:
     return rows if pad is None else rows.index_select(dim, real)
 
 
-def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None):
+def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None, small=None):
     """``backward(dout, q, k, v, out, lse[, dlse=]) -> (dq, dk, dv)`` (a kernel backward, causal as
     given) over each document of the packed ``tensors = (dout, q, k, v, out, lse)`` separately, in
     the calls of :func:`documents_forward`; lse ``[B, H, N]``; ``dlse`` (``[B, H, N]`` or None) the
-    gradient of lse. Padded rows have q, out and dout 0 and lse and dlse 0: they add no gradient."""
+    gradient of lse; ``small`` as in :func:`documents_forward`. Padded rows have q, out and dout 0
+    and lse and dlse 0: they add no gradient."""
     dout, q, k, v, out, lse = tensors
     b, n = q.shape[:2]
     if len(cu) == 2:
         return backward(*tensors) if dlse is None else backward(*tensors, dlse=dlse)
     h = lse.shape[1]
     grads = [None, None, None]
-    for length, count, pos, pad, real, at in _document_rows(cu, causal, n, q.device):
+    calls, rest = document_calls(cu, causal), []
+    if small is not None:
+        calls, rest = _split_calls(calls, q.shape[2], q.shape[3], causal)
+    if rest:
+        pos, cu_rest = _small_rows(rest, q.device)
+        rows = tuple(x.index_select(1, pos) for x in (dout, q, k, v, out)) + (lse.index_select(2, pos),)
+        for i, (x, gi) in enumerate(zip((q, k, v), varlen_backward(
+                small[0], rows, cu_rest, causal, small[1], None if dlse is None else dlse.index_select(2, pos)))):
+            grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
+            grads[i][:, pos] = gi
+    for length, count, pos, pad, real, at in _document_rows(calls, q.device):
         dg, qg, kg, vg, og = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:])
                               for x in (dout, q, k, v, out))
         lg, dlg = (None if x is None else _gather(x, pos, pad, 2).reshape(b, h, count, length).transpose(1, 2)

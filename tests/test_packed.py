@@ -225,3 +225,34 @@ def test_auto_takes_flash_attn_4s_varlen_entry_point_wherever_it_runs(monkeypatc
         out = dilated.attention(q, k, v, causal=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
         out.sum().backward()
         assert rel_err(out, ref) < 2e-4 and dict(varlen_standins.CALLS) == calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("threshold", [0.0, 13 * 13 * 2 * 8 * 4 / 2, float("inf")])  # none, some, all small
+def test_auto_runs_small_documents_in_one_varlen_call(causal, threshold, monkeypatch, gen):
+    """``auto``: the documents of batched calls below ``SMALL_CALL_FLOPS`` go to one call of torch's
+    varlen kernel, the others stay in batched calls; output, lse and gradients (through both) exact
+    whatever the split."""
+    import varlen_standins
+    from dilated import packed
+    from dilated.backends import varlen
+
+    monkeypatch.setattr(varlen, "torch_varlen_ops", lambda: varlen_standins.TORCH_OPS["new"])
+    monkeypatch.setattr(varlen, "small_documents_kernel", lambda q, k, v, causal=False: varlen.TorchVarlen())
+    monkeypatch.setattr(packed, "SMALL_CALL_FLOPS", threshold)
+    varlen_standins.CALLS.clear()
+    cu = DOCS["varied"]  # lengths 1, 5, 13, 1, 13, 7
+    q = rand(2, 40, 2, 8, gen=gen, requires_grad=True)
+    k, v = rand(2, 40, 1, 8, gen=gen, requires_grad=True), rand(2, 40, 1, 8, gen=gen, requires_grad=True)
+    out, lse = dilated.attention(q, k, v, causal=causal, return_lse=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _per_document(qd, kd.repeat_interleave(2, 2), vd.repeat_interleave(2, 2), cu, causal)
+    assert rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
+    dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert rel_err(g, rg) < 4e-4, f"d{name}"
+    varlen_calls = 0 if threshold == 0.0 else 1
+    assert varlen_standins.CALLS["torch_forward"] == varlen_calls
+    assert varlen_standins.CALLS["torch_backward"] == 2 * varlen_calls  # the second for lse's gradient

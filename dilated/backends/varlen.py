@@ -214,3 +214,9 @@ def varlen_kernel(q, k, v, backend: str, causal: bool = False) -> VarlenKernel |
     if varlen_reason(q, k, v, backend, causal) is not None:
         return None
     return _KERNELS[dense_kernel(q, k, v, backend, causal)]
+
+
+def small_documents_kernel(q, k, v, causal: bool = False) -> VarlenKernel | None:
+    """torch's varlen flash kernel where it runs for these inputs, else None: ``auto`` runs documents
+    too small for batched calls of another kernel in one call of it (:data:`dilated.packed.SMALL_CALL_FLOPS`)."""
+    return _KERNELS["sdpa_flash"] if varlen_reason(q, k, v, "sdpa_flash", causal) is None else None
