@@ -19,6 +19,16 @@ def _per_document(q, k, v, cu, causal):
     return torch.cat(outs, 1), torch.cat(lses, 2)
 
 
+def _assert_matches(out, lse, ref, ref_lse, inputs, ref_inputs, gen):
+    """out and lse, and the gradients through both on random dout and dlse, against float64."""
+    assert rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
+    dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
+    grads = torch.autograd.grad((out, lse), inputs, (dout, dlse))
+    ref_grads = torch.autograd.grad((ref, ref_lse), ref_inputs, (dout.double(), dlse.double()))
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert rel_err(g, rg) < 4e-4, f"d{name}"
+
+
 DOCS = {"one": [0, 40], "fixed": [0, 8, 16, 24, 32, 40], "varied": [0, 1, 6, 19, 20, 33, 40],
         "lognormal-like": [0, 3, 4, 11, 29, 31, 40]}
 
@@ -34,12 +44,7 @@ def test_packed_documents_match_each_document_alone(docs, causal, backend, gen):
                                  cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = _per_document(qd, kd, vd, cu, causal)
-    assert rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
-    dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
-    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
-    for name, g, rg in zip("qkv", grads, ref_grads):
-        assert rel_err(g, rg) < 4e-4, f"d{name}"
+    _assert_matches(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
 
 
 def test_documents_share_kernel_calls():
@@ -90,12 +95,8 @@ def test_packed_documents_through_a_kernels_varlen_entry_point(kernel, release, 
     outs, lses = zip(*(dense_reference(qd[:, a:b], kd[:, a:b], vd[:, a:b], causal=causal, scale=scale)
                        for a, b in zip(cu, cu[1:])))
     ref, ref_lse = torch.cat(outs, 1), torch.cat(lses, 2)
-    assert lse.shape == (2, 4, 40) and rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
-    dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
-    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
-    for name, g, rg in zip("qkv", grads, ref_grads):
-        assert rel_err(g, rg) < 4e-4, f"d{name}"
+    assert lse.shape == (2, 4, 40)
+    _assert_matches(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
     expected = {"torch": {"torch_forward": 1, "torch_backward": 2}, "fa4": {"fa4_forward": 1, "fa4_backward": 1}}
     assert dict(varlen_standins.CALLS) == expected[kernel]
 
@@ -247,12 +248,7 @@ def test_auto_runs_small_documents_in_one_varlen_call(causal, threshold, monkeyp
     out, lse = dilated.attention(q, k, v, causal=causal, return_lse=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = _per_document(qd, kd.repeat_interleave(2, 2), vd.repeat_interleave(2, 2), cu, causal)
-    assert rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
-    dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
-    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
-    for name, g, rg in zip("qkv", grads, ref_grads):
-        assert rel_err(g, rg) < 4e-4, f"d{name}"
+    _assert_matches(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
     varlen_calls = 0 if threshold == 0.0 else 1
     assert varlen_standins.CALLS["torch_forward"] == varlen_calls
     assert varlen_standins.CALLS["torch_backward"] == 2 * varlen_calls  # the second for lse's gradient
