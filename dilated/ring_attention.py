@@ -45,7 +45,7 @@ from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import empty_accumulators, merge_
-from .backends.varlen import VarlenKernel, varlen_kernel
+from .backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
 from .packed import check_cu_seqlens, documents_backward, documents_forward, varlen_backward, varlen_forward
 from .plan import AttentionSpec
 
@@ -218,7 +218,9 @@ class RingCall:
     """What one ring attention call needs besides its tensors: the kernel spec (backend, causal,
     scale), the ring (layout, group, transport, overlap, stats) and packed documents (``cu``,
     global cumulative lengths, or None; ``varlen``: the kernel's own varlen entry point that runs
-    the documents of a chunk with itself in one call, or None where there is none)."""
+    the documents of a chunk with itself in one call, or None where there is none; ``small``: with
+    ``auto`` and no such entry point, torch's varlen kernel for the documents of batched calls too
+    small to keep the GPU busy, see :data:`dilated.packed.SMALL_CALL_FLOPS`)."""
 
     spec: AttentionSpec
     layout: str
@@ -228,6 +230,7 @@ class RingCall:
     transport: str
     cu: tuple | None = None
     varlen: VarlenKernel | None = None
+    small: VarlenKernel | None = None
 
     def steps(self, ring: _Ring, k, v, n: int):
         """``(k block, v block, kernel calls)`` per ring step."""
@@ -247,7 +250,7 @@ def _forward_piece(call: RingCall, qkv, causal: bool, docs):
         return attend(*qkv)
     if call.varlen is not None:
         return varlen_forward(call.varlen, *qkv, docs, causal, spec.scale)
-    return documents_forward(*qkv, docs, attend, causal)
+    return documents_forward(*qkv, docs, attend, causal, call.small and (call.small, spec.scale))
 
 
 def _backward_piece(call: RingCall, tensors, causal: bool, docs):
@@ -262,7 +265,7 @@ def _backward_piece(call: RingCall, tensors, causal: bool, docs):
         return grads(*tensors)
     if call.varlen is not None:
         return varlen_backward(call.varlen, tensors, docs, causal, spec.scale)
-    return documents_backward(tensors, docs, grads, causal)
+    return documents_backward(tensors, docs, grads, causal, small=call.small and (call.small, spec.scale))
 
 
 class _RingFunction(torch.autograd.Function):
@@ -381,7 +384,10 @@ class RingAttention(nn.Module):
         fields = signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, transport=self.transport,
                            overlap=self.overlap, documents=docs)
         varlen = None if docs is None else varlen_kernel(q, k, v, self.backend, self.causal)
-        return (AttentionSpec(impl, self.causal, scale), docs, varlen), fields
+        small = None
+        if docs is not None and varlen is None and self.backend == "auto":
+            small = small_documents_kernel(q, k, v, self.causal)
+        return (AttentionSpec(impl, self.causal, scale), docs, varlen, small), fields
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
@@ -391,11 +397,12 @@ class RingAttention(nn.Module):
         different chunks it meets in a step)."""
         if not dist.is_initialized():
             raise RuntimeError("RingAttention needs torch.distributed initialised (see dilated.init_distributed)")
-        spec, docs, varlen = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
+        spec, docs, varlen, small = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
                                            lambda: self._validate(q, k, v, cu_seqlens))
         q, k, v = dense_rows(q), k.contiguous(), v.contiguous()
         self.transport_used = self._resolve_transport(k, v)
-        call = RingCall(spec, self.layout, self.group, self.stats, self.overlap, self.transport_used, docs, varlen)
+        call = RingCall(spec, self.layout, self.group, self.stats, self.overlap, self.transport_used, docs, varlen,
+                       small)
         return _RingFunction.apply(q, k, v, call)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:

@@ -155,9 +155,23 @@ def ring_documents(rank, world, varlen=None):
     """Ring (contiguous and zigzag) and the hybrid with packed documents that cross shard and
     chunk boundaries, forward and gradients, against each document run alone. ``varlen="torch"``:
     with ``backend="auto"`` served by a stand-in of torch's varlen ops (tests/varlen_standins.py),
-    which must then run the documents of every chunk with itself."""
+    which must then run the documents of every chunk with itself; ``varlen="small"``: ``auto``
+    without a varlen entry point, every batched call counted small, so the documents go to that
+    stand-in as the small ones (:data:`dilated.packed.SMALL_CALL_FLOPS`)."""
     backend = "manual"
-    if varlen is not None:
+    if varlen == "small":
+        import sys
+
+        import varlen_standins
+        from dilated import packed
+        from dilated.backends import varlen as varlen_module
+
+        ring_module = sys.modules["dilated.ring_attention"]  # (dilated.ring_attention is also a function)
+        varlen_module.torch_varlen_ops = lambda: varlen_standins.TORCH_OPS["new"]
+        ring_module.small_documents_kernel = lambda q, k, v, causal=False: varlen_module.TorchVarlen()
+        packed.SMALL_CALL_FLOPS = float("inf")
+        backend = "auto"
+    elif varlen is not None:
         import varlen_standins
 
         varlen_standins.install(None, varlen)

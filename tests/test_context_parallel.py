@@ -39,10 +39,12 @@ def test_ring_and_hybrid_keep_attention_within_packed_documents(world):
     mp.spawn(cp_worker.ring_documents, args=(world, _port()), nprocs=world, join=True)
 
 
-def test_ring_runs_a_chunks_documents_in_the_kernels_varlen_entry_point():
+@pytest.mark.parametrize("how", ["torch", "small"])
+def test_ring_runs_a_chunks_documents_in_the_kernels_varlen_entry_point(how):
     """With a varlen kernel (a stand-in of torch's ops), ring and zigzag ring run the documents of
-    each chunk with itself in it, forward and backward on the merged out and lse: exact."""
-    mp.spawn(cp_worker.ring_documents, args=(2, _port(), "torch"), nprocs=2, join=True)
+    each chunk with itself in it, forward and backward on the merged out and lse: exact. ``small``:
+    as the kernel for documents too small for batched calls (``auto`` on cuDNN)."""
+    mp.spawn(cp_worker.ring_documents, args=(2, _port(), how), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
