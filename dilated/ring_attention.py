@@ -393,8 +393,9 @@ class RingAttention(nn.Module):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
         ``[0, ..., N]`` in sequence order, the same on every rank); attention stays within each
         document (the documents of a chunk with itself in one varlen call where the kernel has
-        a varlen entry point, else in batched calls per length; one call per document and pair of
-        different chunks it meets in a step)."""
+        a varlen entry point, else in batched calls per length, ``auto`` running those of calls too
+        small to keep the GPU busy in one call of torch's varlen kernel; one call per document and
+        pair of different chunks it meets in a step)."""
         if not dist.is_initialized():
             raise RuntimeError("RingAttention needs torch.distributed initialised (see dilated.init_distributed)")
         spec, docs, varlen, small = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
