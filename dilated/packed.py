@@ -19,6 +19,7 @@ gradients back (:class:`DocumentsFunction`), as the rings do.
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import torch
@@ -175,17 +176,18 @@ def _split_calls(calls, heads: int, head_dim: int, causal: bool):
     big, small = [], []
     for length, docs in calls:
         flops = 4 * len(docs) * length * length * heads * head_dim / (2 if causal else 1)
-        (big.append((length, docs)) if flops >= SMALL_CALL_FLOPS else small.extend(docs))
+        if flops >= SMALL_CALL_FLOPS:
+            big.append((length, docs))
+        else:
+            small.extend(docs)
     return big, sorted(small)
 
 
 def _small_rows(docs, device):
     """``(positions of the documents' rows, one document after another; their cumulative lengths)``."""
     starts, lengths = host_values_on(docs, torch.int64, device)[0].unbind(1)
-    run, within = _runs(lengths, sum(size for _, size in docs))
-    cu = [0]
-    for _, size in docs:
-        cu.append(cu[-1] + size)
+    cu = [0, *itertools.accumulate(size for _, size in docs)]
+    run, within = _runs(lengths, cu[-1])
     return starts[run] + within, cu
 
 
