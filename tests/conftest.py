@@ -71,6 +71,19 @@ def flash_grads(dout, q, k, v, out, lse, scale, causal, dlse=None):
     return dq, dk.reshape(b, -1, hk, g, d).sum(3), dv.reshape(b, -1, hk, g, v.shape[-1]).sum(3)
 
 
+def training_step(call, inputs, dout):
+    """A step for :func:`captured`: the inputs' gradients cleared, ``out = call(*inputs)``,
+    ``out.backward(dout)``; returns out."""
+    def step():
+        for t in inputs:
+            t.grad = None
+        out = call(*inputs)
+        out.backward(dout)
+        return out
+
+    return step
+
+
 def captured(step, warmup: int = 1):
     """``(graph, what step returned while captured)``: ``step`` warmed up on a side stream (as
     torch's CUDA-graph recipe asks), then captured once."""

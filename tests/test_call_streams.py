@@ -5,7 +5,7 @@ import torch
 from dilated import ImprovedDilatedAttention
 from dilated.call_streams import ENV, call_streams, streams_from_env
 
-from conftest import captured
+from conftest import captured, training_step
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SLEEP = 50_000_000  # cycles of torch.cuda._sleep: tens of milliseconds, far longer than the launches
@@ -110,13 +110,7 @@ def test_forward_and_backward_captured_in_a_cuda_graph():
     dout = torch.randn(1, 8192, 8, 64, device="cuda", dtype=torch.bfloat16)
     m = ImprovedDilatedAttention([1024, 2048, 4096], [1, 2, 4], backend="sdpa_flash")
 
-    def step():
-        for x in (q, k, v):
-            x.grad = None
-        out = m(q, k, v)
-        out.backward(dout)
-        return out
-
+    step = training_step(m, (q, k, v), dout)
     graph, out = captured(step)
     grads = [x.grad for x in (q, k, v)]
     branch_combine._TABLES.clear()

@@ -13,7 +13,7 @@ import torch
 
 import dilated
 
-from conftest import captured, rand
+from conftest import captured, rand, training_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -125,15 +125,7 @@ def test_a_training_step_captures_in_a_cuda_graph(entry, causal, gen):
     call = CAPTURED[entry](causal)
     q, k, v = qkv(gen, kv_heads=2)
     dout = rand(*q.shape, gen=gen, dtype=q.dtype).cuda()
-
-    def step():
-        for t in (q, k, v):
-            t.grad = None
-        out = call(q, k, v)
-        out.backward(dout)
-        return out
-
-    graph, out = captured(step, warmup=3)
+    graph, out = captured(training_step(call, (q, k, v), dout), warmup=3)
     grads = (q.grad, k.grad, v.grad)
     fresh = qkv(gen, kv_heads=2)
     with torch.no_grad():
