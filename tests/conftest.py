@@ -7,6 +7,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # tests that name sdpa_cudnn test cuDNN: its first call at a shape builds the graph (the deferred
 # build has tests of its own, which set it)
 os.environ.setdefault("DILATED_CUDNN_BUILD_AFTER", "1")
+# the scripts and torchrun workers the tests start import this checkout, installed or not
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture

@@ -224,6 +224,7 @@ def test_find_max_under_a_memory_budget_finds_the_right_length(tmp_path):
         out = tmp_path / "fm.jsonl"
         extreme_main(["--implementation", "holds_64k_per_token", "--min-seq-length", "512", "--max-seq-length", "1024",
                       "--find-max", "--memory-budget-mib", "208", "--granularity", "512", "--no-check", "--reps", "2",
+                      "--device", "cpu",
                       "--no-progress", "--no-plot", "--output", str(out)])
     finally:
         IMPLEMENTATIONS.pop("holds_64k_per_token")
@@ -545,8 +546,8 @@ def test_a_new_problem_is_a_class_the_harness_asks_not_a_branch():
                                                    IMPLEMENTATIONS["dense"].build))
     try:
         case = Case(batch=1, seq_len=32, num_heads=2, head_dim=8, dtype="float32", mode="fwd_bwd")
-        rows = run_sweep([(right, case, "manual"), (wrong, case, "manual")], RunOptions(reps=2, warmup=1), None,
-                         "test", progress=False)
+        opts = RunOptions(reps=2, warmup=1, device="cpu")
+        rows = run_sweep([(right, case, "manual"), (wrong, case, "manual")], opts, None, "test", progress=False)
         assert [r["check"]["passed"] for r in rows] == [True, False]
         assert rows[0]["flops"] == 4.0 * 2 * 32 * window * 8
         assert rows[0]["memory"]["score_matrix_mib"] == pytest.approx(2 * 32 * 32 * 4 / (1 << 20))

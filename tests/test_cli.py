@@ -118,6 +118,17 @@ def test_quick_fills_only_what_the_user_did_not_set(tmp_path):
     assert {r["config"]["seq_len"] for r in read_jsonl(str(out))} == {128}  # quick's min 256 > 128: user's max wins
 
 
+def test_quick_turns_off_the_time_based_warm_up_and_repetition_the_user_did_not_set():
+    """On a GPU each row warms up and repeats for a second by default: a smoke run skips that."""
+    from argparse import Namespace
+
+    from dilated.bench.cli import apply_quick
+
+    args = Namespace(quick=True, given={"rep_s"}, warmup_s=None, rep_s=2.0, reps=10)
+    apply_quick(args, reps=3)
+    assert (args.warmup_s, args.rep_s, args.reps) == (0.0, 2.0, 3)
+
+
 # -- flags that are honoured -------------------------------------------------------------------
 
 def test_backends_script_runs_only_the_backend_asked_for(tmp_path):

@@ -191,7 +191,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
                         "gives the GPU's speed-up over the CPU")
     o = p.add_argument_group("output")
     o.add_argument("--config", default=None, help="YAML file of argument values (safe-loaded)")
-    o.add_argument("--quick", action="store_true", help="a small preset that finishes fast")
+    o.add_argument("--quick", action="store_true",
+                   help="a small preset that finishes fast: a smoke run (few lengths and calls, no time-based "
+                        "warm-up or repetition), not numbers to report")
     o.add_argument("--output", default=None, help="JSONL path (default results/<device>/<script>-<time>.jsonl); "
                    "an existing file is refused unless --append is given")
     o.add_argument("--append", action="store_true", help="append rows to an existing --output file")
@@ -340,9 +342,10 @@ def devices_of(args) -> list:
 
 
 def apply_quick(args, **preset) -> None:
-    """``--quick``: the preset values for the options the user did not set."""
+    """``--quick``: the preset values for the options the user did not set; a smoke run, so no
+    time-based warm-up or repetition either (on a GPU they default to a second each per row)."""
     if getattr(args, "quick", False):
-        for dest, value in preset.items():
+        for dest, value in {"warmup_s": 0.0, "rep_s": 0.0, **preset}.items():
             if dest not in args.given:
                 setattr(args, dest, value)
 
