@@ -12,6 +12,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
+def cpu_only_env(**extra) -> dict:
+    """The environment of a child process that tests a machine without GPUs (the CPU defaults), on
+    any host."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
 @pytest.fixture
 def gen():
     """A fresh seeded generator per test: random inputs, never zeros."""

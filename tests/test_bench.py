@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from conftest import cpu_only_env
 
 from dilated.bench import Case, Implementation, RunOptions, read_jsonl, register_implementation, run_sweep
 from dilated.bench.flops import dense_flops, dilated_flops, visible_pairs
@@ -199,7 +200,7 @@ def test_captured_inputs_give_the_case_and_are_loaded_weights_only(tmp_path):
 
 def test_extreme_script_cpu_default_writes_results_and_plots(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/specialized/benchmark_extreme_sequences.py")],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=cpu_only_env())
     assert res.returncode == 0, res.stderr[-3000:]
     assert "extreme-sequence sweep on CPU" in res.stdout and "results are in" in res.stdout
     rows = read_jsonl(str(next((tmp_path / "results" / "cpu").glob("*.jsonl"))))
@@ -593,7 +594,7 @@ def test_varied_lengths_scenario_reports_each_first_call(tmp_path):
     out = tmp_path / "r.jsonl"
     run = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--varied-lengths", "--quick",
                           "--warmup", "2", "--implementations", "improved", "--output", str(out)], capture_output=True,
-                         text=True, cwd=ROOT)
+                         text=True, cwd=ROOT, env=cpu_only_env())
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["config"]["seq_len"] for r in rows] == [500, 600, 700, 1000]

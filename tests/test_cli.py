@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from conftest import cpu_only_env
 
 from dilated.bench import Case, Implementation, RunOptions, read_jsonl, register_implementation, run_sweep
 from dilated.bench.registry import IMPLEMENTATIONS
@@ -116,6 +117,20 @@ def test_quick_fills_only_what_the_user_did_not_set(tmp_path):
     assert extreme_main(["--quick", *TINY, "--implementation", "dense", "--backend", "manual", "--no-plot",
                          "--max-seq-length", "128", "--output", str(out)]) == 0
     assert {r["config"]["seq_len"] for r in read_jsonl(str(out))} == {128}  # quick's min 256 > 128: user's max wins
+
+
+def test_device_cpu_on_a_gpu_host_gets_the_cpu_defaults(monkeypatch):
+    """Lengths, head sizes and the per-row time budget follow --device, not whether CUDA is there."""
+    from dilated.bench.cli import runs_on_gpus
+    from dilated.bench.suites.extreme import _parse
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runs_on_gpus([]) and runs_on_gpus(["--device=cuda:0,cuda:1"]) and runs_on_gpus(["--quick"])
+    assert not runs_on_gpus(["--device", "cpu"]) and not runs_on_gpus(["--device", "cuda,cpu"])
+    args = _parse(["--device", "cpu", "--no-plot"])
+    assert (args.num_heads, args.head_dim, args.max_seq_length, args.time_budget) == (4, 32, 4096, None)
+    args = _parse(["--no-plot"])
+    assert (args.num_heads, args.head_dim, args.max_seq_length, args.time_budget) == (16, 128, 1 << 20, 5.0)
 
 
 def test_quick_turns_off_the_time_based_warm_up_and_repetition_the_user_did_not_set():
@@ -297,7 +312,7 @@ def test_a_file_size_limit_stops_the_run_with_exit_1_and_whole_rows(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/core/benchmark_implementations.py"), *TINY,
                           "--seq-lengths", "32,64,96,128", "--implementations", "dense", "--backend", "manual",
                           "--output", str(out)], capture_output=True, text=True, cwd=tmp_path, preexec_fn=limit,
-                         timeout=300)
+                         timeout=300, env=cpu_only_env())
     assert res.returncode == 1 and "could not be written" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     rows = read_jsonl(str(out))  # every line parses

@@ -7,6 +7,7 @@ import pytest
 import torch.multiprocessing as mp
 
 import dist_worker
+from conftest import cpu_only_env
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -54,14 +55,14 @@ def _torchrun(script, nproc, tmp_path, *args, env=None):
     import sys
 
     out = tmp_path / f"{Path(script).stem}.jsonl"
-    # CPU ranks on gloo, GPUs or not (NCCL would need a GPU per rank)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(_port()),
-           str(ROOT / script), "--output", str(out), "--reps", "2", "--warmup", "1", "--device", "cpu", *args]
+           str(ROOT / script), "--output", str(out), "--reps", "2", "--warmup", "1", *args]
     extra = env or {}
-    env = {**os.environ, **extra}
     if "PYTHONPATH" in extra:  # in front of the checkout's, which stays importable
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra["PYTHONPATH"], os.environ.get("PYTHONPATH")) if p)
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        extra = {**extra, "PYTHONPATH": os.pathsep.join(p for p in (extra["PYTHONPATH"], os.environ.get("PYTHONPATH"))
+                                                        if p)}
+    # CPU ranks on gloo on any host (with GPUs visible, NCCL would need one per rank)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=cpu_only_env(**extra))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     from dilated.bench import read_jsonl
     return read_jsonl(str(out)), res.stdout
@@ -172,9 +173,8 @@ def test_a_rank_local_failure_ends_the_row_on_every_rank_and_the_sweep_goes_on(t
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                           str(_port()), str(script), "--output", str(out), "--reps", "2", "--warmup", "1",
                           "--seq-lengths", "128", "--implementations", "ring,distributed_dilated", "--mode", "fwd_bwd",
-                          "--backend", "fails_on_rank_1,manual", "--timeout", "60", "--no-progress",
-                          "--device", "cpu"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          "--backend", "fails_on_rank_1,manual", "--timeout", "60", "--no-progress"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=cpu_only_env())
     assert time.time() - t < 120, "a rank waited for the failed one"
     from dilated.bench import read_jsonl
     rows = read_jsonl(str(out))
@@ -199,8 +199,8 @@ def test_a_rank_that_stops_ends_the_job_within_the_timeout_naming_it(tmp_path):
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                           str(_port()), str(script), "--output", str(tmp_path / "r.jsonl"), "--reps", "2",
                           "--warmup", "1", "--seq-lengths", "128", "--implementations", "ring",
-                          "--backend", "fails_on_rank_1", "--timeout", "5", "--no-progress", "--device", "cpu"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          "--backend", "fails_on_rank_1", "--timeout", "5", "--no-progress"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=cpu_only_env())
     assert time.time() - t < 60
     assert res.returncode != 0
     assert "a rank died, or stopped for longer than --timeout" in res.stderr

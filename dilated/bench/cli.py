@@ -336,6 +336,22 @@ def _check_devices(p, text: str) -> None:
                            f"({torch.cuda.device_count()} visible); use --device cpu")
 
 
+def runs_on_gpus(argv) -> bool:
+    """Whether a script's defaults are a GPU's: ``--device`` on the command line names only CUDA
+    devices, or it is not given and CUDA is available (``--device cpu`` on a GPU host gets the
+    CPU's lengths and head sizes)."""
+    import sys
+
+    import torch
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device")
+    device = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].device
+    if device:
+        return all(d.strip().startswith("cuda") for d in device.split(","))
+    return torch.cuda.is_available()
+
+
 def devices_of(args) -> list:
     """The devices of ``--device``, in order (``[None]``: the default one)."""
     return args.device.split(",") if args.device else [None]

@@ -1,12 +1,10 @@
 """``benchmark_backends.py``: every attention backend on dense attention, prefill and decode."""
 from __future__ import annotations
 
-import torch
-
 import dilated
 
-from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, devices_of, int_list,
-                   parse_with_config, positive_int, run_options, size_list, str_list, usage_error)
+from ..cli import (BenchParser, add_common_args, apply_quick, default_dtype, devices_of, int_list, parse_with_config,
+                   positive_int, run_options, runs_on_gpus, size_list, str_list, usage_error)
 from ..output import finish, open_writer, script_main
 from ..registry import Case, get_implementation
 from ..runner import run_sweep
@@ -18,7 +16,7 @@ def backends_main(argv=None) -> int:
     p = BenchParser(description="Every attention backend on dense attention: prefill and decode, "
                                 "causal or not, GQA ratios, head dims, dtypes; plus torch.compile'd variants.")
     p.several_devices = True
-    gpu = torch.cuda.is_available()
+    gpu = runs_on_gpus(argv)
     add_common_args(p, seq_lengths="4096,16384" if gpu else "512", batch=1 if gpu else 1,
                     heads=16 if gpu else 4, head_dim=128 if gpu else 64)
     p.add_argument("--backends", type=str_list, default=None,

@@ -5,8 +5,8 @@ import dataclasses
 
 import torch
 
-from ..cli import (BenchParser, add_common_args, apply_quick, parse_with_config, positive_float, run_options, str_list,
-                   usage_error)
+from ..cli import (BenchParser, add_common_args, apply_quick, parse_with_config, positive_float, run_options,
+                   runs_on_gpus, str_list, usage_error)
 from ..output import exit_status, finish, open_writer, script_main
 from ..registry import get_implementation, implementation_names
 from ..results import write_json
@@ -71,7 +71,7 @@ def _have_matplotlib() -> bool:
 def _parse(argv):
     from ..cli import parse_size
 
-    gpu = torch.cuda.is_available()
+    gpu = runs_on_gpus(argv)
     p = BenchParser(description="Sequence length sweep (doubling) of dilated, improved, multihead and "
                                 "dense attention; --find-max searches the longest sequence each one runs.")
     add_common_args(p, seq_lengths="1", batch=1, heads=16 if gpu else 4, head_dim=128 if gpu else 32)  # lengths come from --min/--max-seq-length

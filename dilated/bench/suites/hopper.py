@@ -1,12 +1,10 @@
 """``benchmark_flash_attention_3.py``: Hopper-class kernels against the previous generation."""
 from __future__ import annotations
 
-import torch
-
 import dilated
 
-from ..cli import (BenchParser, add_common_args, apply_quick, int_list, parse_with_config, run_options, str_list,
-                   usage_error)
+from ..cli import (BenchParser, add_common_args, apply_quick, int_list, parse_with_config, run_options, runs_on_gpus,
+                   str_list, usage_error)
 from ..output import finish, open_writer, script_main
 from ..registry import get_implementation, implementation_names
 from ..runner import run_sweep
@@ -21,7 +19,7 @@ QUANTIZED = ["sageattention", "sdpa_fp8"]  # forward only, not exact: its error 
 def hopper_main(argv=None) -> int:
     from ..report import format_speedups
 
-    gpu = torch.cuda.is_available()
+    gpu = runs_on_gpus(argv)
     p = BenchParser(description="Hopper-class kernels (flash-attn 3/4, cuDNN SDPA, flex_attention) "
                                 "against the previous generation (flash-attn 2, SDPA flash, manual) on dense "
                                 "attention and under ImprovedDilatedAttention.")

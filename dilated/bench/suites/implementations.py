@@ -1,9 +1,8 @@
 """``benchmark_implementations.py``: the implementations of dilated attention against dense attention."""
 from __future__ import annotations
 
-import torch
-
-from ..cli import BenchParser, add_common_args, apply_quick, devices_of, parse_with_config, run_options, str_list
+from ..cli import (BenchParser, add_common_args, apply_quick, devices_of, parse_with_config, run_options, runs_on_gpus,
+                   str_list)
 from ..output import finish, open_writer, script_main
 from ..registry import get_implementation, implementation_names
 from ..report import format_first_calls
@@ -22,7 +21,7 @@ def implementations_main(argv=None) -> int:
                                 "memory pool on/off), MultiheadDilatedAttention (improved on/off) and dense "
                                 "attention as the baseline, through the dilated.bench harness.")
     p.several_devices = True
-    gpu = torch.cuda.is_available()
+    gpu = runs_on_gpus(argv)
     add_common_args(p, seq_lengths="8192" if gpu else "1024")
     p.add_argument("--implementations", type=str_list, default=IMPLEMENTATION_SET)
     p.add_argument("--varied-lengths", action="store_true",
