@@ -268,18 +268,46 @@ def _backward_piece(call: RingCall, tensors, causal: bool, docs):
     return documents_backward(tensors, docs, grads, causal, small=call.small and (call.small, spec.scale))
 
 
+class _Written:
+    """The query rows of a ring forward that hold a result, as disjoint ranges (few: the first step
+    covers every row, after which the check is one comparison)."""
+
+    def __init__(self, n: int):
+        self.n, self.ranges = n, []
+
+    def touches(self, a: int, b: int) -> bool:
+        return self.ranges == [(0, self.n)] or any(x < b and a < y for x, y in self.ranges)
+
+    def add(self, a: int, b: int) -> None:
+        apart = [(x, y) for x, y in self.ranges if y < a or b < x]
+        joined = [(x, y) for x, y in self.ranges if not (y < a or b < x)]
+        self.ranges = sorted(apart + [(min([a, *(x for x, _ in joined)]), max([b, *(y for _, y in joined)]))])
+
+
+def _accumulate(acc, acc_lse, written: _Written, qs: slice, o, lse) -> None:
+    """Merge a piece's ``(o, lse)`` (row layout) into the accumulators' rows ``qs``. Where none of
+    those rows holds a result yet it is a copy: what the merge gives there (every row of a piece
+    sees a key), in one pass over the rows instead of several."""
+    if written.touches(qs.start, qs.stop):
+        merge_(acc[:, qs], acc_lse[:, qs], o, lse)
+    else:
+        acc[:, qs].copy_(o)
+        acc_lse[:, qs].copy_(lse)
+    written.add(qs.start, qs.stop)
+
+
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     @one_operation()
     def forward(ctx, q, k, v, call: RingCall):
         ring, n = _Ring(call.group, call.stats), q.shape[1]
         acc, acc_lse = empty_accumulators(*q.shape[:3], v.shape[3], q.device, acc_dtype(q.dtype))
-        failure = None
+        written, failure = _Written(n), None
         for kb, vb, pieces in call.steps(ring, k, v, n):
             for qs, ks, c, docs in pieces if failure is None else ():
                 try:
                     o, lse = _forward_piece(call, (q[:, qs], kb[:, ks], vb[:, ks]), c, docs)
-                    merge_(acc[:, qs], acc_lse[:, qs], o, lse.transpose(1, 2))
+                    _accumulate(acc, acc_lse, written, qs, o, lse.transpose(1, 2))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
                     failure = e
                     break
