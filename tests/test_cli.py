@@ -119,7 +119,7 @@ def test_quick_fills_only_what_the_user_did_not_set(tmp_path):
     assert {r["config"]["seq_len"] for r in read_jsonl(str(out))} == {128}  # quick's min 256 > 128: user's max wins
 
 
-def test_device_cpu_on_a_gpu_host_gets_the_cpu_defaults(monkeypatch):
+def test_device_cpu_on_a_gpu_host_gets_the_cpu_defaults(monkeypatch, tmp_path):
     """Lengths, head sizes and the per-row time budget follow --device, not whether CUDA is there."""
     from dilated.bench.cli import runs_on_gpus
     from dilated.bench.suites.extreme import _parse
@@ -127,8 +127,12 @@ def test_device_cpu_on_a_gpu_host_gets_the_cpu_defaults(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert runs_on_gpus([]) and runs_on_gpus(["--device=cuda:0,cuda:1"]) and runs_on_gpus(["--quick"])
     assert not runs_on_gpus(["--device", "cpu"]) and not runs_on_gpus(["--device", "cuda,cpu"])
-    args = _parse(["--device", "cpu", "--no-plot"])
-    assert (args.num_heads, args.head_dim, args.max_seq_length, args.time_budget) == (4, 32, 4096, None)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("device: cpu\n")
+    assert not runs_on_gpus(["--config", str(cfg)]) and runs_on_gpus(["--config", str(cfg), "--device", "cuda"])
+    for argv in (["--device", "cpu"], ["--config", str(cfg)]):
+        args = _parse([*argv, "--no-plot"])
+        assert (args.num_heads, args.head_dim, args.max_seq_length, args.time_budget) == (4, 32, 4096, None)
     args = _parse(["--no-plot"])
     assert (args.num_heads, args.head_dim, args.max_seq_length, args.time_budget) == (16, 128, 1 << 20, 5.0)
 

@@ -337,17 +337,26 @@ def _check_devices(p, text: str) -> None:
 
 
 def runs_on_gpus(argv) -> bool:
-    """Whether a script's defaults are a GPU's: ``--device`` on the command line names only CUDA
-    devices, or it is not given and CUDA is available (``--device cpu`` on a GPU host gets the
-    CPU's lengths and head sizes)."""
+    """Whether a script's defaults are a GPU's: ``--device`` (on the command line, else in the
+    ``--config`` file) names only CUDA devices, or it is not given and CUDA is available
+    (``--device cpu`` on a GPU host gets the CPU's lengths and head sizes)."""
     import sys
 
     import torch
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--device")
-    device = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].device
-    if device:
+    pre.add_argument("--config")
+    given = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0]
+    device = given.device
+    if device is None and given.config:
+        try:
+            with open(given.config) as f:
+                data = yaml.safe_load(f)
+            device = data.get("device") if isinstance(data, dict) else None
+        except (OSError, yaml.YAMLError):
+            pass  # the parser reports it
+    if isinstance(device, str) and device:
         return all(d.strip().startswith("cuda") for d in device.split(","))
     return torch.cuda.is_available()
 
