@@ -279,9 +279,13 @@ class _Written:
         return self.ranges == [(0, self.n)] or any(x < b and a < y for x, y in self.ranges)
 
     def add(self, a: int, b: int) -> None:
-        apart = [(x, y) for x, y in self.ranges if y < a or b < x]
-        joined = [(x, y) for x, y in self.ranges if not (y < a or b < x)]
-        self.ranges = sorted(apart + [(min([a, *(x for x, _ in joined)]), max([b, *(y for _, y in joined)]))])
+        apart = []
+        for x, y in self.ranges:
+            if y < a or b < x:
+                apart.append((x, y))
+            else:  # overlapping or adjacent: one range
+                a, b = min(a, x), max(b, y)
+        self.ranges = sorted([*apart, (a, b)])
 
 
 def _accumulate(acc, acc_lse, written: _Written, qs: slice, o, lse) -> None:

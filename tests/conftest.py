@@ -14,7 +14,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PY
 
 def cpu_only_env(**extra) -> dict:
     """The environment of a child process that tests a machine without GPUs (the CPU defaults), on
-    any host."""
+    any host, with ``extra`` variables (a ``PYTHONPATH`` goes in front of the checkout's)."""
+    if "PYTHONPATH" in extra:
+        extra["PYTHONPATH"] = os.pathsep.join(p for p in (extra["PYTHONPATH"], os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 

@@ -225,8 +225,7 @@ def test_find_max_under_a_memory_budget_finds_the_right_length(tmp_path):
         out = tmp_path / "fm.jsonl"
         extreme_main(["--implementation", "holds_64k_per_token", "--min-seq-length", "512", "--max-seq-length", "1024",
                       "--find-max", "--memory-budget-mib", "208", "--granularity", "512", "--no-check", "--reps", "2",
-                      "--device", "cpu",
-                      "--no-progress", "--no-plot", "--output", str(out)])
+                      "--device", "cpu", "--no-progress", "--no-plot", "--output", str(out)])
     finally:
         IMPLEMENTATIONS.pop("holds_64k_per_token")
     found = json.loads((tmp_path / "fm-find_max.json").read_text())["results"][0]

@@ -50,19 +50,15 @@ def test_a_rank_that_raises_ends_the_job_naming_it():
 
 
 def _torchrun(script, nproc, tmp_path, *args, env=None):
-    import os
     import subprocess
     import sys
 
     out = tmp_path / f"{Path(script).stem}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(_port()),
            str(ROOT / script), "--output", str(out), "--reps", "2", "--warmup", "1", *args]
-    extra = env or {}
-    if "PYTHONPATH" in extra:  # in front of the checkout's, which stays importable
-        extra = {**extra, "PYTHONPATH": os.pathsep.join(p for p in (extra["PYTHONPATH"], os.environ.get("PYTHONPATH"))
-                                                        if p)}
     # CPU ranks on gloo on any host (with GPUs visible, NCCL would need one per rank)
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=cpu_only_env(**extra))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env=cpu_only_env(**(env or {})))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     from dilated.bench import read_jsonl
     return read_jsonl(str(out)), res.stdout
