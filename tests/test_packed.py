@@ -252,3 +252,27 @@ def test_auto_runs_small_documents_in_one_varlen_call(causal, threshold, monkeyp
     varlen_calls = 0 if threshold == 0.0 else 1
     assert varlen_standins.CALLS["torch_forward"] == varlen_calls
     assert varlen_standins.CALLS["torch_backward"] == 2 * varlen_calls  # the second for lse's gradient
+
+
+def test_a_ring_of_one_is_one_devices_attention(gen):
+    """A ring over one rank (one process, or a hybrid's ring_size=1) runs the single-device call: no
+    ring steps nor float32 accumulators; exact with documents, forward and backward."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        cu = [0, 40, 45, 96]
+        for layout in ("contiguous", "zigzag"):
+            ring = dilated.RingAttention(causal=True, layout=layout)
+            q, k, v = (rand(1, 96, 2, 16, gen=gen, requires_grad=True) for _ in range(3))
+            out = ring(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+            assert ring.stats.steps == 0 and ring.transport_used is None
+            ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            ref = _per_document(*ref_inputs, cu, True)[0]
+            assert rel_err(out, ref) < 2e-4
+            dout = rand(*out.shape, gen=gen)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            for name, g, rg in zip("qkv", grads, torch.autograd.grad(ref, ref_inputs, dout.double())):
+                assert rel_err(g, rg) < 4e-4, f"d{name}"
+    finally:
+        dist.destroy_process_group()
