@@ -20,7 +20,7 @@ from torch import nn
 from ._checks import check_causal, check_qkv, check_scale, dense_rows
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import LAYOUTS, CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
-from .functional import default_scale
+from .functional import attention, default_scale
 from .packed import check_cu_seqlens
 from .ring_attention import RingAttention
 from .ulysses_attention import kv_heads_for
@@ -94,7 +94,11 @@ class HybridAttention(nn.Module):
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
         q, k, v = (sequence_to_heads(dense_rows(x), self.ulysses_group, self.stats) for x in (q, k, v))
-        out = self.ring(q, k, v, cu_seqlens=cu_seqlens)  # ring shards in self.layout, this row's heads
+        if self.ring_size == 1:  # a ring of one: the whole sequence on this row's heads (Ulysses)
+            out = attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,
+                            cu_seqlens=cu_seqlens)
+        else:
+            out = self.ring(q, k, v, cu_seqlens=cu_seqlens)  # ring shards in self.layout, this row's heads
         return heads_to_sequence(out, self.ulysses_group, self.stats)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:

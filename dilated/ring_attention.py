@@ -43,7 +43,7 @@ from .backends import get_backend
 from .backends.graph_shapes import one_operation
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats
-from .functional import attention, attention_backward, attention_forward, default_scale
+from .functional import attention_backward, attention_forward, default_scale
 from .merge import empty_accumulators, merge_
 from .backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
 from .packed import check_cu_seqlens, documents_backward, documents_forward, varlen_backward, varlen_forward
@@ -370,8 +370,7 @@ class RingAttention(nn.Module):
     ``[B, N/P, H, D]`` in ``layout`` (see :func:`dilated.shard`). GQA allowed.
 
     ``transport`` is how K/V blocks move (see the module docstring: ``"auto"``, ``"copy_engine"``,
-    ``"p2p"``); ``self.transport_used`` says which the last call took (None over a group of one
-    rank, where the call is one device's :func:`dilated.attention`).
+    ``"p2p"``); ``self.transport_used`` says which the last call took.
     ``overlap=False`` waits for each K/V block before computing (for measuring what overlap buys);
     ``measure_comm=True`` records the time the compute stream stalls on communication in
     ``self.stats`` (a :class:`dilated.distributed.CommStats`; CUDA events, read lazily).
@@ -433,10 +432,6 @@ class RingAttention(nn.Module):
             raise RuntimeError("RingAttention needs torch.distributed initialised (see dilated.init_distributed)")
         spec, docs, varlen, small = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
                                            lambda: self._validate(q, k, v, cu_seqlens))
-        if dist.get_world_size(self.group) == 1:  # a ring of one (a hybrid's ring_size=1): one device's attention
-            self.transport_used = None
-            return attention(q, k, v, causal=self.causal, scale=spec.scale, backend=self.backend,
-                             cu_seqlens=cu_seqlens)
         q, k, v = dense_rows(q), k.contiguous(), v.contiguous()
         self.transport_used = self._resolve_transport(k, v)
         call = RingCall(spec, self.layout, self.group, self.stats, self.overlap, self.transport_used, docs, varlen,

@@ -254,19 +254,20 @@ def test_auto_runs_small_documents_in_one_varlen_call(causal, threshold, monkeyp
     assert varlen_standins.CALLS["torch_backward"] == 2 * varlen_calls  # the second for lse's gradient
 
 
-def test_a_ring_of_one_is_one_devices_attention(gen):
-    """A ring over one rank (one process, or a hybrid's ring_size=1) runs the single-device call: no
-    ring steps nor float32 accumulators; exact with documents, forward and backward."""
+def test_a_hybrid_with_a_ring_of_one_is_ulysses(gen):
+    """``ring_size=1``: after the all-to-all each rank holds the whole sequence on its heads, which
+    is one device's attention (no ring steps nor float32 accumulators); exact with documents,
+    forward and backward."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         cu = [0, 40, 45, 96]
         for layout in ("contiguous", "zigzag"):
-            ring = dilated.RingAttention(causal=True, layout=layout)
+            hybrid = dilated.HybridAttention(1, 1, causal=True, layout=layout)
             q, k, v = (rand(1, 96, 2, 16, gen=gen, requires_grad=True) for _ in range(3))
-            out = ring(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
-            assert ring.stats.steps == 0 and ring.transport_used is None
+            out = hybrid(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+            assert hybrid.stats.steps == 0
             ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
             ref = _per_document(*ref_inputs, cu, True)[0]
             assert rel_err(out, ref) < 2e-4
