@@ -431,11 +431,11 @@ class RingAttention(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("RingAttention needs torch.distributed initialised (see dilated.init_distributed)")
         spec, docs, varlen, small = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
-                                           lambda: self._validate(q, k, v, cu_seqlens))
+                                                          lambda: self._validate(q, k, v, cu_seqlens))
         q, k, v = dense_rows(q), k.contiguous(), v.contiguous()
         self.transport_used = self._resolve_transport(k, v)
         call = RingCall(spec, self.layout, self.group, self.stats, self.overlap, self.transport_used, docs, varlen,
-                       small)
+                        small)
         return _RingFunction.apply(q, k, v, call)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
