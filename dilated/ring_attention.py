@@ -2,14 +2,17 @@
 
 Each rank keeps its query shard and computes against one K/V block per step, double-buffered: the
 next block is in flight while the current one is computed. Partial outputs merge by log-sum-exp
-into a float32 accumulator. How blocks move (``transport``):
+into a float32 accumulator (:class:`dilated.merge.RowAccumulator`: a piece on rows that hold no
+result yet is copied there, and a rank whose one piece covers every row, a ring of one rank,
+keeps it as it came). How blocks move (``transport``):
 
 * ``"copy_engine"``: each rank publishes its K/V in symmetric memory and, at step s, pulls the
   block of rank ``rank - s`` straight from its owner (:mod:`dilated.peer_copy`): the GPU's copy
   engines move it, no SM is taken from the attention kernel, and only the rows a zigzag step
   needs (the first half of an earlier rank's block) are pulled. CUDA, NCCL, one host.
-* ``"p2p"``: blocks are passed around the ring by batched send/recv (``dist.batch_isend_irecv``);
-  any backend, any number of hosts.
+* ``"p2p"``: blocks are passed around the ring by batched send/recv (``dist.batch_isend_irecv``,
+  K and V as two messages of one batch, not copied into one buffer); any backend, any number of
+  hosts.
 * ``"auto"``: copy_engine where it is available, else p2p.
 
 Causal: with ``layout="contiguous"`` rank r computes only blocks from ranks <= r (its own block
@@ -44,7 +47,7 @@ from .backends.graph_shapes import one_operation
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
-from .merge import empty_accumulators, merge_
+from .merge import RowAccumulator
 from .backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
 from .packed import check_cu_seqlens, documents_backward, documents_forward, varlen_backward, varlen_forward
 from .plan import AttentionSpec
@@ -64,34 +67,25 @@ class _Ring:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group else (self.rank - 1) % self.size
         self.stats = stats
 
-    def start(self, send: torch.Tensor, tag: int = 0):
-        """Send to next, receive from prev. K/V and dK/dV are in flight together in backward:
-        distinct tags keep gloo from matching one for the other (NCCL matches in issue order)."""
-        recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
-        reqs = dist.batch_isend_irecv(ops)
-        self.stats.sent(send.numel() * send.element_size())
-        return reqs, recv
+    def start(self, sends: tuple[torch.Tensor, ...], tag: int = 0):
+        """Send each tensor to next, receive one like it from prev (one batch of messages: no copy
+        into one buffer). K/V and dK/dV are in flight together in backward: distinct tags (``tag``
+        plus twice the tensor's index) keep gloo from matching one for the other (NCCL matches in
+        issue order)."""
+        recvs = tuple(torch.empty_like(t) for t in sends)
+        ops = []
+        for i, (send, recv) in enumerate(zip(sends, recvs)):
+            ops += [dist.P2POp(dist.isend, send, self.next, self.group, tag + 2 * i),
+                    dist.P2POp(dist.irecv, recv, self.prev, self.group, tag + 2 * i)]
+            self.stats.sent(send.numel() * send.element_size())
+        return dist.batch_isend_irecv(ops), recvs
 
-    def wait(self, pending):
-        reqs, recv = pending
-        with self.stats.waiting(recv.device):
+    def wait(self, pending) -> tuple[torch.Tensor, ...]:
+        reqs, recvs = pending
+        with self.stats.waiting(recvs[0].device):
             for r in reqs:
                 r.wait()
-        return recv
-
-
-def _pack(*ts):
-    return torch.cat([t.reshape(-1) for t in ts])
-
-
-def _unpack(buf, like):
-    out, i = [], 0
-    for t in like:
-        out.append(buf[i:i + t.numel()].view(t.shape))
-        i += t.numel()
-    return out
+        return recvs
 
 
 def _plan(step_src: int, rank: int, n: int, causal: bool, layout: str):
@@ -158,14 +152,13 @@ def _ring_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: 
     """Yield ``(k_block, v_block, plan)`` for each ring step; the next block is in flight meanwhile
     (or, with ``overlap=False``, received before the current one is computed)."""
     rank, p = ring.rank, ring.size
-    kv = _pack(k, v)
+    kv = (k, v)
     for step in range(p):
         pending = ring.start(kv) if step < p - 1 else None
         if pending is not None and not overlap:
             kv_next, pending = ring.wait(pending), None
-        kb, vb = _unpack(kv, (k, v))
         src = (rank - step) % p
-        yield kb, vb, _plan(src, rank, n, causal, layout), src
+        yield *kv, _plan(src, rank, n, causal, layout), src
         if pending is not None:
             kv_next = ring.wait(pending)
         if step < p - 1:
@@ -268,57 +261,26 @@ def _backward_piece(call: RingCall, tensors, causal: bool, docs):
     return documents_backward(tensors, docs, grads, causal, small=call.small and (call.small, spec.scale))
 
 
-class _Written:
-    """The query rows of a ring forward that hold a result, as disjoint ranges (few: the first step
-    covers every row, after which the check is one comparison)."""
-
-    def __init__(self, n: int):
-        self.n, self.ranges = n, []
-
-    def touches(self, a: int, b: int) -> bool:
-        return self.ranges == [(0, self.n)] or any(x < b and a < y for x, y in self.ranges)
-
-    def add(self, a: int, b: int) -> None:
-        apart = []
-        for x, y in self.ranges:
-            if y < a or b < x:
-                apart.append((x, y))
-            else:  # overlapping or adjacent: one range
-                a, b = min(a, x), max(b, y)
-        self.ranges = sorted([*apart, (a, b)])
-
-
-def _accumulate(acc, acc_lse, written: _Written, qs: slice, o, lse) -> None:
-    """Merge a piece's ``(o, lse)`` (row layout) into the accumulators' rows ``qs``. Where none of
-    those rows holds a result yet it is a copy: what the merge gives there (every row of a piece
-    sees a key), in one pass over the rows instead of several."""
-    if written.touches(qs.start, qs.stop):
-        merge_(acc[:, qs], acc_lse[:, qs], o, lse)
-    else:
-        acc[:, qs].copy_(o)
-        acc_lse[:, qs].copy_(lse)
-    written.add(qs.start, qs.stop)
-
-
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     @one_operation()
     def forward(ctx, q, k, v, call: RingCall):
         ring, n = _Ring(call.group, call.stats), q.shape[1]
-        acc, acc_lse = empty_accumulators(*q.shape[:3], v.shape[3], q.device, acc_dtype(q.dtype))
-        written, failure = _Written(n), None
+        rows = RowAccumulator.merging((*q.shape[:3], v.shape[3]), q.device, acc_dtype(q.dtype))
+        failure = None
         for kb, vb, pieces in call.steps(ring, k, v, n):
             for qs, ks, c, docs in pieces if failure is None else ():
                 try:
                     o, lse = _forward_piece(call, (q[:, qs], kb[:, ks], vb[:, ks]), c, docs)
-                    _accumulate(acc, acc_lse, written, qs, o, lse.transpose(1, 2))
+                    rows.add(qs, (o, lse.transpose(1, 2)))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
                     failure = e
                     break
         if failure is not None:  # the other ranks got every block they wait for; now this one fails
             raise failure
-        out = acc.to(q.dtype)
-        lse = acc_lse.transpose(1, 2).contiguous()
+        out, lse = rows.result()
+        out = out.to(q.dtype)
+        lse = lse.transpose(1, 2).to(acc_dtype(q.dtype)).contiguous()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         return out
@@ -329,39 +291,42 @@ class _RingFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         call = ctx.call
         ring = _Ring(call.group, call.stats)
-        p, n = ring.size, q.shape[1]
+        p, n, dtype = ring.size, q.shape[1], acc_dtype(q.dtype)
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
+        dq = RowAccumulator.summing([q.shape], q.device, dtype)
         pending_d, failure = None, None
         for kb, vb, pieces in call.steps(ring, k, v, n):
-            grads = []  # (kv slice, dk, dv) of this step's calls
+            # this rank's dK/dV for the step's block: at the first step the block's accumulator; after
+            # it, added to the accumulator from the previous ranks (received while the kernels run)
+            first = pending_d is None
+            dkv, later = RowAccumulator.summing([k.shape, v.shape], k.device, dtype) if first else None, []
             for qs, ks, c, docs in pieces if failure is None else ():
                 try:
                     g = _backward_piece(call, (dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs],
                                                lse[:, :, qs].contiguous()), c, docs)
-                    dq[:, qs] += g[0]
-                    grads.append((ks, g[1], g[2]))
                 except Exception as e:  # noqa: BLE001 - raised below, after the ring has moved every block
-                    failure, grads = e, []
+                    failure, later = e, []
                     break
-            # this block's accumulator from the previous ranks (received while the kernels ran), to
-            # which this rank's part is added in place: one pass over it per step
-            if pending_d is not None:
-                local = ring.wait(pending_d)
+                dq.add(qs, g[:1])
+                if first:
+                    dkv.add(ks, g[1:])
+                else:
+                    later.append((ks, g[1:]))
+                del g
+            if first:  # what travels is float32 (float64), whatever the pieces' dtype
+                local = tuple(t.to(dtype).contiguous() for t in dkv.result()) if p > 1 else dkv.result()
             else:
-                local = torch.zeros(k.numel() + v.numel(), device=k.device, dtype=dq.dtype)
-            if grads:
-                dk_l, dv_l = _unpack(local, (k, v))
-                for ks, dk_piece, dv_piece in grads:
-                    dk_l[:, ks] += dk_piece
-                    dv_l[:, ks] += dv_piece
-                del grads
+                local = ring.wait(pending_d)
+                for ks, (dk_piece, dv_piece) in later:
+                    local[0][:, ks] += dk_piece
+                    local[1][:, ks] += dv_piece
+                del later
             if p > 1:  # pass this block's dK/dV on (after the last step: to its owner)
                 pending_d = ring.start(local, tag=1)
-        dkv = ring.wait(pending_d) if p > 1 else local
+        dk, dv = ring.wait(pending_d) if p > 1 else local
         if failure is not None:
             raise failure
-        dk, dv = _unpack(dkv, (k, v))
+        (dq,) = dq.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

@@ -125,6 +125,54 @@ def test_merge_weights_sum_to_one_at_any_scale():
     assert acc_lse.item() == pytest.approx(math.log(math.exp(0.5) + math.exp(-1.0)), abs=1e-15)
 
 
+ROW_PIECES = {  # row ranges of the pieces, in order (each piece sees its own fifth of the keys)
+    "whole rows first": [(0, 24), (5, 15), (10, 24)],
+    "overlapping parts, a gap left": [(0, 8), (4, 16), (12, 20)],
+    "a part, then the whole rows": [(10, 14), (0, 24), (2, 12)],
+    "only the whole rows": [(0, 24)],
+    "the whole rows twice": [(0, 24), (0, 24)],
+    "adjacent parts": [(0, 8), (8, 16), (16, 24), (3, 21)],
+}
+
+
+@pytest.mark.parametrize("case", ROW_PIECES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_row_accumulator_is_attention_over_the_union_of_its_pieces_keys(case, dtype, gen):
+    """Pieces of attention over row ranges, each over its own keys, merged as they come (copied where
+    no row holds a result, merged where some do, a whole-rows piece kept as it came): every row is
+    attention over the keys of all pieces that cover it; rows none covers are 0 with lse -inf.
+    Summed pieces are the plain sum per row."""
+    from dilated.merge import RowAccumulator
+
+    n, nk, h, d = 24, 30, 2, 8
+    q = rand(1, n, h, d, gen=gen, dtype=dtype)
+    k, v = (rand(1, nk, h, d, gen=gen, dtype=dtype) for _ in range(2))
+    keys = torch.arange(nk) % 5  # piece i sees the keys with keys == i: no key twice in a row
+    merged = RowAccumulator.merging((1, n, h, d), "cpu", torch.float64 if dtype == torch.float64 else torch.float32)
+    summed = RowAccumulator.summing([(1, n, h, d)], "cpu", merged.dtype)
+    sees = torch.zeros(n, nk, dtype=torch.bool)
+    total = torch.zeros(1, n, h, d, dtype=torch.float64)
+    pieces = []
+    for i, (a, b) in enumerate(ROW_PIECES[case]):
+        mine = (keys == i).expand(b - a, nk)
+        o, lse = dense_reference(q[:, a:b], k, v, bias=torch.where(mine, 0.0, float("-inf"))[None], dtype=dtype)
+        pieces.append((o, lse))
+        merged.add(slice(a, b), (o, lse.transpose(1, 2)))
+        summed.add(slice(a, b), (o,))
+        sees[a:b] |= mine
+        total[:, a:b] += o.double()
+    out, lse = merged.result()
+    (added,) = summed.result()
+    if len(pieces) == 1:  # kept as it came: no accumulator, no copy
+        assert out is pieces[0][0] and added is pieces[0][0]
+    covered = sees.any(1)
+    ref, ref_lse = dense_reference(q[:, covered], k, v, bias=torch.where(sees[covered], 0.0, float("-inf"))[None])
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert rel_err(out[:, covered], ref) < tol and rel_err(lse.transpose(1, 2)[:, :, covered], ref_lse) < tol
+    assert (out[:, ~covered] == 0).all() and (lse[:, ~covered] == float("-inf")).all()
+    assert rel_err(added, total) < tol
+
+
 def test_causal_pieces_merge_exactly_at_large_logits(gen):
     """seq_q < seq_k causal is two kernel calls merged by lse."""
     q = rand(1, 16, 2, 8, gen=gen, scale=1e3)
