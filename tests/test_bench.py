@@ -495,7 +495,7 @@ def test_winners_per_scenario_never_a_row_that_failed_its_check():
     from dilated.bench.report import format_tables
 
     def row(impl, ms, q_len=None, failed=False, n=256):
-        return {"implementation": impl, "backend": "b", "mode": "fwd", "status": "ok", "check_failed": failed,
+        return {"implementation": impl, "backend": "b", "mode": "fwd", "status": "ok", "check": {"passed": not failed},
                 "time_ms": {"median": ms, "p10": ms, "p90": ms},
                 "config": Case(batch=1, seq_len=n, num_heads=2, head_dim=8, q_len=q_len).config()}
 
@@ -565,7 +565,7 @@ def test_a_run_on_cpu_and_gpu_reports_the_gpu_speed_up_per_configuration():
 
     def row(impl, device, ms, host="h", failed=False):
         return {"implementation": impl, "backend": "auto", "mode": "fwd", "status": "ok", "device": device,
-                "check_failed": failed, "env": {"hostname": host}, "time_ms": {"median": ms, "p10": ms, "p90": ms},
+                "check": {"passed": not failed}, "env": {"hostname": host}, "time_ms": {"median": ms, "p10": ms, "p90": ms},
                 "config": Case(batch=1, seq_len=256, num_heads=2, head_dim=8, dtype="float32").config()}
 
     rows = [row("a", "cpu", 50.0), row("b", "cpu", 80.0), row("a", "cuda:0", 2.0), row("b", "cuda:0", 4.0),

@@ -7,20 +7,23 @@ import os
 ROOT = os.path.join(os.path.dirname(__file__), "..", "results")
 
 
-def test_every_committed_row_that_ran_passed_its_check():
+def _committed():
     paths = sorted(glob.glob(os.path.join(ROOT, "**", "*.jsonl"), recursive=True))
     assert paths, "no committed results found"
+    return paths
+
+
+def test_every_committed_row_that_ran_passed_its_check():
+    from dilated.bench.results import check_passed, read_results
+
     bad = []
-    for path in paths:
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                row = json.loads(line)
-                if row.get("status") != "ok":
-                    continue  # oom, unsupported: recorded as such, nothing timed
-                check = row.get("check") or {}
-                if not check.get("passed") or row.get("check_failed"):
-                    bad.append(f"{os.path.relpath(path, ROOT)}:{i} {row.get('implementation')} "
-                               f"N={row['config'].get('seq_len')}: {check or 'no check'}")
+    for path in _committed():
+        for i, row in enumerate(read_results(path), 1):  # every row is a well-formed result row
+            if row.get("status") != "ok":
+                continue  # oom, unsupported: recorded as such, nothing timed
+            if not check_passed(row):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{i} {row.get('implementation')} "
+                           f"N={row['config'].get('seq_len')}: {row.get('check') or 'no check'}")
     assert not bad, "rows that did not pass their check:\n" + "\n".join(bad)
 
 

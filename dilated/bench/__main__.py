@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli import BenchParser
+from .cli import BenchParser, nonnegative_float
 from .plots import plot
 from .report import compare
 
@@ -17,13 +17,17 @@ def main(argv=None) -> int:
     c.add_argument("--fail-on-regression", action="store_true",
                    help="exit 1 unless NEW vouches for OLD: no row regressed, none errored or failed its check where "
                         "OLD's ran, some rows matched, neither file is empty, unreadable or holds a configuration twice")
-    c.add_argument("--min-noise", type=float, default=0.03, help="smallest relative change that counts")
+    c.add_argument("--min-noise", type=nonnegative_float, default=0.03,
+                   help="smallest relative change that counts (a finite number >= 0)")
     pl = sub.add_parser("plot", help="PNG plots of a run")
     pl.add_argument("run")
     pl.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     if args.cmd == "compare":
-        text, problems, warnings = compare(args.old, args.new, args.min_noise)
+        try:
+            text, problems, warnings = compare(args.old, args.new, args.min_noise)
+        except ValueError as e:  # a malformed row: the file and line
+            c.error(str(e))
         print(text)
         for w in warnings:
             print(f"warning: {w}")
@@ -36,8 +40,7 @@ def main(argv=None) -> int:
     try:
         paths = plot(args.run, args.out_dir)
     except (OSError, ValueError) as e:
-        print(f"error: cannot plot {args.run}: {e}", file=sys.stderr)
-        return 1
+        pl.error(f"cannot plot {args.run}: {e}")
     for path in paths:
         print(path)
     return 0

@@ -18,11 +18,15 @@ LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
 LONGNET_DILATIONS = (1, 2, 4, 8, 16)
 
 
+#: the largest size any option takes (2**40 tokens: far beyond a GPU, within 64-bit index arithmetic)
+LARGEST_SIZE = 1 << 40
+
+
 def parse_size(text) -> int:
     """``8192``, ``8k``, ``1M``, ``2m`` -> int (k = 1024)."""
     if isinstance(text, int) and not isinstance(text, bool):
-        if text <= 0:
-            raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+        if text <= 0 or text > LARGEST_SIZE:
+            raise argparse.ArgumentTypeError(f"not a positive size up to {LARGEST_SIZE >> 30}G: {text!r}")
         return text
     s = str(text).strip().lower()
     mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(s[-1:], 1)
@@ -33,6 +37,8 @@ def parse_size(text) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8192, 8k, 1M)") from None
     if not math.isfinite(value) or value <= 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"not a positive whole size: {text!r} (use e.g. 8192, 8k, 1M)")
+    if value > LARGEST_SIZE:
+        raise argparse.ArgumentTypeError(f"too large a size: {text!r} (at most {LARGEST_SIZE >> 30}G)")
     return int(value)
 
 
@@ -95,8 +101,8 @@ def nonnegative_float(text) -> float:
 
 def _number(text, kind, ok, what):
     try:
-        if isinstance(text, bool):
-            raise ValueError
+        if isinstance(text, bool) or (kind is int and isinstance(text, float) and not text.is_integer()):
+            raise ValueError  # a YAML 2.5 is refused as the command line's "2.5" is, not truncated
         value = kind(text)
     except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
@@ -214,8 +220,11 @@ def given_options(p: argparse.ArgumentParser, argv) -> set[str]:
 def _config_value(p, action, key, value, path):
     """A YAML value checked like the command line would check it; usage error otherwise."""
     where = f"--config {path}: {key}"
-    if value is None:
-        return None
+    if value is None:  # YAML null (or an empty value): the option's default, where that is "not set"
+        if action.default is None or action.default is argparse.SUPPRESS:
+            return None
+        usage_error(p, f"{where} is null (empty): give a value, or remove the line to keep the default "
+                       f"{action.default!r}")
     if action.nargs == 0:  # store_true / store_false flags take a YAML boolean, nothing else
         if not isinstance(value, bool):
             usage_error(p, f"{where} must be true or false (a YAML boolean, unquoted), got {value!r}")

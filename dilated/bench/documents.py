@@ -61,7 +61,8 @@ def cu_seqlens_of(spec: str, n: int) -> tuple[int, ...]:
         else:
             mean, sigma = params
             z = float(torch.randn(1, generator=gen))
-            length = max(1, round(math.exp(math.log(mean) - sigma * sigma / 2 + sigma * z)))
+            log_length = math.log(mean) - sigma * sigma / 2 + sigma * z  # a length past n is cut at n anyway
+            length = n if log_length > math.log(n) else max(1, round(math.exp(log_length)))
         total = min(n, total + length)
         cu.append(total)
     return tuple(cu)

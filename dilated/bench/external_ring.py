@@ -54,7 +54,15 @@ def torch_cp_unavailable() -> str | None:
 
 
 class TorchContextParallel(nn.Module):
-    """``forward(q, k, v)`` on shards ``[B, N/P, H, D]`` (zigzag when causal, else contiguous)."""
+    """``forward(q, k, v)`` on shards ``[B, N/P, H, D]`` (zigzag when causal, else contiguous),
+    called inside :meth:`step_context`, which holds the forward and the backward of a step.
+
+    PyTorch's context parallel dispatches SDPA's ops to its ring while its context is entered;
+    a backward run after leaving it runs the local kernel's backward alone and computes wrong
+    gradients. torchtitan keeps the whole training step (forward, loss, backward) inside it, and
+    so does the harness: a model's ``step_context()`` spans each timed call
+    (:meth:`dilated.bench.runner._RowRun.step_context`). A forward outside it raises.
+    """
 
     def __init__(self, causal: bool, backend: str, group=None):
         super().__init__()
@@ -64,32 +72,45 @@ class TorchContextParallel(nn.Module):
         if reason:
             raise NotImplementedError(reason)
         self.causal, self.backend = causal, backend
+        self.entered = 0
         # from the existing group: building a mesh from ranks would create groups, a collective
         # that ranks outside this run's sub-group never join
         self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cuda")
 
-    def forward(self, q, k, v):
+    @contextlib.contextmanager
+    def step_context(self):
+        """PyTorch's ``context_parallel`` for one step, forward and backward. It shards its buffers
+        on entry: a two-element dummy keeps that to nothing. Its load balancer follows
+        ``_cp_options``, a process-wide option set here per step (causal -> head-tail) and restored."""
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import _cp_options
+
+        before = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = self.causal
+        self.entered += 1
+        try:
+            dummy = torch.zeros(2 * self.mesh.size(), device="cuda")
+            with context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy}):
+                yield
+        finally:
+            self.entered -= 1
+            _cp_options.enable_load_balance = before
+
+    def forward(self, q, k, v):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        if not self.entered:
+            raise RuntimeError("TorchContextParallel runs inside its step_context() (forward and backward): "
+                               "outside it PyTorch's SDPA is not its ring")
         name = get_backend(self.backend, q, k, self.causal).name
         if name != "sdpa" and name not in _SDPA_KERNELS:
             raise NotImplementedError(f"torch context parallel runs SDPA kernels only, not backend {name!r}")
-        # "sdpa": PyTorch picks the kernel, as our sdpa backend lets it
+        # "sdpa": PyTorch picks the kernel, as our sdpa backend lets it; a pinned forward kernel
+        # pins its backward too (autograd records the op that ran)
         pinned = contextlib.nullcontext() if name == "sdpa" else sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[name]))
-        # context_parallel shards its buffers on entry: a two-element dummy keeps that to nothing,
-        # and its load balancer follows _cp_options, which we set per call (causal -> head-tail).
-        # (restored after the call: a process-wide option of torch's).
-        before = _cp_options.enable_load_balance
-        _cp_options.enable_load_balance = self.causal
-        try:
-            dummy = torch.zeros(2 * self.mesh.size(), device=q.device)
-            with context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy}), pinned:
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     is_causal=self.causal, enable_gqa=k.shape[2] != q.shape[2])
-        finally:
-            _cp_options.enable_load_balance = before
+        with pinned:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=self.causal, enable_gqa=k.shape[2] != q.shape[2])
         return out.transpose(1, 2)
 
 

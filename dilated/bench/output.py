@@ -10,7 +10,7 @@ import sys
 from . import env as envmod
 from .plots import plot
 from .report import format_tables
-from .results import ResultWriter, ResultsWriteError, write_csv
+from .results import ResultWriter, ResultsWriteError, check_passed, write_csv
 
 
 def open_writer(script: str, args) -> ResultWriter:
@@ -27,6 +27,9 @@ def open_writer(script: str, args) -> ResultWriter:
         raise SystemExit(2) from None
     except OSError as e:
         print(f"error: cannot write results: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError as e:  # --append onto a file that ends in a partial line
+        print(f"error: --output {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -67,7 +70,7 @@ def script_main(fn):
 def exit_status(rows, what: str = "row") -> int:
     """0 when every row is ok, oom or unsupported; else 1, after naming the rows that errored or
     failed their correctness check."""
-    bad = [r for r in rows if r.get("status") == "error" or r.get("check_failed")]
+    bad = [r for r in rows if r.get("status") == "error" or check_passed(r) is False]
     for r in bad:
         cfg = r.get("config") or {}
         if r.get("status") == "error":
@@ -94,7 +97,7 @@ def finish(rows, writer: ResultWriter, args, title: str = "", table: str | None 
     print(f"\n{title}results: {writer.path} ({writer.rows} rows)" + (" + .csv" if args.csv else ""))
     for p in plots:
         print(f"plot: {p}")
-    bad = [r for r in rows if r.get("check_failed") or r.get("status") == "error"]
+    bad = [r for r in rows if check_passed(r) is False or r.get("status") == "error"]
     if bad:
         print(f"\n{len(bad)} row(s) errored or FAILED their correctness check (marked ! above); exit status 1:")
     return exit_status(rows)

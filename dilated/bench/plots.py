@@ -6,7 +6,7 @@ import math
 import os
 from collections import defaultdict
 
-from .results import read_jsonl
+from .results import check_passed, first_call_only, read_results, trusted
 
 
 def fit_exponent(xs, ys) -> float | None:
@@ -24,6 +24,10 @@ _SERIES_FIELDS = (("batch", "B={}"), ("q_len", "Nq={}"), ("num_heads", "H={}"), 
                   ("input_scale", "inputs x{:g}"))
 
 
+def _device_kind(row) -> str:
+    return str(row.get("device", "")).split(":")[0] or "?"
+
+
 def series_of(rows: list[dict]) -> dict[str, list[dict]]:
     """The rows of each line of a plot against N: one line per implementation, backend, world size
     and configuration (prefill and decode, head dims, dtypes, ... are separate lines; the label
@@ -33,11 +37,14 @@ def series_of(rows: list[dict]) -> dict[str, list[dict]]:
         return ("causal" if v else "non-causal") if k == "causal" else v
 
     varying = [(k, fmt) for k, fmt in _SERIES_FIELDS if len({str(field(r, k)) for r in rows}) > 1]
+    several_devices = len({_device_kind(r) for r in rows}) > 1  # a CPU row and a GPU row are never one line
     out = defaultdict(list)
     for r in rows:
         name = f"{r['implementation']}/{r['backend']}"
         if r.get("world_size", 1) > 1:
             name += f" P={r['world_size']}"
+        if several_devices:
+            name += f" on {_device_kind(r)}"
         parts = [fmt.format(field(r, k)) if field(r, k) is not None else f"{k}=-" for k, fmt in varying]
         out[" ".join([name, *parts])].append(r)
     return dict(out)
@@ -53,7 +60,7 @@ def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("plotting needs matplotlib: pip install 'dilated[plot]'") from None
-    all_rows = [r for r in read_jsonl(jsonl_path) if r["status"] in ("ok", "oom") and not r.get("check_failed")]
+    all_rows = [r for r in read_results(jsonl_path) if r["status"] in ("ok", "oom") and check_passed(r) is not False]
     rows = [r for r in all_rows if r["status"] == "ok"]
     out_dir = out_dir or os.path.dirname(os.path.abspath(jsonl_path))
     stem = os.path.splitext(os.path.basename(jsonl_path))[0]
@@ -68,13 +75,20 @@ def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
         fig, axes = plt.subplots(1, 3, figsize=(18, 5))
         for ax, (_, label, get) in zip(axes, metrics):
             for name, srows in sorted(series_of(mrows).items()):
-                pts = sorted((r["config"]["seq_len"], get(r)) for r in srows if r["status"] == "ok" and get(r))
+                # warm rows make the line and its fit; a row timed by its first call only is a hollow point
+                pts = sorted((r["config"]["seq_len"], get(r)) for r in srows if trusted(r) and get(r))
+                cold = sorted((r["config"]["seq_len"], get(r)) for r in srows
+                              if r["status"] == "ok" and first_call_only(r) and get(r))
                 ooms = sorted(r["config"]["seq_len"] for r in srows if r["status"] == "oom")
                 color = None
                 if pts:
                     xs, ys = zip(*pts)
                     e = fit_exponent(xs, ys)
                     color = ax.plot(xs, ys, marker="o", label=f"{name} (N^{e:.2f})" if e is not None else name)[0].get_color()
+                if cold:
+                    xs, ys = zip(*cold)
+                    color = ax.plot(xs, ys, "o", mfc="none", color=color,
+                                    label=f"{name}: first call only (not warmed up; not fitted)")[0].get_color()
                 if ooms:  # on the axis: no value to plot, but where it stopped fitting
                     ax.plot(ooms, [0.02] * len(ooms), "x", color=color, markersize=9, transform=ax.get_xaxis_transform(),
                             label=f"{name}: oom")
@@ -90,7 +104,7 @@ def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
-    scaled = [r for r in rows if r.get("role") == "distributed" and r.get("efficiency") is not None]
+    scaled = [r for r in rows if r.get("role") == "distributed" and r.get("efficiency") is not None and trusted(r)]
     if scaled:
         written.append(_plot_scaling(plt, scaled, os.path.join(out_dir, f"{stem}_scaling.png"), stem))
     return written

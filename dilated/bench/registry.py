@@ -106,6 +106,11 @@ class Implementation:
         """Elementwise maximum over the ranks taking part (identity on one device)."""
         return values
 
+    def ranks(self) -> int:
+        """How many GPUs (ranks) share one call: a row's ``tflops`` is over all of them, its
+        ``per_rank_tflops`` and ``pct_peak`` are per GPU."""
+        return 1
+
     def before_call(self) -> None:
         """Runs untimed before each timed call (a barrier across ranks)."""
 

@@ -3,10 +3,11 @@ scaling tables (plots: :mod:`dilated.bench.plots`)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 
-from .results import read_jsonl
+from .results import check_passed, first_call_only, read_results, trusted, untrusted_reason
 
 
 def _key(row, with_seq=True):
@@ -71,17 +72,17 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
         groups[_table_key(r, several)].append(r)
     out = []
     width = _name_width(rows)
-    head = f"{'implementation':<{width}}{'backend':<24}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
+    head = f"{'implementation':<{width}}{'backend':<24}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s/GPU':>12}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
     for key, grp in groups.items():
         out.append("")
         out.append(_cfg_title(grp[0]["config"]) + (f" on {_device_kind(grp[0])}" if several else ""))
         out.append(head)
-        ok = [r for r in grp if r["status"] == "ok"]
-        passed = [r for r in ok if not r.get("check_failed")]  # a wrong result is never the fastest
-        best = min(passed, key=lambda r: r["time_ms"]["median"]) if passed else None
+        # a wrong result or a first call is never the fastest, nor a baseline
+        usable = [r for r in grp if trusted(r)]
+        best = min(usable, key=lambda r: r["time_ms"]["median"]) if usable else None
         base = None
         if baseline:
-            for r in ok:
+            for r in usable:
                 if baseline in (r["implementation"], f"{r['implementation']}/{r['backend']}"):
                     base = r
                     break
@@ -90,12 +91,15 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             mem = r.get("memory", {}).get("peak_above_inputs_mib")
             chk = r.get("check", {})
             err = f"{chk['rel_err']:.1e}" if chk.get("rel_err") is not None else "-"
-            if r.get("check_failed"):
+            failed = check_passed(r) is False
+            if failed:
                 err += "!"
-            speed = f"{base['time_ms']['median'] / t['median']:.2f}x" if base and t and r["status"] == "ok" else "-"
+            speed = f"{base['time_ms']['median'] / t['median']:.2f}x" if base and trusted(r) else "-"
             status = r["status"] + ("" if not r.get("reason") else f" ({r['reason'][:60]})")
-            if r.get("check_failed"):
+            if failed:
                 status += " CHECK FAILED"
+            if r["status"] == "ok" and first_call_only(r):
+                status += " first call only (not warmed up: no speed-up, winner or fit uses it)"
             floors = []
             if r.get("floor_ratio"):
                 floors.append(f"{r['floor_ratio']:.2f}x kernel floor {r['kernel_floor_ms']['median']:.3f} ms")
@@ -110,21 +114,22 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
             mark = "*" if r is best else " "
             pct = f"{r['pct_peak']:.0f}" if r.get("pct_peak") else "-"
             tok = f"{r['tokens_per_s']:.3g}" if r.get("tokens_per_s") else "-"
-            tfl = f"{r['tflops']:.2f}" if r.get("tflops") else "-"
+            per_gpu = r.get("per_rank_tflops", r.get("tflops"))  # tflops is over all ranks; this and %peak per GPU
+            tfl = f"{per_gpu:.2f}" if per_gpu else "-"
             mib = f"{mem:.1f}" if mem is not None else "-"
             out.append(f"{mark}{r['implementation']:<{width - 1}}{_backend_ran(r):<24}{_fmt_time(t):<30}"
-                       f"{tok:>12}{tfl:>9}{pct:>7}{mib:>10}{err:>9}  {speed:>8}  {status}")
+                       f"{tok:>12}{tfl:>12}{pct:>7}{mib:>10}{err:>9}  {speed:>8}  {status}")
     return "\n".join(out + format_winners(rows) + format_device_speedups(rows) + format_repeats(rows))
 
 
 def format_winners(rows: list[dict]) -> list[str]:
     """Per scenario (prefill or decode, and mode): which implementation/backend was fastest among
-    the rows that ran and passed their check, in how many of its configurations, and by how much
-    over the runner-up (median of the per-configuration ratios)."""
+    the rows that ran warm and passed their check, in how many of its configurations, and by how
+    much over the runner-up (median of the per-configuration ratios)."""
     several = len({_device_kind(r) for r in rows}) > 1
     scenarios = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if r["status"] == "ok" and not r.get("check_failed"):
+        if trusted(r):
             c = r["config"]
             scenario = (("decode" if c.get("q_len") else "prefill"), c["mode"])
             if several:
@@ -148,7 +153,7 @@ def format_winners(rows: list[dict]) -> list[str]:
         if not total:
             continue
         if not out:
-            out += ["", "fastest per scenario (rows that ran and passed their check):"]
+            out += ["", "fastest per scenario (rows that ran warm and passed their check):"]
         for name, n in sorted(wins.items(), key=lambda kv: -kv[1]):
             m = statistics.median(margins[name])
             out.append(f"  {kind:<8}{mode:<9}{name:<36}fastest in {n} of {total} configuration(s), "
@@ -161,7 +166,7 @@ def format_device_speedups(rows: list[dict]) -> list[str]:
     backend, both passed their check): the GPU's speed-up over the CPU (median over median)."""
     by = defaultdict(dict)
     for r in rows:
-        if r["status"] == "ok" and not r.get("check_failed"):
+        if trusted(r):
             host = (r.get("env") or {}).get("hostname")
             by[(host, r["implementation"], r["backend"], _key(r))][_device_kind(r)] = r
     out = []
@@ -200,9 +205,9 @@ def format_repeats(rows: list[dict], tolerance: float = 0.02) -> list[str]:
     groups = defaultdict(list)
     for r in rows:
         if r["status"] == "ok":
-            groups[(*_match_key(r), _device_kind(r))].append(r)  # a CPU and a GPU row are no repeat
+            groups[_match_key(r)].append(r)  # a CPU and a GPU row are no repeat (the key has the device)
     out = []
-    for (impl, backend, _, _), grp in groups.items():
+    for (impl, backend, *_), grp in groups.items():
         if len(grp) < 2:
             continue
         meds = [r["time_ms"]["median"] for r in grp]
@@ -215,36 +220,45 @@ def format_repeats(rows: list[dict], tolerance: float = 0.02) -> list[str]:
 
 # -- compare ------------------------------------------------------------------------------
 def _match_key(r):
-    return (r["implementation"], r["backend"], _key(r))
+    """What makes two rows the same measurement: implementation, backend, world size, device kind
+    (a CPU row is no GPU row's repeat) and configuration."""
+    return (r["implementation"], r["backend"], r.get("world_size", 1), _device_kind(r), _key(r))
 
 
 _ENV_FIELDS = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "flash_attn", "flash_attn_3", "flash_attn_4", "xformers",
                "sageattention")
 
 
+def _what(r) -> str:
+    p = r.get("world_size", 1)
+    return (f"{r['implementation']}/{r['backend']}{f' P={p}' if p > 1 else ''} on {_device_kind(r) or '?'} "
+            f"{_cfg_title(r['config'])}")
+
+
 def _rows_for_compare(path: str, problems: list[str]) -> list[dict]:
+    """The rows of ``path`` (a ValueError names a malformed line); an empty file or a configuration
+    measured twice is a problem."""
     try:
-        rows = read_jsonl(path)
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+        rows = read_results(path)
+    except (OSError, UnicodeDecodeError) as e:
         problems.append(f"cannot read {path}: {e}")
         return []
     if not rows:
         problems.append(f"{path} holds no rows")
-    bad = [i for i, r in enumerate(rows, 1) if not isinstance(r, dict) or not {"implementation", "backend", "status",
-                                                                              "config", "mode"} <= r.keys()]
-    if bad:
-        problems.append(f"{path}: line(s) {bad[:5]} are not result rows")
-        return []
     seen = {}
     for r in rows:
         if r.get("find_max"):  # --find-max probes are searches, not configurations of the sweep
             continue
         key = _match_key(r)
         if key in seen:
-            problems.append(f"{path}: configuration {r['implementation']}/{r['backend']} {_cfg_title(r['config'])} "
-                            "appears more than once (which one would vouch?)")
+            problems.append(f"{path}: configuration {_what(r)} appears more than once (which one would vouch?)")
         seen[key] = r
     return [r for r in rows if not r.get("find_max")]
+
+
+def _spread(t: dict) -> float:
+    """Half the p10-p90 spread relative to the median (0 for a zero median: nothing to scale)."""
+    return (t["p90"] - t["p10"]) / (2 * t["median"]) if t["median"] > 0 else 0.0
 
 
 def compare(old_path: str, new_path: str, min_noise: float = 0.03) -> tuple[str, list[str], list[str]]:
@@ -253,14 +267,17 @@ def compare(old_path: str, new_path: str, min_noise: float = 0.03) -> tuple[str,
     A row regresses when ``new/old > 1 + noise`` with ``noise`` the larger of the two runs'
     relative half p10-p90 spreads and ``min_noise``. Returns ``(report, problems, warnings)``:
     a problem is a reason NEW cannot vouch for OLD (a regression; a file that is empty, unreadable
-    or holds one configuration twice; no matching rows; a NEW row that errored or failed its
-    check where OLD's ran); warnings name different GPUs or library versions and OLD rows NEW did
-    not measure.
+    or holds one configuration twice; no matching rows; a NEW row that errored, failed its check
+    or was timed by its first call only where OLD's ran warm); warnings name different GPUs or
+    library versions and OLD rows NEW did not measure. Rows match on implementation, backend,
+    world size, device kind and configuration. A malformed row raises ValueError (file and line).
     """
+    if not (isinstance(min_noise, (int, float)) and math.isfinite(min_noise) and min_noise >= 0):
+        raise ValueError(f"--min-noise must be a finite number >= 0, got {min_noise!r}")
     problems, warnings = [], []
     old_rows = _rows_for_compare(old_path, problems)
     new_rows = _rows_for_compare(new_path, problems)
-    old = {_match_key(r): r for r in old_rows if r["status"] == "ok" and not r.get("check_failed")}
+    old = {_match_key(r): r for r in old_rows if trusted(r)}
     lines = [f"{'implementation':<20}{'backend':<14}{'config':<58}{'old ms':>10}{'new ms':>10}{'new/old':>9}  flag"]
     matched = set()
     for r in new_rows:
@@ -269,17 +286,20 @@ def compare(old_path: str, new_path: str, min_noise: float = 0.03) -> tuple[str,
         if o is None:
             continue
         matched.add(key)
-        what = f"{r['implementation']}/{r['backend']} {_cfg_title(r['config'])}"
-        if r["status"] != "ok" or r.get("check_failed"):
-            why = "failed its correctness check" if r.get("check_failed") else f"{r['status']}: {r.get('reason')}"
-            problems.append(f"{what}: ok in OLD, {why} in NEW")
+        why = untrusted_reason(r)
+        if why:
+            why = {"check failed": "failed its correctness check",
+                   "first call only": "was timed by its first call only (not warmed up)"}.get(why, f"{why}: {r.get('reason')}")
+            problems.append(f"{_what(r)}: ok in OLD, {why} in NEW")
             lines.append(f"{r['implementation']:<20}{r['backend']:<14}{_cfg_title(r['config'])[:57]:<58}"
                          f"{o['time_ms']['median']:>10.3f}{'-':>10}{'-':>9}  {r['status'].upper()}"
-                         + (" CHECK FAILED" if r.get("check_failed") else ""))
+                         + (" CHECK FAILED" if check_passed(r) is False else "")
+                         + (" FIRST CALL ONLY" if r["status"] == "ok" and first_call_only(r) else ""))
             continue
+        what = _what(r)
         to, tn = o["time_ms"], r["time_ms"]
-        ratio = tn["median"] / to["median"]
-        noise = max(min_noise, (to["p90"] - to["p10"]) / (2 * to["median"]), (tn["p90"] - tn["p10"]) / (2 * tn["median"]))
+        ratio = tn["median"] / to["median"] if to["median"] > 0 else math.inf
+        noise = max(min_noise, _spread(to), _spread(tn))
         flag = "REGRESSION" if ratio > 1 + noise else ("faster" if ratio < 1 - noise else "")
         if flag == "REGRESSION":
             problems.append(f"{what}: {ratio:.3f}x the old time (noise {noise:.3f})")
@@ -329,6 +349,11 @@ def format_scaling(rows: list[dict], compare: bool = False) -> str:
             out += ["", f"{impl} ({grp[0].get('role', '')}) backend={backend} {mode} "
                         f"{'causal' if causal else 'non-causal'} scaling={grp[0].get('scaling')}", head]
             order = sorted(grp, key=lambda r: (r.get("world_size", 1), r["config"]["seq_len"]))
+        bases = sorted({f"{r['baseline_backend']}" + (f" ({'+'.join(r['baseline_kernels'])})" if r.get("baseline_kernels")
+                                                      else "") + f" {r['baseline_ms']:.3f} ms"
+                        for r in grp if r.get("baseline_backend")})
+        if bases:
+            out.append("efficiency against the fastest single-device run of the problem: " + "; ".join(bases))
         for r in order:
             lead = f"{r['implementation']:<26}{r['backend']:<16}" if compare else ""
             out.append(lead + _scaling_line(r))
@@ -342,7 +367,10 @@ def _scaling_line(r: dict) -> str:
     comm = r.get("comm") or {}
     exp = r.get("exposed_comm_fraction")
     sent = comm.get("bytes_sent_per_rank_max")
-    chk = "-" if "check" not in r else ("FAILED" if r.get("check_failed") else "ok")
+    passed = check_passed(r)
+    chk = "-" if passed is None else ("ok" if passed else "FAILED")
+    if r["status"] == "ok" and first_call_only(r):
+        chk += " first call only"
     return (f"{r.get('world_size', 1):>3}{r['config']['seq_len']:>10}{r.get('tokens_per_rank', 0):>10}"
             f"{f(t, '.3f'):>12}{f(r.get('per_rank_tflops', r.get('tflops')), '.2f'):>14}"
             f"{f(r.get('efficiency'), '.3f'):>12}{f(r.get('work_efficiency'), '.3f'):>10}"
@@ -350,7 +378,8 @@ def _scaling_line(r: dict) -> str:
             f"{(f(100 * exp, '.1f') + '%') if exp is not None else '-':>14}"
             f"{f(sent / (1 << 20) if sent is not None else None, '.1f'):>15}"
             f"{f((r.get('memory') or {}).get('peak_total_mib'), '.0f'):>10}  {chk}"
-            + ("" if r["status"] == "ok" else f"  {r['status']}: {(r.get('reason') or '')[:60]}"))
+            + ("" if r["status"] == "ok" else f"  {r['status']}: {(r.get('reason') or '')[:60]}")
+            + (f"  efficiency: {r['efficiency_note'][:160]}" if r.get("efficiency_note") else ""))
 
 
 def format_speedups(rows: list[dict], new_class: list[str], old_class: list[str]) -> str:

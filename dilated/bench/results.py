@@ -25,6 +25,8 @@ class ResultWriter:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_EXCL)
         os.close(os.open(path, flags, 0o644))
+        if append:
+            _end_with_a_whole_row(path)
         self.rows = 0
 
     @classmethod
@@ -64,6 +66,29 @@ class ResultWriter:
         self.rows += 1
 
 
+def _end_with_a_whole_row(path: str) -> None:
+    """Before appending to ``path``: a last row written without its newline (by another tool, or an
+    editor) gets one, so that the next row is not glued onto it; a last line that is no JSON row
+    (a partial write) is refused, naming the file."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size == 0:
+            return
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+    if tail.endswith(b"\n"):
+        return
+    last = tail.rsplit(b"\n", 1)[-1]
+    try:
+        json.loads(last)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{path} ends in a partial line (no newline, not a JSON row): repair or move the file "
+                         "before --append") from None
+    with open(path, "ab") as f:
+        f.write(b"\n")
+
+
 def read_jsonl(path: str) -> list[dict]:
     rows = []
     with open(path) as f:
@@ -75,6 +100,53 @@ def read_jsonl(path: str) -> list[dict]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not a JSON row ({e})") from None
+    return rows
+
+
+_CONFIG_KEYS = {"batch": int, "seq_len": int, "num_heads": int, "head_dim": int, "dtype": str, "causal": bool,
+                "mode": str}
+
+
+def row_problem(row) -> str | None:
+    """What keeps ``row`` from being a result row the tools can read, or None: the fields every row
+    has (implementation, backend, status, mode, a config of the problem's sizes), and for an ok row
+    a time whose median and spread are numbers."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    for key in ("implementation", "backend", "status", "mode"):
+        if not isinstance(row.get(key), str):
+            return f"no {key!r} string"
+    cfg = row.get("config")
+    if not isinstance(cfg, dict):
+        return "no 'config' object"
+    for key, kind in _CONFIG_KEYS.items():
+        value = cfg.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"config.{key} is {value!r}, not {'a whole number' if kind is int else kind.__name__}"
+    if row["status"] == "ok":
+        t = row.get("time_ms")
+        if not isinstance(t, dict) or not all(isinstance(t.get(k), (int, float)) and not isinstance(t.get(k), bool)
+                                              and t[k] >= 0 for k in ("median", "p10", "p90")):
+            return "an ok row without time_ms.median, p10 and p90 (numbers >= 0)"
+    return None
+
+
+def read_results(path: str) -> list[dict]:
+    """The rows of a results file, each checked by :func:`row_problem`: a ValueError naming the file,
+    the line and what is wrong otherwise."""
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not a JSON row ({e})") from None
+            why = row_problem(row)
+            if why:
+                raise ValueError(f"{path}:{i}: not a result row: {why}")
+            rows.append(row)
     return rows
 
 
@@ -111,3 +183,42 @@ def write_json(path: str, data) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+# -- what a row vouches for -----------------------------------------------------------------
+def check_passed(row: dict) -> bool | None:
+    """Whether ``row``'s result passed its correctness check: ``check.passed`` is the one field that
+    decides (None: not checked). Files written before that field was the only one may carry a bare
+    ``check_failed``; it is read where ``check`` is absent."""
+    chk = row.get("check")
+    if isinstance(chk, dict) and "passed" in chk:
+        return bool(chk["passed"])
+    if "check_failed" in row:
+        return not row["check_failed"]
+    return None
+
+
+def first_call_only(row: dict) -> bool:
+    """Whether ``row``'s only timed sample is its first call (compiles, plans and start-up
+    included): such a time is no steady figure."""
+    if "first_call_only" in row:
+        return bool(row["first_call_only"])
+    return "not warmed up" in str(row.get("time_note") or "")  # rows written before the field
+
+
+def untrusted_reason(row: dict) -> str | None:
+    """Why no derived figure (fit, winner, speed-up, efficiency) may use ``row``, or None."""
+    if row.get("status") != "ok":
+        return f"status {row.get('status')}"
+    if check_passed(row) is False:
+        return "check failed"
+    if first_call_only(row):
+        return "first call only"
+    if not isinstance((row.get("time_ms") or {}).get("median"), (int, float)):
+        return "no time"
+    return None
+
+
+def trusted(row: dict) -> bool:
+    """A row that ran, was timed warm and did not fail its check: derived figures use only these."""
+    return untrusted_reason(row) is None

@@ -1,6 +1,7 @@
 """Run one case of one implementation, carefully; run sweeps of them, writing each row as it ends."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -23,6 +24,7 @@ from .problems import device_generator
 from .registry import Case, Implementation
 from .results import ResultWriter
 from .timing import measure_side_by_side, summarize
+from .warmup import warm_up
 
 #: relative tolerance (max |err| / max |ref|) on outputs; gradients get twice this.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -138,7 +140,7 @@ class _RowRun:
         except Exception as e:  # noqa: BLE001 - a collective row agrees on it first (settle below)
             self.ranks.record(e)
         if self.case.mode == "fwd":
-            self.step = lambda: torch.no_grad()(self.forward)()
+            self.step = self.forward_only
         elif self.case.mode == "fwd_bwd":
             self.step = self.forward_backward
         else:
@@ -146,6 +148,10 @@ class _RowRun:
         if self.needs_grad and self.ranks.error is None:
             self.ranks.guard(lambda: self.make_dout(gen))()
         self.ranks.settle("inputs built")
+
+    def forward_only(self) -> None:
+        with torch.no_grad(), self.step_context():
+            self.forward()
 
     def forward(self) -> None:
         self.out = None  # the previous call's output is not this call's memory (at long lengths, as large as q)
@@ -156,20 +162,32 @@ class _RowRun:
         for t in list(self.inputs) + params:
             t.grad = None
 
+    def step_context(self):
+        """The context each call of the model runs in, its backward included: a model's own
+        ``step_context()`` (a peer that patches attention for the span of a training step, as
+        PyTorch's ``context_parallel`` does, and computes wrong gradients when its backward runs
+        outside it), else none."""
+        enter = getattr(self.model, "step_context", None)
+        return enter() if callable(enter) else contextlib.nullcontext()
+
     def forward_fresh(self) -> None:
-        self.zero_grads()
-        self.forward()
+        with self.step_context():
+            self.zero_grads()
+            self.forward()
 
     def backward(self) -> None:
-        self.out.backward(self.dout)
+        with self.step_context():
+            self.out.backward(self.dout)
 
     def forward_backward(self) -> None:
-        self.forward_fresh()
-        self.backward()
+        with self.step_context():  # one span for the whole step, as a training loop holds it
+            self.zero_grads()
+            self.forward()
+            self.out.backward(self.dout)
 
     def make_dout(self, gen) -> None:
         """A random incoming gradient of the output's shape and dtype."""
-        with torch.enable_grad():
+        with torch.enable_grad(), self.step_context():
             probe = self.model(*self.inputs)
         self.dout = torch.randn(probe.shape, generator=device_generator(gen, self.device), device=self.device,
                                 dtype=probe.dtype)
@@ -272,8 +290,10 @@ class _RowRun:
                                         rep_s=steady if opts.rep_s is None else opts.rep_s,
                                         agree=agree if self.collective else None, cuda_graph=graphed)
 
+        self.row["first_call_only"] = False
         if opts.budget_s is not None and first_ms > 1e3 * opts.budget_s and floor is None and not graphed:
             runs = [[first_ms]]  # one call took longer than the row's budget: it is the row's one sample
+            self.row["first_call_only"] = True  # no steady figure: left out of every derived number
             self.row["time_note"] = (f"one call ({first_ms / 1e3:.1f} s, its first) exceeded --time-budget "
                                      f"{opts.budget_s:g} s: the only sample, not warmed up")
         elif floor_backend is None:
@@ -328,9 +348,12 @@ class _RowRun:
         sec = t["median"] / 1e3
         fl, by = impl.flops(case, case.mode), impl.min_bytes(case, case.mode)
         peak = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        ranks = impl.ranks()
+        # tflops: the whole problem's useful FLOPs per second over all ranks; per GPU: over one
         row.update(flops=fl, tflops=fl / sec / 1e12, tokens_per_s=case.batch * case.nq / sec, bytes_min=by,
-                   bandwidth_gbs=by / sec / 1e9, arith_intensity=fl / by)
-        row["pct_peak"] = 100 * row["tflops"] / peak if peak else None
+                   bandwidth_gbs=by / sec / 1e9, arith_intensity=fl / by, ranks=ranks)
+        row["per_rank_tflops"] = row["tflops"] / ranks
+        row["pct_peak"] = 100 * row["per_rank_tflops"] / peak if peak else None  # of one GPU's peak
         if len(runs) > 1 and runs[1] is not None:
             floor = summarize(runs[1])
             row["kernel_floor_ms"], row["floor_ratio"] = floor, t["median"] / floor["median"]
@@ -364,7 +387,6 @@ class _RowRun:
             except Exception as e:  # noqa: BLE001 - a collective row agrees on it first
                 ranks.record(e)
             ranks.settle("checked")
-        self.row["check_failed"] = not self.row["check"]["passed"]
 
     def check_determinism(self) -> None:
         """The step twice on the same inputs: are the output and the gradients bit-identical (on
@@ -482,12 +504,16 @@ def run_sweep(jobs, opts: RunOptions, writer: ResultWriter | None, script: str, 
     stamp = envmod.timestamp()
     cmd = envmod.command_line()
     tty = sys.stderr.isatty()
+    # before the first timed row: every backend these rows use, on tiny inputs (each once a process)
+    warmed = warm_up(jobs, opts.device or ("cuda" if torch.cuda.is_available() else "cpu")) if jobs else None
     bar = tqdm(jobs, desc=script, unit="run", disable=not (progress and tty), dynamic_ncols=True)
     for i, (impl, case, backend, *cap) in enumerate(bar):
         label = f"{impl.name}/{backend} N={case.seq_len} {case.mode}"
         bar.set_postfix_str(label)
         row = run_case(impl, case, backend, opts, captured=cap[0] if cap else None)
         row.update(script=script, env=env, run_timestamp=stamp, command=cmd)
+        if warmed is not None and i == 0:
+            row["process_warmup"] = warmed  # what ran before this row, so that its first call is its own
         if extra_row:
             row.update(extra_row(row))
         rows.append(row)
@@ -496,5 +522,6 @@ def run_sweep(jobs, opts: RunOptions, writer: ResultWriter | None, script: str, 
         if progress and not tty:
             t = row.get("time_ms", {}).get("median")
             print(f"[{i + 1}/{len(jobs)}] {label}: {row['status']}" + (f" {t:.3f} ms" if t is not None else "")
+                  + (" first call only" if row.get("first_call_only") else "")
                   + (f" ({row['reason'][:100]})" if row.get("reason") else ""), file=sys.stderr, flush=True)
     return rows

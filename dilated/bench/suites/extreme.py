@@ -9,7 +9,7 @@ from ..cli import (BenchParser, add_common_args, apply_quick, parse_with_config,
                    runs_on_gpus, str_list, usage_error)
 from ..output import exit_status, finish, open_writer, script_main
 from ..registry import get_implementation, implementation_names
-from ..results import write_json
+from ..results import check_passed, trusted, untrusted_reason, write_json
 from ..runner import run_sweep
 from .common import cases_of, init_for_benchmark, launched_world, add_timeout_arg
 
@@ -26,7 +26,7 @@ def find_max_length(run, start: int, granularity: int, limit: int, known_ok: int
     is limited by time, not memory, and the returned note says so). Returns ``(N, row, note)``.
     """
     def ok(row):  # a result that failed its correctness check does not count
-        return row["status"] == "ok" and not row.get("check_failed")
+        return row["status"] == "ok" and check_passed(row) is not False
 
     best, best_row, n, fail, note = known_ok, None, start, None, ""
     while n <= limit:
@@ -166,10 +166,16 @@ class _ExtremeSweep:
         want_plot, args.plot = args.plot, False  # plotted at the end, with the --find-max rows
         status = finish(rows, self.writer, args) if self.lead else 0
         args.plot = want_plot
-        self.out("\nscaling exponents (fit of log time and log memory against log N):")
+        self.out("\nscaling exponents (fit of log time and log memory against log N; rows that ran warm and "
+                 "passed their check):")
         for impl in (self.impls if self.lead else []):
             for mode in args.mode:
-                ok = [r for r in rows if r["implementation"] == impl.name and r["mode"] == mode and r["status"] == "ok"]
+                mine = [r for r in rows if r["implementation"] == impl.name and r["mode"] == mode]
+                ok = [r for r in mine if trusted(r)]
+                left = [f"N={r['config']['seq_len']} ({untrusted_reason(r)})" for r in mine
+                        if r["status"] == "ok" and not trusted(r)]
+                if left:
+                    print(f"  {impl.name:<12} {mode:<8} left out: {', '.join(left)}")
                 if len(ok) >= 2:
                     ns = [r["config"]["seq_len"] for r in ok]
                     et = fit_exponent(ns, [r["time_ms"]["median"] for r in ok])
@@ -217,11 +223,11 @@ class _ExtremeSweep:
                       extra_row=lambda _: {"find_max": True})[0]
         probes.append(r)
         if self.launched and isinstance(impl, DistributedImplementation):  # every rank takes the same branch
-            failed = impl.reduce_max([0.0 if r["status"] == "ok" and not r.get("check_failed") else 1.0])[0]
+            failed = impl.reduce_max([0.0 if r["status"] == "ok" and check_passed(r) is not False else 1.0])[0]
             if failed and r["status"] == "ok":
                 r = dict(r, status="error", reason="failed on another rank")
         self.out(f"  {impl.name} {mode} N={n}: {r['status']}" + (f" ({r['reason'][:80]})" if r.get("reason") else "")
-                 + (" CHECK FAILED: not counted" if r.get("check_failed") else ""))
+                 + (" CHECK FAILED: not counted" if check_passed(r) is False else ""))
         return r
 
     def _say_longest(self, impl, mode, n, row, note) -> None:

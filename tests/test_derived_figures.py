@@ -1,0 +1,320 @@
+"""Figures derived from rows (winners, speed-ups, fits, efficiencies, comparisons) use only rows that
+ran warm and passed their check; a peer runs its backward inside its own context; per-GPU figures
+are per GPU; the harness's tools refuse what they cannot read. Each test plants the fault."""
+import contextlib
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dilated
+from dilated.bench import Case, Implementation, RunOptions, read_jsonl, register_implementation, run_sweep
+from dilated.bench.distributed import _add_scaling, baseline_backends
+from dilated.bench.registry import IMPLEMENTATIONS
+from dilated.bench.report import compare, format_scaling, format_tables
+from dilated.bench.results import ResultWriter, check_passed, first_call_only, trusted
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+CASE = Case(batch=1, seq_len=32, num_heads=2, head_dim=8, dtype="float32")
+
+
+@contextlib.contextmanager
+def registered(*impls):
+    try:
+        yield [register_implementation(i) for i in impls]
+    finally:
+        for i in impls:
+            IMPLEMENTATIONS.pop(i.name)
+
+
+def _slow_first_call(seconds):
+    """Dense attention whose first call in the process sleeps ``seconds`` (a compile)."""
+    calls = []
+
+    def build(case, backend):
+        inner = IMPLEMENTATIONS["dense"].build(case, backend)
+
+        def model(q, k, v):
+            if not calls:
+                time.sleep(seconds)
+            calls.append(1)
+            return inner(q, k, v)
+        return model
+    return build
+
+
+# -- first calls ---------------------------------------------------------------------------------
+def test_a_row_timed_by_its_first_call_only_is_marked_and_derives_nothing():
+    cold = Implementation("compiles_for_test", "dense", _slow_first_call(0.3))
+    with registered(cold) as (impl,):
+        opts = RunOptions(warmup=3, reps=5, budget_s=0.1, device="cpu")
+        rows = run_sweep([(impl, CASE, "manual"), (IMPLEMENTATIONS["dense"], CASE, "manual")], opts, None, "t",
+                         progress=False)
+    slow, warm = rows
+    assert slow["first_call_only"] and slow["time_ms"]["n"] == 1 and slow["time_ms"]["median"] >= 300
+    assert not warm["first_call_only"] and warm["time_ms"]["n"] > 1
+    assert not trusted(slow) and trusted(warm)
+    text = format_tables(rows, baseline="compiles_for_test")
+    line = next(x for x in text.splitlines() if "compiles_for_test" in x and "manual" in x)
+    assert "first call only" in line and not line.startswith("*")  # never the fastest
+    assert "vs base" in text and "1.00x" not in text  # no speed-up against a first call
+    # the winners are computed without it: one usable row left, so no scenario to rank
+    assert "fastest per scenario" not in text
+
+
+def test_a_first_call_only_row_is_left_out_of_the_extreme_fit(tmp_path, capsys):
+    """The main job's exponent is fitted to warm rows only; the first call is named as left out."""
+    from dilated.bench.suites.extreme import extreme_main
+
+    cold = Implementation("compiles_for_test", "dense", _slow_first_call(0.5))
+    out = tmp_path / "x.jsonl"
+    with registered(cold):
+        extreme_main(["--implementation", "compiles_for_test", "--min-seq-length", "64", "--max-seq-length", "256",
+                      "--time-budget", "0.2", "--device", "cpu", "--no-plot", "--no-progress", "--output", str(out),
+                      "--backend", "manual"])
+    text = capsys.readouterr().out
+    rows = read_jsonl(str(out))
+    assert [r["first_call_only"] for r in rows] == [True, False, False]  # the process's first call only
+    assert "left out: N=64 (first call only)" in text
+    ns = [r["config"]["seq_len"] for r in rows[1:]]
+    from dilated.bench.plots import fit_exponent
+
+    e = fit_exponent(ns, [r["time_ms"]["median"] for r in rows[1:]])
+    assert f"N^{e:.2f}" in text  # the printed exponent is the fit of the two warm rows
+
+
+def test_the_process_warms_every_backend_before_its_first_row():
+    from dilated.bench import warmup
+
+    warmup._warmed.clear()
+    case = Case(batch=1, seq_len=4096, num_heads=2, head_dim=8, dtype="float32", mode="fwd_bwd")
+    rows = run_sweep([(IMPLEMENTATIONS["dense"], case, "manual"), (IMPLEMENTATIONS["dense"], case, "sdpa_math")],
+                     RunOptions(warmup=1, reps=2, device="cpu"), None, "t", progress=False)
+    assert rows[0]["process_warmup"]["configurations"] == 2 and "process_warmup" not in rows[1]
+    assert not rows[0]["process_warmup"]["failed"]
+    again = run_sweep([(IMPLEMENTATIONS["dense"], case, "manual")], RunOptions(warmup=1, reps=2, device="cpu"),
+                      None, "t", progress=False)
+    assert "process_warmup" not in again[0]  # once a process
+
+
+# -- efficiency against the fastest single-device run ----------------------------------------------
+def _row(impl, backend, ms, *, p=1, role="distributed", passed=True, first=False, kernels=None, n=1024):
+    cfg = Case(batch=1, seq_len=n, num_heads=2, head_dim=8).config()
+    flops = 1e12
+    return {"implementation": impl, "backend": backend, "mode": "fwd", "status": "ok", "config": cfg,
+            "time_ms": {"median": ms, "p10": ms, "p90": ms, "n": 1 if first else 10}, "first_call_only": first,
+            "check": {"passed": passed}, "world_size": p, "role": role, "kernels": kernels,
+            "tflops": flops / (ms / 1e3) / 1e12, "per_rank_tflops": flops / (ms / 1e3) / 1e12 / p, "device": "cuda:0"}
+
+
+def test_efficiency_is_against_the_fastest_warm_single_device_run():
+    bases = {"k": {}}
+    slow = _row("dense", "sdpa", 40.0, role="baseline", kernels=["sdpa_flash"])
+    fast = _row("dense", "auto", 10.0, role="baseline", kernels=["sdpa_cudnn"])
+    cold = _row("dense", "flex", 5000.0, role="baseline", first=True)  # a compile: never the baseline
+    wrong = _row("dense", "bad", 1.0, role="baseline", passed=False)   # fast and wrong: never the baseline
+    for r in (slow, fast, cold, wrong):
+        _add_scaling(r, "baseline", "k", r["backend"], bases, 1, "strong")
+    assert set(bases["k"]) == {"sdpa", "auto"}
+    ring = _row("ring", "sdpa", 6.0, p=2, kernels=["sdpa_flash"])
+    _add_scaling(ring, "distributed", "k", "sdpa", bases, 2, "strong")
+    assert ring["baseline_backend"] == "auto" and ring["baseline_kernels"] == ["sdpa_cudnn"]
+    assert ring["efficiency"] == pytest.approx(10.0 / (2 * 6.0))  # not 40 / 12 = 3.3 against the slow one
+    assert ring["work_efficiency"] == pytest.approx((1e12 / 6e-3 / 2) / (1e12 / 1e-2))
+    assert "efficiency_note" not in ring
+    fast_pieces = _row("ulysses", "sdpa", 4.0, p=2, kernels=["sdpa_cudnn"])
+    _add_scaling(fast_pieces, "distributed", "k", "sdpa", bases, 2, "strong")
+    assert fast_pieces["work_efficiency"] > 1.02 and "outrun the single-device baseline" in fast_pieces["efficiency_note"]
+    first = _row("hybrid", "sdpa", 900.0, p=2, first=True)
+    _add_scaling(first, "distributed", "k", "sdpa", bases, 2, "strong")
+    assert first["efficiency"] is None and first["efficiency_note"] == "this row: first call only"
+    table = format_scaling([slow, fast, ring, first], compare=True)
+    assert "fastest single-device run of the problem: auto (sdpa_cudnn) 10.000 ms" in table
+    assert "efficiency: this row: first call only" in table
+    assert baseline_backends(["sdpa"]) == ["sdpa", "auto"] and baseline_backends(["auto", "sdpa"]) == ["auto", "sdpa"]
+
+
+def test_per_gpu_figures_are_per_gpu():
+    """A row over P ranks: ``tflops`` is the whole problem's rate, ``per_rank_tflops`` one GPU's."""
+    class OverFourRanks(Implementation):
+        def ranks(self):
+            return 4
+
+    impl = OverFourRanks("four_ranks_for_test", "dense", IMPLEMENTATIONS["dense"].build)
+    with registered(impl):
+        row = run_sweep([(impl, CASE, "manual")], RunOptions(warmup=1, reps=3, device="cpu"), None, "t",
+                        progress=False)[0]
+    assert row["ranks"] == 4 and row["per_rank_tflops"] == pytest.approx(row["tflops"] / 4)
+    flops = 4 * CASE.seq_len * CASE.seq_len * CASE.num_heads * CASE.head_dim  # by hand: 4 N^2 H D
+    assert row["tflops"] == pytest.approx(flops / (row["time_ms"]["median"] / 1e3) / 1e12)
+
+
+# -- a peer whose backward must run inside its context ----------------------------------------------
+class _Context:
+    """A stand-in of a peer like PyTorch's context parallel: its attention is right only while its
+    context is entered, the backward included (outside, the backward scales dq, dk, dv by 1/2)."""
+
+    def __init__(self):
+        self.inside = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
+
+def _context_peer(case, backend):
+    ctx = _Context()
+
+    class Halved(torch.autograd.Function):
+        @staticmethod
+        def forward(_, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(_, g):
+            return g if ctx.inside else g / 2
+
+    class Peer(torch.nn.Module):
+        step_context = ctx
+
+        def forward(self, q, k, v):
+            if not ctx.inside:
+                raise RuntimeError("called outside its context")
+            q, k, v = (Halved.apply(t) for t in (q, k, v))
+            return dilated.attention(q, k, v, causal=case.causal, backend="manual")
+
+    return Peer()
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd_bwd"])
+def test_a_peers_backward_runs_inside_its_context(mode):
+    peer = Implementation("context_peer_for_test", "dense", _context_peer)
+    with registered(peer):
+        case = Case(batch=1, seq_len=32, num_heads=2, head_dim=8, dtype="float32", mode=mode, causal=True)
+        row = run_sweep([(peer, case, "manual")], RunOptions(warmup=1, reps=2, device="cpu"), None, "t",
+                        progress=False)[0]
+    assert row["status"] == "ok", row.get("reason")
+    assert row["check"]["passed"], row["check"]
+    if mode != "fwd":
+        assert row["check"]["grad_rel_err"] < 1e-4
+
+
+def test_torch_cp_refuses_a_forward_outside_its_step_context():
+    from dilated.bench.external_ring import TorchContextParallel
+
+    peer = TorchContextParallel.__new__(TorchContextParallel)
+    torch.nn.Module.__init__(peer)
+    peer.entered, peer.causal, peer.backend = 0, True, "sdpa"
+    q = torch.randn(1, 8, 2, 8)
+    with pytest.raises(RuntimeError, match="inside its step_context"):
+        peer(q, q, q)
+
+
+# -- the tools ----------------------------------------------------------------------------------
+def _write(path, rows, newline=True):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows)[: None if newline else -1])
+    return str(path)
+
+
+def test_compare_tells_world_sizes_and_devices_apart(tmp_path):
+    rows = [_row("ring", "auto", 10.0, p=2), _row("ring", "auto", 6.0, p=4),
+            dict(_row("dense", "auto", 50.0), device="cpu"), _row("dense", "auto", 2.0)]
+    path = _write(tmp_path / "a.jsonl", rows)
+    _, problems, _ = compare(path, path)
+    assert not problems, problems  # four measurements, each matched with itself
+    slower = [dict(r, time_ms={k: v * 1.5 for k, v in r["time_ms"].items()}) if r["world_size"] == 4 else r
+              for r in rows]
+    _, problems, _ = compare(path, _write(tmp_path / "b.jsonl", slower))
+    assert len(problems) == 1 and "P=4" in problems[0] and "1.500x" in problems[0]
+    cold = [dict(r, first_call_only=True) if r["world_size"] == 2 else r for r in rows]
+    _, problems, _ = compare(path, _write(tmp_path / "c.jsonl", cold))
+    assert len(problems) == 1 and "first call only" in problems[0]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dilated.bench", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("noise", ["nan", "inf", "-0.1"])
+def test_compare_refuses_a_min_noise_that_is_no_fraction(tmp_path, noise):
+    path = _write(tmp_path / "a.jsonl", [_row("dense", "auto", 2.0)])
+    res = _cli("compare", path, path, "--min-noise", noise)
+    assert res.returncode == 2 and "--min-noise" in res.stderr and "Traceback" not in res.stderr
+    with pytest.raises(ValueError, match="--min-noise"):
+        compare(path, path, float(noise))
+
+
+@pytest.mark.parametrize("bad", [{"config": None}, {"time_ms": {"median": "fast"}}, {"status": 3},
+                                 {"config": {"batch": 1}}, "a string row"])
+def test_compare_and_plot_name_the_line_of_a_malformed_row(tmp_path, bad):
+    good = _row("dense", "auto", 2.0)
+    row = bad if isinstance(bad, str) else dict(good, **bad)
+    path = _write(tmp_path / "a.jsonl", [good, row])
+    for args in (("compare", path, path), ("plot", path)):
+        res = _cli(*args)
+        assert res.returncode == 2, (args, res.stdout, res.stderr)
+        assert f"{path}:2: not a result row" in res.stderr and "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_plot_keeps_cpu_and_gpu_rows_apart():
+    from dilated.bench.plots import series_of
+
+    rows = [dict(_row("dense", "auto", 1.0, n=n), device=d) for n in (256, 512) for d in ("cpu", "cuda:0")]
+    series = series_of(rows)
+    assert set(series) == {"dense/auto on cpu", "dense/auto on cuda"}
+    assert all(len(s) == 2 for s in series.values())
+
+
+def test_append_onto_a_file_without_its_last_newline_keeps_rows_whole(tmp_path):
+    first = _row("dense", "auto", 2.0)
+    path = _write(tmp_path / "a.jsonl", [first], newline=False)
+    w = ResultWriter(path, append=True)
+    w.append(_row("dense", "auto", 3.0, n=2048))
+    rows = read_jsonl(path)
+    assert [r["config"]["seq_len"] for r in rows] == [1024, 2048]
+    (tmp_path / "partial.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(first)[:40])
+    with pytest.raises(ValueError, match="partial line"):
+        ResultWriter(str(tmp_path / "partial.jsonl"), append=True)
+
+
+def test_one_field_decides_whether_a_row_passed():
+    assert check_passed({"check": {"passed": False}}) is False
+    assert check_passed({"check": {"passed": True}, "check_failed": True}) is True  # check.passed decides
+    assert check_passed({"check_failed": True}) is False  # a file written before: its only field
+    assert check_passed({}) is None
+    assert first_call_only({"time_note": "... the only sample, not warmed up"}) and not first_call_only({})
+
+
+@pytest.mark.parametrize("text, why", [("reps: 2.5", "--config .*reps: not a whole number >= 1: 2.5"),
+                                        ("reps: null", "reps is null"),
+                                        ("warmup: 1.5", "warmup: not a whole number >= 0")])
+def test_a_config_file_is_checked_like_the_command_line(tmp_path, text, why):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text + "\n")
+    res = subprocess.run([sys.executable, "benchmarks/core/benchmark_backends.py", "--config", str(cfg), "--device",
+                          "cpu", "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-1500:]
+    assert len(res.stderr.strip().splitlines()) == 1
+    import re
+    assert re.search(why, res.stderr), res.stderr
+
+
+@pytest.mark.parametrize("spec", ["uniform:1k-1e30", "fixed:99999999999999999999G", "lognormal:1e300,1"])
+def test_doc_lengths_that_overflow_are_one_line(spec):
+    from dilated.bench.cli import parse_size
+    from dilated.bench.documents import cu_seqlens_of, parse_spec
+
+    with pytest.raises(ValueError, match="--doc-lengths"):
+        parse_spec(spec)
+    cu = cu_seqlens_of("lognormal:8k,40", 4096)  # a huge sigma: lengths cut at N, never an overflow
+    assert cu[0] == 0 and cu[-1] == 4096 and all(b > a for a, b in zip(cu, cu[1:]))
+    assert not math.isinf(parse_size("1G"))
