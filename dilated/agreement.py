@@ -120,19 +120,46 @@ class AgreedSignatures:
         return len(self._seen)
 
 
+_HOST_GROUPS: dict = {}  # a group -> a gloo group of the same ranks (the per-call digest travels there)
+
+
+def _host_group(group):
+    """A group of ``group``'s ranks whose collectives run on the host (``group`` itself where it is
+    gloo; else a gloo group made once, by these ranks only), so that the per-call check makes no
+    GPU work and no host wait for the GPU."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    key = group if group is not None else dist.group.WORLD
+    if key not in _HOST_GROUPS:
+        ranks = dist.get_process_group_ranks(key)
+        _HOST_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[key]
+
+
+def _same_everywhere(group, key: str, known: bool) -> bool:
+    """Whether every rank of ``group`` has this ``key`` and has agreed on it before: one all-reduce
+    of 24 bytes on the host group (the key's digest, its negation and a flag), made by every rank on
+    every call, so that the ranks take the same path whatever each has seen before."""
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "big")  # < 2**56: an int64
+    t = torch.tensor([digest, -digest, 0 if known else 1], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group(group))
+    return int(t[0]) == digest and -int(t[1]) == digest and int(t[2]) == 0
+
+
 def validate_on_all_ranks(group, checked: AgreedSignatures, what: str, validate):
     """Run ``validate() -> (result, fields)`` on this rank and make every rank of ``group`` agree
-    before any collective of the call: where ``fields`` (the call's signature) is new to this
-    module, or validation failed here, one :func:`check_ranks_agree`. A rank whose own validation
-    failed raises its error; the others raise :class:`RankMismatchError` naming it. Returns
-    ``result``."""
+    before any collective of the call. Every call, every rank compares a digest of its ``fields``
+    (the call's signature) with the others' (:func:`_same_everywhere`: a few bytes on the host);
+    where they differ, a rank has not agreed on them before, or validation failed somewhere, all
+    ranks make the full :func:`check_ranks_agree`. A rank whose own validation failed raises its
+    error; the others raise :class:`RankMismatchError` naming it. Returns ``result``."""
     try:
         result, fields = validate()
         err = None
     except (ValueError, TypeError, RuntimeError) as e:
         result, fields, err = None, {"error": f"{type(e).__name__}: {e}"}, e
     key = json.dumps(fields, sort_keys=True, default=str)
-    if err is None and key in checked:
+    if _world(group)[1] > 1 and _same_everywhere(group, key, err is None and key in checked):
         return result
     try:
         check_ranks_agree(group, fields, group_device(group), what)

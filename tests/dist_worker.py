@@ -263,6 +263,26 @@ def ranks_disagree(rank, world, port):
         ring(same, same, same, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     assert len(packings) > ring._agreed.capacity and len(ring._agreed) == ring._agreed.capacity
     ring(same, same, same, cu_seqlens=torch.tensor(packings[0], dtype=torch.int32))  # dropped: checked again
+    # ranks out of step: each has agreed on both layouts (and shapes) before, then they get different
+    # ones in the same call: every module raises on every rank, whatever each has seen before
+    two = [torch.tensor(c, dtype=torch.int32) for c in ([0, 3, n], [0, 5, n])]
+    same = torch.randn(1, 8, world, 8, generator=torch.Generator().manual_seed(0))  # heads: Ulysses splits them
+    longer = torch.randn(1, 16, world, 8, generator=torch.Generator().manual_seed(0))
+    modules = [dilated.RingAttention(backend="manual"), dilated.RingAttention(layout="zigzag", backend="manual"),
+               dilated.UlyssesAttention(backend="manual"), dilated.HybridAttention(1, world, backend="manual")]
+    for module in modules:
+        for cu in two:
+            module(same, same, same, cu_seqlens=cu)
+        for inputs in ([same] * 3, [longer] * 3):
+            module(*inputs)
+        for what, call in (("cu_seqlens", lambda: module(same, same, same, cu_seqlens=two[rank % 2])),
+                           ("q", lambda: module(*([same] * 3 if rank % 2 else [longer] * 3)))):
+            try:
+                call()
+            except dilated.RankMismatchError as e:
+                assert what in str(e) or "documents" in str(e), (type(module).__name__, what, e)
+            else:
+                raise AssertionError(f"rank {rank}: {type(module).__name__} ran with ranks out of step on {what}")
     assert time.time() - t0 < 30
     dist.destroy_process_group()
 
