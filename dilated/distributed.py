@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import os
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -142,6 +143,29 @@ def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1)
     return torch.cat([chunks[rank], chunks[2 * p - 1 - rank]], dim).contiguous()
 
 
+_MAX_DIMS = 8
+
+
+def _check_same_shards(x: torch.Tensor, group, p: int) -> None:
+    """Every rank's shard must have one shape and dtype before they are gathered (an all-gather
+    of different sizes aborts or hangs): one small all-gather; a ValueError on every rank naming
+    each rank's shard otherwise."""
+    if x.dim() > _MAX_DIMS:
+        raise ValueError(f"unshard takes tensors of at most {_MAX_DIMS} dimensions, got {x.dim()}")
+    code = zlib.crc32(str(x.dtype).encode())
+    meta = torch.tensor([x.dim(), code, *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        meta = meta.to(x.device)
+    metas = [torch.empty_like(meta) for _ in range(p)]
+    dist.all_gather(metas, meta, group=group)
+    metas = [m.tolist() for m in metas]
+    if any(m != metas[0] for m in metas):
+        shards = "; ".join(f"rank {r}: shape {tuple(m[2:2 + m[0]])}" + ("" if m[1] == metas[0][1] else " (another dtype)")
+                           for r, m in enumerate(metas))
+        raise ValueError(f"unshard: the ranks' shards differ ({shards}); every rank must pass its shard of one "
+                         "global tensor, of one shape and dtype")
+
+
 def unshard(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
     """All-gather the shards and put the full sequence back in order (differentiable is not needed here)."""
     rank, p = _world(group)
@@ -149,6 +173,7 @@ def unshard(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: 
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if p == 1:
         return x_local
+    _check_same_shards(x_local, group, p)
     parts = [torch.empty_like(x_local) for _ in range(p)]
     dist.all_gather(parts, x_local.contiguous(), group=group)
     if layout == "contiguous":

@@ -70,7 +70,7 @@ def _reduce(g: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _kv_for(backend: Backend, q, k, v):
     groups = q.shape[2] // k.shape[2]
-    if groups > 1 and not backend.native_gqa:
+    if groups > 1 and not backend.takes_kv_heads(q, k, False):
         return _expand(k, groups), _expand(v, groups), groups
     return k, v, 1
 

@@ -76,8 +76,18 @@ def _check_length(n: int, segment_lengths, dilation_rates, what: str = "the sequ
     return w, r
 
 
+def _check_sequence(x, what: str = "x") -> None:
+    """``x`` must be a tensor ``[B, N, ...]`` (the layout permutes its dimension 1)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor [batch, seq, ...], got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"{what} must be [batch, seq, ...] (at least 2 dimensions: the layout permutes dimension 1), "
+                         f"got shape {tuple(x.shape)}")
+
+
 def to_residue_major(x: torch.Tensor, segment_lengths, dilation_rates) -> torch.Tensor:
     """``x`` ``[B, N, ...]`` in the residue-major order of the schedule (a copy)."""
+    _check_sequence(x)
     w, r = _check_length(x.shape[1], segment_lengths, dilation_rates)
     b, n = x.shape[:2]
     return x.reshape(b, n // w, w // r, r, *x.shape[2:]).transpose(2, 3).reshape(x.shape)
@@ -85,6 +95,7 @@ def to_residue_major(x: torch.Tensor, segment_lengths, dilation_rates) -> torch.
 
 def from_residue_major(x: torch.Tensor, segment_lengths, dilation_rates) -> torch.Tensor:
     """The inverse of :func:`to_residue_major`: ``x`` back in the natural order (a copy)."""
+    _check_sequence(x)
     w, r = _check_length(x.shape[1], segment_lengths, dilation_rates)
     b, n = x.shape[:2]
     return x.reshape(b, n // w, r, w // r, *x.shape[2:]).transpose(2, 3).reshape(x.shape)
@@ -93,6 +104,8 @@ def from_residue_major(x: torch.Tensor, segment_lengths, dilation_rates) -> torc
 def residue_major_positions(n: int, segment_lengths, dilation_rates, device=None) -> torch.Tensor:
     """``[N]`` int64: the natural position of each row of the residue-major order (for positional
     embeddings: row ``j`` of :func:`to_residue_major` output is token ``positions[j]``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"n must be a positive int (the sequence length), got {n!r}")
     return to_residue_major(torch.arange(n, device=device).view(1, n), segment_lengths, dilation_rates)[0]
 
 

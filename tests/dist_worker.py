@@ -283,6 +283,17 @@ def ranks_disagree(rank, world, port):
                 assert what in str(e) or "documents" in str(e), (type(module).__name__, what, e)
             else:
                 raise AssertionError(f"rank {rank}: {type(module).__name__} ran with ranks out of step on {what}")
+    # unshard of shards that differ: a ValueError naming each rank's shard, on every rank (no abort)
+    for odd_shard in (torch.randn(1, 5 if rank % 2 else 4, 2, 8), torch.randn(1, 4, 2, 8, dtype=torch.float64 if rank % 2
+                                                                             else torch.float32)):
+        try:
+            dilated.unshard(odd_shard)
+        except ValueError as e:
+            assert "the ranks' shards differ" in str(e) and "rank 1" in str(e), e
+        else:
+            raise AssertionError(f"rank {rank}: unshard gathered shards of different shapes or dtypes")
+    assert dilated.unshard(torch.full((1, 2, 1, 1), float(rank))).flatten().tolist() == [
+        float(r) for r in range(world) for _ in range(2)]
     assert time.time() - t0 < 30
     dist.destroy_process_group()
 

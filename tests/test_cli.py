@@ -351,7 +351,9 @@ def test_compare_exits_1_when_new_cannot_vouch_for_old(tmp_path):
     empty.write_text("")
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_text('{"implementation": "x"\n')
-    cases = {"empty": str(empty), "unreadable": str(garbage), "missing": str(tmp_path / "nope.jsonl"),
+    code, text = _compare(old, str(garbage))  # a malformed file is a usage error: one line naming it, exit 2
+    assert code == 2 and "garbage.jsonl:1: not a JSON row" in text and len(text.strip().splitlines()) == 1, text
+    cases = {"empty": str(empty), "missing": str(tmp_path / "nope.jsonl"),
              "all error": _rows(tmp_path / "err.jsonl", status="error"),
              "check failed": _rows(tmp_path / "bad.jsonl", check_failed=True),
              "no matching rows": _rows(tmp_path / "other.jsonl", lengths=(512,)),

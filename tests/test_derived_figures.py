@@ -318,3 +318,41 @@ def test_doc_lengths_that_overflow_are_one_line(spec):
     cu = cu_seqlens_of("lognormal:8k,40", 4096)  # a huge sigma: lengths cut at N, never an overflow
     assert cu[0] == 0 and cu[-1] == 4096 and all(b > a for a, b in zip(cu, cu[1:]))
     assert not math.isinf(parse_size("1G"))
+
+
+# -- mistakes a new user makes: one line naming the option, exit 2 -----------------------------------
+@pytest.mark.parametrize("content, why", [
+    ({"q": [1, 2], "k": torch.zeros(1, 8, 2, 8), "v": torch.zeros(1, 8, 2, 8)}, "q is a list, not a tensor"),
+    ({"q": torch.zeros(1, 8, 3, 8), "k": torch.zeros(1, 8, 2, 8), "v": torch.zeros(1, 8, 2, 8)}, "multiple of k"),
+    ({"q": torch.zeros(1, 8, 2, 8), "k": torch.zeros(1, 8, 2, 8), "v": torch.zeros(1, 9, 2, 8)}, "k and v must"),
+    ({"q": torch.zeros(1, 8, 2, 8), "k": torch.zeros(1, 8, 2, 4), "v": torch.zeros(1, 8, 2, 4)}, "one head_dim"),
+    ({"q": torch.zeros(1, 0, 2, 8), "k": torch.zeros(1, 8, 2, 8), "v": torch.zeros(1, 8, 2, 8)}, "non-empty"),
+    ({"x": torch.zeros(1, 8, 6, dtype=torch.int64)}, "floating point"),
+    ({"x": torch.zeros(1, 8, 6)}, "not divisible by --num-heads 4"),
+    (None, "cannot load"),
+])
+def test_captured_inputs_that_do_not_fit_are_one_line_and_exit_2(tmp_path, content, why):
+    d = tmp_path / "cap"
+    d.mkdir()
+    if content is None:
+        (d / "empty.pt").write_bytes(b"")
+    else:
+        torch.save(content, d / "c.pt")
+    res = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--inputs", str(d),
+                          "--num-heads", "4", "--implementations", "dense,multihead", "--device", "cpu",
+                          "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "--inputs" in res.stderr and why in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda a: a.to_layout(torch.randn(128)), ValueError, "x must be \\[batch, seq, ...\\]"),
+    (lambda a: a.to_layout([1, 2, 3]), TypeError, "x must be a torch.Tensor"),
+    (lambda a: a.from_layout(torch.tensor(1.0)), ValueError, "at least 2 dimensions"),
+    (lambda a: dilated.residue_major_positions("128", [64, 128], [1, 2]), ValueError, "n must be a positive int"),
+    (lambda a: dilated.residue_major_positions(-5, [64, 128], [1, 2]), ValueError, "n must be a positive int"),
+])
+def test_residue_major_helpers_name_the_argument(call, exc, match):
+    attn = dilated.ImprovedDilatedAttention([64, 128], [1, 2], layout="residue_major")
+    with pytest.raises(exc, match=match):
+        call(attn)

@@ -172,7 +172,7 @@ def _measure(candidates: list, shape: dict, device) -> tuple[str, bool]:
     for c in candidates:
         kc, vc = k, v
         try:
-            if c.native_gqa is False and shape["kv_heads"] != shape["heads"]:
+            if shape["kv_heads"] != shape["heads"] and not c.takes_kv_heads(q, k, causal):
                 g = shape["heads"] // shape["kv_heads"]
                 kc, vc = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
             kernel = c.kernel_name(q, kc, causal)

@@ -55,6 +55,11 @@ class Backend:
         """
         return None
 
+    def takes_kv_heads(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+        """Whether this call may pass k/v with fewer heads than q as they are (GQA), rather than
+        expanded to q's heads above the backend; :attr:`native_gqa` by default."""
+        return self.native_gqa
+
     def input_reason(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
         """Why this backend cannot take these particular inputs (dtype, head_dim), or None."""
         return None

@@ -26,7 +26,11 @@ attention uses), and backward calls their private backward ops with the (merged)
   scores, computed like the ``manual`` backend) and backward is autograd through math SDPA with
   the rescaled-cotangent rule of :meth:`Backend.backward` (one extra forward).
 
-None of the private ops support GQA, so k/v are expanded above the backend.
+GQA: where the call resolves to cuDNN on CUDA, k/v keep their fewer heads (cuDNN takes them, as
+PyTorch's public SDPA passes them with ``enable_gqa``: k/v are read once per head group, and the
+gradients come back with k/v's heads); flash, efficient and math calls get k/v expanded to q's heads
+above the backend, and a cuDNN call that falls back to flash (:meth:`SDPABackend._graph_or_flash`)
+expands them here.
 
 Non-finite inputs: a NaN/Inf in q or k reaches exactly the rows that read it. The fused kernels
 multiply a causal tile's zero probabilities by its V rows, so a NaN/Inf in *v* under a causal mask
@@ -95,6 +99,9 @@ class SDPABackend(Backend):
             return "PyTorch found no SDPA kernel for these inputs"
         return None
 
+    def takes_kv_heads(self, q, k, causal):
+        return q.device.type == "cuda" and self._resolve(q, k, causal) == "cudnn"
+
     def kernel_name(self, q, k, causal):
         kern = self._resolve(q, k, causal) if self.kernel is None else None
         return self.name if kern is None else f"sdpa_{kern}"
@@ -105,7 +112,8 @@ class SDPABackend(Backend):
         if self.kernel is not None:
             return self.kernel
         v = k if v is None else v
-        choice = SDPBackend(torch._fused_sdp_choice(to_bhnd(q), to_bhnd(k), to_bhnd(v), None, 0.0, causal))
+        gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}  # PyTorch's choice for GQA heads
+        choice = SDPBackend(torch._fused_sdp_choice(to_bhnd(q), to_bhnd(k), to_bhnd(v), None, 0.0, causal, **gqa))
         for name, value in _KERNELS.items():
             if value == choice:
                 if name != "math" and q.device.type == "cuda" and q.element_size() == 2 and q.shape[-1] % 8:
@@ -156,6 +164,9 @@ class SDPABackend(Backend):
                 return ManualBackend().forward(q, k, v, causal, scale)
         qt, kt, vt = to_bhnd(q), to_bhnd(k), to_bhnd(v)
         kern = self._graph_or_flash(kern, (qt, kt, vt), "forward", causal)
+        if kern != "cudnn" and k.shape[2] != q.shape[2]:  # only cuDNN takes GQA heads as they are
+            k, v = (_expand_heads(t, q.shape[2]) for t in (k, v))
+            kt, vt = to_bhnd(k), to_bhnd(v)
         if kern == "flash" and q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=scale)
         elif kern == "flash":
@@ -199,6 +210,10 @@ class SDPABackend(Backend):
                 and out.stride() == dout.stride() == q.stride() and k.stride(-1) == v.stride(-1) == 1)
         qt, kt, vt, ot, dot = (to_bhnd(t if keep else t.contiguous()) for t in (q, k, v, out, dout))
         kern = self._graph_or_flash(kern, (qt, kt, vt, ot, dot), "backward", causal)
+        reduce_to = None
+        if kern != "cudnn" and k.shape[2] != q.shape[2]:  # the flash fallback of a GQA cuDNN call
+            reduce_to = k.shape[2]
+            kt, vt = (to_bhnd(_expand_heads(t, q.shape[2])) for t in (k, v))
         nq, nk = q.shape[1], k.shape[1]
         lse = lse.to(acc_dtype(q.dtype) if q.device.type == "cpu" else torch.float32).contiguous()
         if kern == "flash" and q.device.type == "cpu":
@@ -218,7 +233,21 @@ class SDPABackend(Backend):
                 dot, qt, kt, vt, ot, lse.unsqueeze(-1), zero, zero, None, None, None, nq, nk, 0.0, causal, scale=scale)
         else:
             raise RuntimeError(f"{self.name}: PyTorch found no SDPA kernel for these inputs")
-        return tuple(_back(g) for g in grads)
+        dq, dk, dv = (_back(g) for g in grads)
+        if reduce_to is not None:  # the gradient of the expansion: each group's heads summed
+            dk, dv = _reduce_heads(dk, reduce_to), _reduce_heads(dv, reduce_to)
+        return dq, dk, dv
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, N, Hkv, D]`` -> ``[B, N, heads, D]``: head ``h`` reads kv head ``h // (heads / Hkv)``."""
+    return x.repeat_interleave(heads // x.shape[2], dim=2)
+
+
+def _reduce_heads(g: torch.Tensor, hkv: int) -> torch.Tensor:
+    """The gradient of :func:`_expand_heads`: each kv head's group of heads summed."""
+    b, n, h, d = g.shape
+    return g.reshape(b, n, hkv, h // hkv, d).sum(3)
 
 
 #: the largest float32 dq accumulator (elements) flash's backward indexes right

@@ -46,16 +46,40 @@ def load_captured(directory: str) -> list[Captured]:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise ValueError(f"--inputs: cannot load {path} with weights_only=True: {e}") from None
-        if not isinstance(data, dict) or not ({"q", "k", "v"} <= data.keys() or "x" in data):
-            raise ValueError(f"--inputs: {path} must hold a dict with keys q, k, v ([B, N, H, D]) or x ([B, N, E])")
-        for key in ("q", "k", "v"):
-            if key in data and data[key].dim() != 4:
-                raise ValueError(f"--inputs: {path}: {key} must be [batch, seq, heads, head_dim], "
-                                 f"got shape {tuple(data[key].shape)}")
-        if "x" in data and data["x"].dim() != 3:
-            raise ValueError(f"--inputs: {path}: x must be [batch, seq, embed_dim], got {tuple(data['x'].shape)}")
+        why = _problem(data)
+        if why:
+            raise ValueError(f"--inputs: {path}: {why}")
         out.append(Captured(path, {k: v for k, v in data.items() if k in ("q", "k", "v", "x")}))
     return out
+
+
+def _problem(data) -> str | None:
+    """What keeps a loaded capture from being benchmarked, or None."""
+    if not isinstance(data, dict) or not ({"q", "k", "v"} <= data.keys() or "x" in data):
+        return "must hold a dict with keys q, k, v ([B, N, H, D]) or x ([B, N, E])"
+    keys = ("q", "k", "v") if "q" in data else ("x",)
+    for key in keys:
+        t = data[key]
+        if not isinstance(t, torch.Tensor):
+            return f"{key} is a {type(t).__name__}, not a tensor"
+        if not t.is_floating_point():
+            return f"{key} is {t.dtype}: attention inputs are floating point"
+        want = 3 if key == "x" else 4
+        if t.dim() != want or 0 in t.shape:
+            shape = "[batch, seq, embed_dim]" if key == "x" else "[batch, seq, heads, head_dim]"
+            return f"{key} must be a non-empty {shape}, got shape {tuple(t.shape)}"
+    if "q" not in data:
+        return None
+    q, k, v = data["q"], data["k"], data["v"]
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        return f"q, k and v must have one batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+    if k.shape[:3] != v.shape[:3]:
+        return f"k and v must have the same batch, length and heads, got {tuple(k.shape)} and {tuple(v.shape)}"
+    if q.shape[3] != k.shape[3] or v.shape[3] != k.shape[3]:
+        return f"q, k and v must have one head_dim, got {q.shape[3]}, {k.shape[3]}, {v.shape[3]}"
+    if q.shape[2] % k.shape[2]:
+        return f"q's {q.shape[2]} heads must be a multiple of k and v's {k.shape[2]} (GQA groups)"
+    return None
 
 
 def captured_case(cap: Captured, num_heads: int, **fields) -> Case:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
@@ -37,17 +38,17 @@ def jobs_of(args, impls, backends, seq_lengths, modes, **overrides):
     if not args.inputs:
         return [(impl, case, b) for case in cases_of(args, seq_lengths, modes, **overrides) for impl in impls
                 for b in backends]
-    try:
-        caps = load_captured(args.inputs)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
     jobs = []
-    for cap in caps:
-        for mode in modes:
-            case = captured_case(cap, args.num_heads, mode=mode, causal=args.causal, dtype=args.dtype)
-            segs, dils = schedule_of(args, case.seq_len)
-            case = dataclasses.replace(case, segment_lengths=segs, dilation_rates=dils)
-            jobs += [(impl, case, b, cap) for impl in impls for b in backends]
+    try:
+        for cap in load_captured(args.inputs):
+            for mode in modes:
+                case = captured_case(cap, args.num_heads, mode=mode, causal=args.causal, dtype=args.dtype)
+                segs, dils = schedule_of(args, case.seq_len)
+                case = dataclasses.replace(case, segment_lengths=segs, dilation_rates=dils)
+                jobs += [(impl, case, b, cap) for impl in impls for b in backends]
+    except ValueError as e:  # a usage error: one line, exit 2 (as the parser's)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     return jobs
 
 
