@@ -344,6 +344,8 @@ def _add_scaling(row, role, bkey, backend, baseline_ms, p, scaling, work_imbalan
     row["efficiency"] = row["work_efficiency"] = None
     why = untrusted_reason(row)
     candidates = list(baseline_ms.get(bkey, {}).values())
+    if row["status"] != "ok":  # its status says why
+        return
     if why or not candidates:
         row["efficiency_note"] = (f"this row: {why}" if why else
                                   "no single-device baseline of this problem ran warm and passed its check")
