@@ -9,6 +9,7 @@ import sys
 
 from . import env as envmod
 from .plots import plot
+from .progress import last_seen
 from .report import format_tables
 from .results import ResultWriter, ResultsWriteError, check_passed, write_csv
 
@@ -52,8 +53,6 @@ def script_main(fn):
             if not (dist.is_available() and dist.is_initialized()):
                 raise
             # a collective failed or timed out: another rank died or stopped. Say which, and where.
-            from .distributed import last_seen
-
             first = (str(e).strip().splitlines() or [""])[0][:300]
             seen = last_seen()
             me = dist.get_rank()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dilated.backends import BackendUnavailableError
 
 from .memory import is_oom
+from .progress import checkpoint
 from .registry import Implementation
 
 
@@ -76,8 +77,6 @@ class RankFailures:
         """All ranks agree on the row's outcome so far; ``done``: what the row has done by now."""
         if not self.collective:
             return
-        from .distributed import checkpoint
-
         checkpoint(f"{self.label}: {done}")
         mine = "|".join(outcome(self.error)) if self.error is not None else ""
         texts = self.impl.all_ranks_text(mine)

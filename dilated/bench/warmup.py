@@ -15,6 +15,8 @@ import torch
 
 import dilated
 
+from .progress import checkpoint
+
 #: tokens of the warm-up's tiny inputs
 WARMUP_TOKENS = 256
 
@@ -42,6 +44,7 @@ def warm_up(jobs, device) -> dict | None:
     failed = {}
     for key, (case, backend) in todo.items():
         _warmed.add(key)
+        checkpoint(f"process warm-up: {backend} {case.dtype} H={case.num_heads}/{case.kv_heads} D={case.head_dim}")
         try:
             _tiny_call(case, backend, device)
         except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:  # the row itself reports it
