@@ -182,3 +182,22 @@ def test_random_configurations_of_every_sequence_parallel_module(world):
     """Ring, zigzag ring, Ulysses, every hybrid grid and distributed dilated attention on seeded
     random shapes, GQA ratios, documents and schedules (tests/cp_worker.py), exact against float64."""
     mp.spawn(cp_worker.random_configurations, args=(world, _port(), range(30)), nprocs=world, join=True)
+
+
+def test_pytorchs_per_document_balancer_is_the_torch_cp_row_for_documents(tmp_path):
+    """PyTorch's context parallel on packed documents runs as its authors document it (flex_attention,
+    a document block mask, its per-document head-tail balancer), gathered through its own unshard and
+    checked against each document alone; documents its balancer cannot split say so."""
+    from test_distributed import _torchrun
+
+    rows, _ = _torchrun("benchmarks/specialized/benchmark_ring_attention.py", 2, tmp_path, "--seq-lengths", "256",
+                        "--causal", "--doc-lengths", "fixed:64", "--head-shapes", "4/2/16", "--mode", "fwd",
+                        "--implementations", "torch_cp")
+    row = next(r for r in rows if r["implementation"] == "torch_cp")
+    assert row["status"] == "ok" and row["check"]["passed"] and row["check"]["rel_err"] < 1e-5, row
+    (tmp_path / "odd").mkdir()
+    rows, _ = _torchrun("benchmarks/specialized/benchmark_ring_attention.py", 2, tmp_path / "odd", "--seq-lengths",
+                        "256", "--causal", "--doc-lengths", "fixed:62", "--head-shapes", "4/2/16", "--mode", "fwd",
+                        "--implementations", "torch_cp")
+    row = next(r for r in rows if r["implementation"] == "torch_cp")
+    assert row["status"] == "unsupported" and "multiple of 2P = 4" in row["reason"], row

@@ -2,7 +2,9 @@
 
 * ``torch_cp``: PyTorch's context parallel attention
   (``torch.distributed.tensor.experimental.context_parallel``), which patches
-  ``F.scaled_dot_product_attention`` with a ring over a device mesh. Causal runs use its
+  ``F.scaled_dot_product_attention`` with a ring over a device mesh; its backward runs inside the
+  same context (:meth:`TorchContextParallel.step_context`). Packed documents run its flex_attention
+  path with its per-document balancer (:class:`TorchContextParallelDocuments`). Causal runs use its
   head-tail load balancing, whose shard layout is our ``zigzag``; non-causal runs turn load
   balancing off (PyTorch refuses non-causal with it on), which is our ``contiguous``. The local
   kernel is pinned with ``sdpa_kernel`` to the SDPA kernel our backend name resolves to, so
@@ -114,6 +116,76 @@ class TorchContextParallel(nn.Module):
         return out.transpose(1, 2)
 
 
+class TorchContextParallelDocuments(nn.Module):
+    """PyTorch's context parallel for packed documents, as its authors document it: flex_attention
+    with a document block mask (causal within each document, or each document's full square),
+    the module parallelized with ``_ContextParallel(attention_type=FLEX)`` (K/V all-gathered) and
+    the sequence laid out by ``_PerDocumentHeadTailLoadBalancer`` (each document cut into 2P chunks,
+    head and tail chunks paired). ``forward(q, k, v)`` on this rank's ``[B, N/P, H, D]`` shard of
+    that layout; :meth:`unshard` puts a shard back in sequence order. The block mask is built and
+    sharded once per document mix (here: at build), outside the timed calls. flex_attention is
+    compiled on CUDA (as PyTorch runs it) and eager on CPU, where it has no backward."""
+
+    def __init__(self, case, group=None):
+        super().__init__()
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.experimental._attention import (
+            _context_parallel_shard, _ContextParallel, _PerDocumentHeadTailLoadBalancer)
+        from torch.distributed.tensor.parallel import parallelize_module
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        from .documents import cu_seqlens_of
+
+        group = group if group is not None else dist.group.WORLD
+        p = dist.get_world_size(group)
+        cu = cu_seqlens_of(case.documents, case.seq_len)
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        odd = [n for n in lengths if n % (2 * p)]
+        if odd:
+            raise NotImplementedError(
+                f"PyTorch's per-document head-tail balancer needs every document's length to be a multiple of "
+                f"2P = {2 * p}: {len(odd)} of the {len(lengths)} documents of {case.documents} are not "
+                f"(e.g. {odd[0]}); fixed-length documents of such a length run")
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+            torch.device("cpu")
+        self.mesh = DeviceMesh.from_group(group, device.type)
+        self.balancer = _PerDocumentHeadTailLoadBalancer([lengths], p, device)
+        self.cu, self.causal, self.gqa, self.checked = cu, case.causal, case.kv_heads != case.num_heads, False
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+        causal = case.causal
+
+        def same_document(b, h, q_idx, kv_idx):
+            inside = doc[q_idx] == doc[kv_idx]
+            return inside & (q_idx >= kv_idx) if causal else inside
+
+        mask = create_block_mask(same_document, B=1, H=1, Q_LEN=case.seq_len, KV_LEN=case.seq_len, device=device)
+        (self.block_mask,) = _context_parallel_shard(self.mesh, [mask], [2], load_balancer=self.balancer)
+        attend = torch.compile(flex_attention) if device.type == "cuda" else flex_attention
+
+        class Flex(nn.Module):
+            def forward(self, *args, **kwargs):
+                return attend(*args, **kwargs)
+
+        self.flex = parallelize_module(Flex(), self.mesh, _ContextParallel(
+            seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+
+    def forward(self, q, k, v, cu_seqlens=None):
+        if cu_seqlens is not None and not self.checked:  # once: a read of the lengths is a host sync
+            if tuple(int(x) for x in cu_seqlens.tolist()) != self.cu:
+                raise ValueError("TorchContextParallelDocuments: cu_seqlens differ from the documents it was built for")
+            self.checked = True
+        out = self.flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=self.block_mask,
+                        enable_gqa=self.gqa)
+        return out.transpose(1, 2)
+
+    def unshard(self, x_local):
+        """A ``[B, N/P, ...]`` shard of the balancer's layout, gathered in sequence order."""
+        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+        (full,) = context_parallel_unshard(self.mesh, [x_local.contiguous()], [1], load_balancer=self.balancer)
+        return full
+
+
 def _ring_flash_attn(zigzag: bool):
     def factory(case, backend, group):
         if importlib.util.find_spec("ring_flash_attn") is None:
@@ -132,14 +204,17 @@ def _ring_flash_attn(zigzag: bool):
 
 
 def _torch_cp(case, backend, group):
+    if case.documents:
+        return TorchContextParallelDocuments(case, group)
     return TorchContextParallel(case.causal, backend, group)
 
 
 class _CausalLayout(DistributedImplementation):
-    """Shards in zigzag for causal cases and contiguous otherwise (PyTorch's CP convention)."""
+    """Shards in zigzag for causal cases and contiguous otherwise (PyTorch's CP convention); for
+    packed documents, PyTorch's per-document head-tail layout (gathered by the model's unshard)."""
 
     def inputs(self, case, device, gen, requires_grad, captured=None):
-        self.layout = "zigzag" if case.causal else "contiguous"
+        self.layout = "per_document" if case.documents else ("zigzag" if case.causal else "contiguous")
         return super().inputs(case, device, gen, requires_grad, captured)
 
 
@@ -218,8 +293,9 @@ class _YunchangUSP(DistributedImplementation):
 
 
 EXTERNAL_RINGS = {
-    "torch_cp": _CausalLayout("torch_cp", "dense", None, "PyTorch context_parallel (ring over SDPA)",
-                              factory=_torch_cp),
+    "torch_cp": _CausalLayout("torch_cp", "dense", None, "PyTorch context_parallel (ring over SDPA; packed "
+                              "documents: flex_attention with its per-document head-tail balancer)",
+                              factory=_torch_cp, takes_documents=True),
     "ring_flash_attn": DistributedImplementation("ring_flash_attn", "dense", None, "ring-flash-attn ring_flash_attn_func",
                                                  factory=_ring_flash_attn(False)),
     "ring_flash_attn_zigzag": DistributedImplementation("ring_flash_attn_zigzag", "dense", None,
