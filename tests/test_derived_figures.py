@@ -356,3 +356,17 @@ def test_residue_major_helpers_name_the_argument(call, exc, match):
     attn = dilated.ImprovedDilatedAttention([64, 128], [1, 2], layout="residue_major")
     with pytest.raises(exc, match=match):
         call(attn)
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--segment-lengths", "32,64", "--dilation-rates", "64,2"], "--dilation-rates: rate 64 is above its segment"),
+    (["--baseline", "nosuch"], "--baseline 'nosuch'"),
+    (["--baseline", "dense/nosuch"], "--baseline 'dense/nosuch'"),
+    (["--profile", "/proc/nope"], "--profile /proc/nope: cannot make the directory"),
+])
+def test_options_that_cannot_be_honoured_are_refused_before_any_work(tmp_path, args, why):
+    res = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--device", "cpu",
+                          "--seq-lengths", "64", "--output", str(tmp_path / "o.jsonl"), *args],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "o.jsonl").exists()

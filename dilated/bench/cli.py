@@ -313,6 +313,23 @@ def check_args(p: argparse.ArgumentParser, args, implementations: list[str] | No
     if segs and dils and len(segs) != len(dils):
         usage_error(p, f"--dilation-rates has {len(dils)} entries, --segment-lengths {len(segs)}: give one rate "
                        "per segment length")
+    for w, r in zip(segs or [], dils or []):
+        if r > w:
+            usage_error(p, f"--dilation-rates: rate {r} is above its segment length {w} (a segment of w rows at "
+                           "rate r keeps w / r of them: give r <= w)")
+    baseline = getattr(args, "baseline", None)
+    if baseline:
+        known = implementations if implementations is not None else implementation_names()
+        name, _, backend = baseline.partition("/")
+        if name not in known or (backend and backend not in backend_names()):
+            usage_error(p, f"--baseline {baseline!r}: name an implementation this script runs, optionally with "
+                           f"/backend (implementations: {', '.join(known)})")
+    profile = getattr(args, "profile", None)
+    if profile:
+        try:
+            os.makedirs(profile, exist_ok=True)
+        except OSError as e:
+            usage_error(p, f"--profile {profile}: cannot make the directory for the traces ({e.strerror})")
     if getattr(args, "append", False) and not getattr(args, "output", None):
         usage_error(p, "--append needs --output FILE")
     output = getattr(args, "output", None)
