@@ -375,3 +375,19 @@ def test_options_that_cannot_be_honoured_are_refused_before_any_work(tmp_path, a
                          capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 2 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_repeats_speedups_and_first_call_tables_leave_first_calls_out():
+    from dilated.bench.report import format_first_calls, format_repeats, format_speedups
+
+    warm = dict(_row("dense", "sdpa_cudnn", 2.0), first_call_ms=50.0)
+    again = _row("dense", "sdpa_cudnn", 2.02)
+    cold = dict(_row("dense", "sdpa_cudnn", 900.0, first=True), first_call_ms=900.0)
+    old_kernel = _row("dense", "sdpa_flash", 3.0)
+    cold_new = _row("dense", "flash_attn_4", 0.5, first=True)
+    assert "2.000 / 2.020 ms, 1.0% apart" in "\n".join(format_repeats([warm, again, cold]))  # not 45000% apart
+    text = format_speedups([warm, old_kernel, cold_new], ["sdpa_cudnn", "flash_attn_4"], ["sdpa_flash"])
+    assert "sdpa_cudnn 2.000 ms" in text and "1.50x" in text  # not flash_attn_4's first call at 6.00x
+    lines = format_first_calls([warm, cold]).splitlines()
+    assert lines[-1].endswith("first call only") and "900.000" in lines[-1] and " 0.000" not in lines[-1]
+    assert "48.000" in lines[-2]  # the warm row's first call over its steady median

@@ -182,15 +182,20 @@ def format_device_speedups(rows: list[dict]) -> list[str]:
 
 def format_first_calls(rows: list[dict]) -> str:
     """Each row's first and second calls against its steady median, in the order run: what a length
-    never seen before costs (the first row of a process also pays its one-time set-up), and what it
-    costs when it comes back (where a kernel builds per shape at that call)."""
+    never seen before costs (the process's own set-up ran before the first row: its warm-up), and
+    what it costs when it comes back (where a kernel builds per shape at that call). A row timed by
+    its first call only has no steady median to compare with."""
     width = _name_width(rows)
-    out = ["", "first and second call at each new length (in the order run; the first row also pays the process's "
-           "set-up):", f"{'implementation':<{width}}{'backend':<24}{'mode':<9}{'N':>9}{'first ms':>12}{'second ms':>12}"
+    out = ["", "first and second call at each new length (in the order run, after the process's warm-up):",
+           f"{'implementation':<{width}}{'backend':<24}{'mode':<9}{'N':>9}{'first ms':>12}{'second ms':>12}"
            f"{'steady ms':>12}{'extra 1st':>11}{'extra 2nd':>11}"]
     for r in rows:
         first, t = r.get("first_call_ms"), (r.get("time_ms") or {}).get("median")
         if first is None or t is None:
+            continue
+        if first_call_only(r):
+            out.append(f"{r['implementation']:<{width}}{_backend_ran(r):<24}{r['config']['mode']:<9}"
+                       f"{r['config']['seq_len']:>9}{first:>12.3f}{'-':>12}{'-':>12}{'-':>11}{'-':>11}  first call only")
             continue
         second = r.get("second_call_ms")
         two = ("-".rjust(12), "-".rjust(11)) if second is None else (f"{second:>12.3f}", f"{second - t:>11.3f}")
@@ -204,7 +209,7 @@ def format_repeats(rows: list[dict], tolerance: float = 0.02) -> list[str]:
     (largest over smallest, minus one), flagged beyond ``tolerance``: the run's own noise."""
     groups = defaultdict(list)
     for r in rows:
-        if r["status"] == "ok":
+        if trusted(r):  # a first call is no repeat of a steady time
             groups[_match_key(r)].append(r)  # a CPU and a GPU row are no repeat (the key has the device)
     out = []
     for (impl, backend, *_), grp in groups.items():
@@ -383,10 +388,11 @@ def _scaling_line(r: dict) -> str:
 
 
 def format_speedups(rows: list[dict], new_class: list[str], old_class: list[str]) -> str:
-    """Per config: the best backend of ``new_class`` against the best of ``old_class``."""
+    """Per config: the best backend of ``new_class`` against the best of ``old_class`` (rows that ran
+    warm and passed their check)."""
     groups = defaultdict(list)
     for r in rows:
-        if r["status"] == "ok":
+        if trusted(r):
             groups[(r["implementation"], _key(r))].append(r)
     out = ["", "best Hopper-class kernel against the best previous-class one, per config:",
            f"{'implementation':<16}{'config':<62}{'best new':>22}{'best previous':>24}{'speed-up':>10}"]
