@@ -201,3 +201,20 @@ def test_pytorchs_per_document_balancer_is_the_torch_cp_row_for_documents(tmp_pa
                         "--implementations", "torch_cp")
     row = next(r for r in rows if r["implementation"] == "torch_cp")
     assert row["status"] == "unsupported" and "multiple of 2P = 4" in row["reason"], row
+
+
+def test_pytorchs_per_document_layout_work_by_hand():
+    """PyTorch's per-document head-tail order, counted by hand: documents of 8 and 16, P=2, causal.
+    Its order is [0,1,6,7,2,3,4,5 | 8-11,20-23,12-19], cut into two shards of 12: rank 0 holds doc 0
+    (keys 1+2+7+8+3+4+5+6 = 36) and doc 1's 8-11 (1+2+3+4 = 10); rank 1 doc 1's 20-23 (13..16 = 58)
+    and 12-19 (5..12 = 68)."""
+    from dilated.bench.registry import Case
+    from dilated.bench.workload import documents_work_per_rank, imbalance, per_document_order, work_per_rank
+
+    assert per_document_order((0, 8, 24), 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5, 8, 9, 10, 11, 20, 21, 22, 23,
+                                                          12, 13, 14, 15, 16, 17, 18, 19]
+    one = Case(batch=1, seq_len=8, num_heads=1, head_dim=8, causal=True)
+    assert work_per_rank(one, 2, "per_document") == [18.0, 18.0]  # one document: balanced
+    work = documents_work_per_rank((0, 8, 24), True, 2, "per_document")
+    assert work == [46.0, 126.0] and imbalance(work) == pytest.approx(126 / 86)
+    assert documents_work_per_rank((0, 8, 24), False, 2, "per_document") == [8 * 8 + 4 * 16, 16 * 12]

@@ -187,8 +187,6 @@ class DistributedImplementation(Implementation):
             return [work_per_rank(case, 1, "contiguous")[0] / p] * p
         if self.layout == "hybrid":  # a zigzag ring over the rows, heads split within a row
             return grid_work_per_rank(case, p, ulysses_size_for(p, case.num_heads) or 1, "zigzag")
-        if self.layout not in ("contiguous", "zigzag"):  # a peer's own layout (PyTorch's per-document one)
-            return None
         return work_per_rank(case, p, self.layout)
 
     def reduce_max(self, values):

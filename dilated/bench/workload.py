@@ -28,17 +28,37 @@ def work_per_rank(case, p: int, layout: str) -> list[float]:
     """Attended pairs of each rank's query positions (contiguous or zigzag shards), within documents."""
     from .documents import cu_seqlens_of
 
-    n = case.seq_len
-    cu = cu_seqlens_of(case.documents, n) if case.documents else (0, n)
+    cu = cu_seqlens_of(case.documents, case.seq_len) if case.documents else (0, case.seq_len)
+    return documents_work_per_rank(cu, case.causal, p, layout)
+
+
+def documents_work_per_rank(cu, causal: bool, p: int, layout: str) -> list[float]:
+    """Attended pairs of each rank's query positions for documents ``cu`` (cumulative lengths) in
+    ``layout``: contiguous, zigzag or PyTorch's per-document head-tail order."""
+    n = cu[-1]
     pos = torch.arange(n, dtype=torch.float64)
     doc = torch.bucketize(pos, torch.tensor(cu[1:], dtype=torch.float64), right=True)
     start = torch.tensor(cu, dtype=torch.float64)[doc]
     length = torch.tensor(cu, dtype=torch.float64)[doc + 1] - start
-    keys = pos - start + 1 if case.causal else length  # keys each query attends
+    keys = pos - start + 1 if causal else length  # keys each query attends
+    if layout == "per_document":  # PyTorch's per-document head-tail order, cut into P contiguous shards
+        return [float(c.sum()) for c in keys[per_document_order(cu, p)].chunk(p)]
     chunks = keys.chunk(2 * p if layout == "zigzag" else p)
     if layout == "zigzag":
         return [float(chunks[r].sum() + chunks[2 * p - 1 - r].sum()) for r in range(p)]
     return [float(c.sum()) for c in chunks]
+
+
+def per_document_order(cu, p: int) -> torch.Tensor:
+    """The sequence positions in PyTorch's per-document head-tail order (``_PerDocumentHeadTailLoadBalancer``):
+    each document cut into 2P chunks, taken document by document as (chunk r, chunk 2P-1-r) for
+    r = 0..P-1; the P shards are then contiguous pieces of this order."""
+    order = []
+    for a, b in zip(cu, cu[1:]):
+        c = (b - a) // (2 * p)
+        for r in range(p):
+            order += [*range(a + r * c, a + (r + 1) * c), *range(a + (2 * p - 1 - r) * c, a + (2 * p - r) * c)]
+    return torch.tensor(order, dtype=torch.long)
 
 
 def grid_work_per_rank(case, p: int, ulysses: int, ring_layout: str) -> list[float]:
