@@ -120,7 +120,7 @@ class AgreedSignatures:
         return len(self._seen)
 
 
-_HOST_GROUPS: dict = {}  # a group -> a gloo group of the same ranks (the per-call digest travels there)
+_HOST_GROUPS: dict = {}  # ranks -> a gloo group of them (the per-call digest travels there)
 
 
 def _host_group(group):
@@ -129,10 +129,12 @@ def _host_group(group):
     GPU work and no host wait for the GPU."""
     if dist.get_backend(group) == "gloo":
         return group
-    key = group if group is not None else dist.group.WORLD
+    # by its ranks: a gloo group made this way is named after them, so one serves every group of the
+    # same ranks (and a world torn down and made again gets new ones: the old group is no longer valid)
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    key = (dist.group.WORLD, ranks)  # the world object itself: a world made again is another key
     if key not in _HOST_GROUPS:
-        ranks = dist.get_process_group_ranks(key)
-        _HOST_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        _HOST_GROUPS[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return _HOST_GROUPS[key]
 
 
