@@ -160,8 +160,8 @@ def _check_same_shards(x: torch.Tensor, group, p: int) -> None:
     dist.all_gather(metas, meta, group=group)
     metas = [m.tolist() for m in metas]
     if any(m != metas[0] for m in metas):
-        shards = "; ".join(f"rank {r}: shape {tuple(m[2:2 + m[0]])}" + ("" if m[1] == metas[0][1] else " (another dtype)")
-                           for r, m in enumerate(metas))
+        shards = "; ".join(f"rank {r}: shape {tuple(m[2:2 + m[0]])}"
+                           + ("" if m[1] == metas[0][1] else " (another dtype)") for r, m in enumerate(metas))
         raise ValueError(f"unshard: the ranks' shards differ ({shards}); every rank must pass its shard of one "
                          "global tensor, of one shape and dtype")
 

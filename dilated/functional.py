@@ -27,6 +27,7 @@ import torch
 
 from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .backends import Backend, get_backend
+from .backends.base import expand_kv_heads, reduce_kv_heads
 from .backends.graph_shapes import one_operation
 from .backends.kernel_log import note_kernel, recording
 from .merge import empty_accumulators, merge_
@@ -57,21 +58,10 @@ def causal_pieces(nq: int, nk: int, causal: bool, longest: int | None = None) ->
     return pieces
 
 
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x.repeat_interleave(groups, dim=2) if groups > 1 else x
-
-
-def _reduce(g: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return g
-    b, n, h, d = g.shape
-    return g.view(b, n, h // groups, groups, d).sum(3)
-
-
 def _kv_for(backend: Backend, q, k, v):
     groups = q.shape[2] // k.shape[2]
     if groups > 1 and not backend.takes_kv_heads(q, k, False):
-        return _expand(k, groups), _expand(v, groups), groups
+        return expand_kv_heads(k, groups), expand_kv_heads(v, groups), groups
     return k, v, 1
 
 
@@ -150,7 +140,7 @@ def attention_backward(backend: Backend, dout, q, k, v, out, lse, causal: bool, 
     if dlse is not None:
         dq_l, dk_l = lse_gradient(run, dout, v_e, out, dlse.transpose(1, 2))
         dq, dk = dq + dq_l, dk + dk_l
-    return dq, _reduce(dk, groups), _reduce(dv, groups)
+    return dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
 
 
 def lse_gradient(run, dout, v, out, dlse_rows):

@@ -33,6 +33,20 @@ def autograd_on():
         yield
 
 
+def expand_kv_heads(x: torch.Tensor, groups: int, dim: int = 2) -> torch.Tensor:
+    """k or v with each head repeated ``groups`` times along ``dim`` (GQA for kernels that need q's
+    head count): head ``h`` reads kv head ``h // groups``."""
+    return x.repeat_interleave(groups, dim=dim) if groups > 1 else x
+
+
+def reduce_kv_heads(g: torch.Tensor, groups: int, dim: int = 2) -> torch.Tensor:
+    """The gradient of :func:`expand_kv_heads`: each kv head's group of ``groups`` heads summed."""
+    if groups == 1:
+        return g
+    shape = g.shape
+    return g.reshape(*shape[:dim], shape[dim] // groups, groups, *shape[dim + 1:]).sum(dim + 1)
+
+
 class Backend:
     name: str = "?"
     #: k/v may have fewer heads than q without expansion.

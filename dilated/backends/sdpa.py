@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import acc_dtype
-from .base import Backend, head_dim_reason, needs_half, to_bhnd
+from .base import Backend, expand_kv_heads, head_dim_reason, needs_half, reduce_kv_heads, to_bhnd
 from .graph_shapes import GraphShapes, shape_key
 from .kernel_log import note_kernel
 from .manual import ManualBackend
@@ -165,7 +165,7 @@ class SDPABackend(Backend):
         qt, kt, vt = to_bhnd(q), to_bhnd(k), to_bhnd(v)
         kern = self._graph_or_flash(kern, (qt, kt, vt), "forward", causal)
         if kern != "cudnn" and k.shape[2] != q.shape[2]:  # only cuDNN takes GQA heads as they are
-            k, v = (_expand_heads(t, q.shape[2]) for t in (k, v))
+            k, v = (expand_kv_heads(t, q.shape[2] // k.shape[2]) for t in (k, v))
             kt, vt = to_bhnd(k), to_bhnd(v)
         if kern == "flash" and q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=scale)
@@ -212,8 +212,8 @@ class SDPABackend(Backend):
         kern = self._graph_or_flash(kern, (qt, kt, vt, ot, dot), "backward", causal)
         reduce_to = None
         if kern != "cudnn" and k.shape[2] != q.shape[2]:  # the flash fallback of a GQA cuDNN call
-            reduce_to = k.shape[2]
-            kt, vt = (to_bhnd(_expand_heads(t, q.shape[2])) for t in (k, v))
+            reduce_to = q.shape[2] // k.shape[2]
+            kt, vt = (to_bhnd(expand_kv_heads(t, reduce_to)) for t in (k, v))
         nq, nk = q.shape[1], k.shape[1]
         lse = lse.to(acc_dtype(q.dtype) if q.device.type == "cpu" else torch.float32).contiguous()
         if kern == "flash" and q.device.type == "cpu":
@@ -235,19 +235,8 @@ class SDPABackend(Backend):
             raise RuntimeError(f"{self.name}: PyTorch found no SDPA kernel for these inputs")
         dq, dk, dv = (_back(g) for g in grads)
         if reduce_to is not None:  # the gradient of the expansion: each group's heads summed
-            dk, dv = _reduce_heads(dk, reduce_to), _reduce_heads(dv, reduce_to)
+            dk, dv = reduce_kv_heads(dk, reduce_to), reduce_kv_heads(dv, reduce_to)
         return dq, dk, dv
-
-
-def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[B, N, Hkv, D]`` -> ``[B, N, heads, D]``: head ``h`` reads kv head ``h // (heads / Hkv)``."""
-    return x.repeat_interleave(heads // x.shape[2], dim=2)
-
-
-def _reduce_heads(g: torch.Tensor, hkv: int) -> torch.Tensor:
-    """The gradient of :func:`_expand_heads`: each kv head's group of heads summed."""
-    b, n, h, d = g.shape
-    return g.reshape(b, n, hkv, h // hkv, d).sum(3)
 
 
 #: the largest float32 dq accumulator (elements) flash's backward indexes right

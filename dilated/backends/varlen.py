@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ._signature import call_by_name, parameters
+from .base import expand_kv_heads, reduce_kv_heads
 
 
 @dataclass(frozen=True)
@@ -40,20 +41,6 @@ class VarlenCall:
     max_k: int
     causal: bool
     scale: float
-
-
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Packed ``[T, Hkv, D]`` kv rows with each head repeated ``groups`` times (as the dense path does)."""
-    from ..functional import _expand as expand_heads
-
-    return expand_heads(x[None], groups)[0]
-
-
-def _reduce(g: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`_expand`: each head group's rows summed back."""
-    from ..functional import _reduce as reduce_heads
-
-    return reduce_heads(g[None], groups)[0]
 
 
 def _lse_rows_last(lse: torch.Tensor, t: int, h: int) -> torch.Tensor:
@@ -114,7 +101,8 @@ class TorchVarlen(VarlenKernel):
     def forward(self, q, k, v, call):
         fwd, _ = torch_varlen_ops()
         groups = self._groups(q, k)
-        args = dict(self._args(fwd, call, q.shape[-1]), query=q, key=_expand(k, groups), value=_expand(v, groups),
+        args = dict(self._args(fwd, call, q.shape[-1]), query=q, key=expand_kv_heads(k, groups, 1),
+                    value=expand_kv_heads(v, groups, 1),
                     enable_gqa=k.shape[1] != q.shape[1])
         out, lse = call_by_name(fwd, args, required=("query", "key", "value", "cu_seq_q", "is_causal"))[:2]
         return out, _lse_rows_last(lse, q.shape[0], q.shape[1])
@@ -124,7 +112,7 @@ class TorchVarlen(VarlenKernel):
 
         _, bwd = torch_varlen_ops()
         groups = self._groups(q, k)
-        ke, ve = _expand(k, groups), _expand(v, groups)
+        ke, ve = expand_kv_heads(k, groups, 1), expand_kv_heads(v, groups, 1)
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
         base = dict(self._args(bwd, call, q.shape[-1]), query=q, key=ke, lse=lse.contiguous(), rng_state=rng)
         required = ("grad_out", "query", "key", "value", "out", "lse", "cu_seq_q", "is_causal")
@@ -137,7 +125,7 @@ class TorchVarlen(VarlenKernel):
         if dlse is not None:
             dq_l, dk_l = lse_gradient(run, dout, ve, out, dlse.t())
             dq, dk = dq + dq_l, dk + dk_l
-        return dq, _reduce(dk, groups), _reduce(dv, groups)
+        return dq, reduce_kv_heads(dk, groups, 1), reduce_kv_heads(dv, groups, 1)
 
 
 class FlashAttn4Varlen(VarlenKernel):
