@@ -81,6 +81,10 @@ class UncoveredRowsWarning(UserWarning):
 def check_schedule(segment_lengths, dilation_rates, warn: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Validate a LongNet schedule; return it as tuples of ints (``warn``: an
     :class:`UncoveredRowsWarning` where no rate is 1)."""
+    for name, value in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+        if isinstance(value, (str, bytes)) or (value is not None and not hasattr(value, "__iter__")):
+            raise TypeError(f"{name} must be a list of positive integers, e.g. [2048, 4096], got "
+                            f"{type(value).__name__} {value!r}")
     seg = tuple(segment_lengths) if segment_lengths is not None else ()
     dil = tuple(dilation_rates) if dilation_rates is not None else ()
     if not seg:

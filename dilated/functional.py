@@ -200,6 +200,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, back
     """
     check_qkv(q, k, v)
     check_causal(causal)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {type(return_lse).__name__} {return_lse!r}")
     scale = default_scale(q.shape[-1], scale)
     if cu_seqlens is not None:
         if k.shape[1] != q.shape[1]:

@@ -391,3 +391,14 @@ def test_repeats_speedups_and_first_call_tables_leave_first_calls_out():
     lines = format_first_calls([warm, cold]).splitlines()
     assert lines[-1].endswith("first call only") and "900.000" in lines[-1] and " 0.000" not in lines[-1]
     assert "48.000" in lines[-2]  # the warm row's first call over its steady median
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: dilated.ImprovedDilatedAttention("1024", [1]), TypeError, "segment_lengths must be a list"),
+    (lambda: dilated.DilatedAttention([1024], 1), TypeError, "dilation_rates must be a list"),
+    (lambda: dilated.available_backends("tpu"), ValueError, "device must name a torch device"),
+    (lambda: dilated.attention(*[torch.randn(1, 8, 2, 8)] * 3, return_lse="yes"), TypeError, "return_lse must be"),
+])
+def test_library_arguments_of_the_wrong_kind_name_the_argument(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
