@@ -6,7 +6,7 @@ import math
 import os
 from collections import defaultdict
 
-from .results import check_passed, first_call_only, read_results, trusted
+from .results import check_passed, device_kind, first_call_only, read_results, trusted
 
 
 def fit_exponent(xs, ys) -> float | None:
@@ -24,10 +24,6 @@ _SERIES_FIELDS = (("batch", "B={}"), ("q_len", "Nq={}"), ("num_heads", "H={}"), 
                   ("input_scale", "inputs x{:g}"))
 
 
-def _device_kind(row) -> str:
-    return str(row.get("device", "")).split(":")[0] or "?"
-
-
 def series_of(rows: list[dict]) -> dict[str, list[dict]]:
     """The rows of each line of a plot against N: one line per implementation, backend, world size
     and configuration (prefill and decode, head dims, dtypes, ... are separate lines; the label
@@ -37,14 +33,14 @@ def series_of(rows: list[dict]) -> dict[str, list[dict]]:
         return ("causal" if v else "non-causal") if k == "causal" else v
 
     varying = [(k, fmt) for k, fmt in _SERIES_FIELDS if len({str(field(r, k)) for r in rows}) > 1]
-    several_devices = len({_device_kind(r) for r in rows}) > 1  # a CPU row and a GPU row are never one line
+    several_devices = len({device_kind(r) for r in rows}) > 1  # a CPU row and a GPU row are never one line
     out = defaultdict(list)
     for r in rows:
         name = f"{r['implementation']}/{r['backend']}"
         if r.get("world_size", 1) > 1:
             name += f" P={r['world_size']}"
         if several_devices:
-            name += f" on {_device_kind(r)}"
+            name += f" on {device_kind(r) or '?'}"
         parts = [fmt.format(field(r, k)) if field(r, k) is not None else f"{k}=-" for k, fmt in varying]
         out[" ".join([name, *parts])].append(r)
     return dict(out)

@@ -7,7 +7,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from .results import check_passed, first_call_only, read_results, trusted, untrusted_reason
+from .results import check_passed, device_kind, first_call_only, read_results, trusted, untrusted_reason
 
 
 def _key(row, with_seq=True):
@@ -17,13 +17,9 @@ def _key(row, with_seq=True):
     return json.dumps(cfg, sort_keys=True)
 
 
-def _device_kind(row) -> str:
-    return str(row.get("device", "")).split(":")[0]
-
-
 def _table_key(row, several_devices: bool):
     """The configuration of ``row`` (and its device, in a run over several)."""
-    return (_device_kind(row) if several_devices else "", _key(row))
+    return (device_kind(row) if several_devices else "", _key(row))
 
 
 def _backend_ran(row) -> str:
@@ -66,7 +62,7 @@ def _name_width(rows: list[dict]) -> int:
 def format_tables(rows: list[dict], baseline: str | None = None) -> str:
     """A table per config: the fastest marked *, speed-up against ``baseline`` (implementation or
     implementation/backend)."""
-    several = len({_device_kind(r) for r in rows}) > 1
+    several = len({device_kind(r) for r in rows}) > 1
     groups = defaultdict(list)
     for r in rows:
         groups[_table_key(r, several)].append(r)
@@ -75,7 +71,7 @@ def format_tables(rows: list[dict], baseline: str | None = None) -> str:
     head = f"{'implementation':<{width}}{'backend':<24}{'time (median ± p10-p90/2)':<30}{'tokens/s':>12}{'TFLOP/s/GPU':>12}{'%peak':>7}{'peak MiB':>10}{'rel err':>9}  {'vs base':>8}  status"
     for key, grp in groups.items():
         out.append("")
-        out.append(_cfg_title(grp[0]["config"]) + (f" on {_device_kind(grp[0])}" if several else ""))
+        out.append(_cfg_title(grp[0]["config"]) + (f" on {device_kind(grp[0])}" if several else ""))
         out.append(head)
         # a wrong result or a first call is never the fastest, nor a baseline
         usable = [r for r in grp if trusted(r)]
@@ -126,14 +122,14 @@ def format_winners(rows: list[dict]) -> list[str]:
     """Per scenario (prefill or decode, and mode): which implementation/backend was fastest among
     the rows that ran warm and passed their check, in how many of its configurations, and by how
     much over the runner-up (median of the per-configuration ratios)."""
-    several = len({_device_kind(r) for r in rows}) > 1
+    several = len({device_kind(r) for r in rows}) > 1
     scenarios = defaultdict(lambda: defaultdict(list))
     for r in rows:
         if trusted(r):
             c = r["config"]
             scenario = (("decode" if c.get("q_len") else "prefill"), c["mode"])
             if several:
-                scenario += (_device_kind(r),)
+                scenario += (device_kind(r),)
             scenarios[scenario][_key(r)].append(r)
     out = []
     for scenario, configs in sorted(scenarios.items()):
@@ -168,7 +164,7 @@ def format_device_speedups(rows: list[dict]) -> list[str]:
     for r in rows:
         if trusted(r):
             host = (r.get("env") or {}).get("hostname")
-            by[(host, r["implementation"], r["backend"], _key(r))][_device_kind(r)] = r
+            by[(host, r["implementation"], r["backend"], _key(r))][device_kind(r)] = r
     out = []
     for (_, impl, backend, _), pair in by.items():
         if "cpu" in pair and "cuda" in pair:
@@ -227,7 +223,7 @@ def format_repeats(rows: list[dict], tolerance: float = 0.02) -> list[str]:
 def _match_key(r):
     """What makes two rows the same measurement: implementation, backend, world size, device kind
     (a CPU row is no GPU row's repeat) and configuration."""
-    return (r["implementation"], r["backend"], r.get("world_size", 1), _device_kind(r), _key(r))
+    return (r["implementation"], r["backend"], r.get("world_size", 1), device_kind(r), _key(r))
 
 
 _ENV_FIELDS = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "flash_attn", "flash_attn_3", "flash_attn_4", "xformers",
@@ -236,7 +232,7 @@ _ENV_FIELDS = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "flash_attn"
 
 def _what(r) -> str:
     p = r.get("world_size", 1)
-    return (f"{r['implementation']}/{r['backend']}{f' P={p}' if p > 1 else ''} on {_device_kind(r) or '?'} "
+    return (f"{r['implementation']}/{r['backend']}{f' P={p}' if p > 1 else ''} on {device_kind(r) or '?'} "
             f"{_cfg_title(r['config'])}")
 
 

@@ -186,6 +186,11 @@ def write_json(path: str, data) -> None:
 
 
 # -- what a row vouches for -----------------------------------------------------------------
+def device_kind(row: dict) -> str:
+    """The kind of device a row ran on (``cuda``, ``cpu``; empty where the row does not say)."""
+    return str(row.get("device", "")).split(":")[0]
+
+
 def check_passed(row: dict) -> bool | None:
     """Whether ``row``'s result passed its correctness check: ``check.passed`` is the one field that
     decides (None: not checked). Files written before that field was the only one may carry a bare
