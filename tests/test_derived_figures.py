@@ -138,6 +138,29 @@ def test_efficiency_is_against_the_fastest_warm_single_device_run():
     assert baseline_backends(["sdpa"]) == ["sdpa", "auto"] and baseline_backends(["auto", "sdpa"]) == ["auto", "sdpa"]
 
 
+def test_a_baseline_on_auto_that_runs_a_named_backends_kernels_is_not_timed_twice():
+    """``auto`` beside the run's backend: where its first two calls ran the kernels that backend's
+    baseline ran, its row ends there (``duplicate``, naming which); where they differ, it is timed."""
+    from dilated.backends import get_backend
+    from dilated.bench.distributed import same_kernels_as
+
+    q = torch.randn(1, 32, 2, 8)
+    resolved = get_backend("auto", q, q, False, v=q).name  # what auto runs on this CPU (the fixed order)
+    other = next(b for b in ("manual", "sdpa_math") if b != resolved)
+    opts = RunOptions(warmup=2, reps=3, device="cpu")
+    named, elsewhere = run_sweep([(IMPLEMENTATIONS["dense"], CASE, resolved), (IMPLEMENTATIONS["dense"], CASE, other)],
+                                 opts, None, "t", progress=False)
+    assert trusted(named) and named["kernels"] and named["kernels"] != elsewhere["kernels"]
+    kernels = lambda r: (r["kernels"], r.get("second_call_kernels"))  # noqa: E731
+    dup = run_sweep([(IMPLEMENTATIONS["dense"], CASE, "auto")], opts, None, "t", progress=False,
+                    same_as=same_kernels_as({resolved: kernels(named), other: kernels(elsewhere)}))[0]
+    assert dup["status"] == "duplicate" and f"the kernels of the {resolved} baseline" in dup["reason"]
+    assert "time_ms" not in dup and not trusted(dup) and dup["first_call_ms"] > 0
+    timed = run_sweep([(IMPLEMENTATIONS["dense"], CASE, "auto")], opts, None, "t", progress=False,
+                      same_as=same_kernels_as({other: kernels(elsewhere)}))[0]
+    assert timed["status"] == "ok" and timed["time_ms"]["n"] >= 3 and trusted(timed)
+
+
 def test_per_gpu_figures_are_per_gpu():
     """A row over P ranks: ``tflops`` is the whole problem's rate, ``per_rank_tflops`` one GPU's."""
     class OverFourRanks(Implementation):

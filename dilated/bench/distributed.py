@@ -249,6 +249,21 @@ def baseline_backends(backends: list[str]) -> list[str]:
     return list(backends) + ([] if "auto" in backends else ["auto"])
 
 
+def same_kernels_as(earlier: dict):
+    """For a baseline on ``auto`` that the run did not name: the ``same_as`` test of
+    :func:`~dilated.bench.runner.run_case` against ``earlier`` (backend -> (first-call kernels,
+    second-call kernels) of the baseline rows of the problem that ran warm): where ``auto`` ran the
+    very kernels of one of them, its row ends after two calls instead of timing them again."""
+    def same_as(row):
+        mine = (row.get("kernels"), row.get("second_call_kernels"))
+        for backend, theirs in earlier.items():
+            if mine[0] and theirs == mine:
+                return (f"its first calls ran the kernels of the {backend} baseline ({'+'.join(mine[0])}): "
+                        "the same run, not timed twice")
+        return None
+    return same_as
+
+
 def run_scaling_sweep(sweep: ScalingSweep, opts: RunOptions, writer, script: str, progress: bool = True) -> list[dict]:
     """For each world size P: the single-device baseline of the same problem, run on every rank at
     once (the slowest recorded), then each distributed implementation on ranks ``0..P-1``. Rows go
@@ -259,6 +274,7 @@ def run_scaling_sweep(sweep: ScalingSweep, opts: RunOptions, writer, script: str
     world_sizes, backends, scaling = sweep.world_sizes, sweep.backends, sweep.scaling
     rank, world = dist.get_rank(), dist.get_world_size()
     rows, baseline_ms = [], {}
+    ran = {}  # on every rank: problem -> backend -> the kernels of its baseline rows that ran warm
     # the largest group first: then every rank has joined the same groups (in the same order) when
     # a subgroup sets up symmetric memory (see dilated.peer_copy.prepare)
     for p in sorted(world_sizes, reverse=True):
@@ -278,7 +294,12 @@ def run_scaling_sweep(sweep: ScalingSweep, opts: RunOptions, writer, script: str
             if role == "baseline" or rank < p:
                 extra = {"world_size": 1 if role == "baseline" else p, "role": role, "scaling": scaling,
                          "tokens_per_rank": case.seq_len if role == "baseline" else case.seq_len // p}
-                row = run_sweep([(impl, case, backend)], opts, None, script, False, lambda _: extra)[0]
+                same_as = None
+                if role == "baseline" and backend == "auto" and "auto" not in backends:
+                    same_as = same_kernels_as(ran.get(bkey, {}))
+                row = run_sweep([(impl, case, backend)], opts, None, script, False, lambda _: extra, same_as)[0]
+                if role == "baseline" and trusted(row):
+                    ran.setdefault(bkey, {})[backend] = (row.get("kernels"), row.get("second_call_kernels"))
             dist.barrier()
             if rank != 0:
                 continue

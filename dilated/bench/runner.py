@@ -451,11 +451,26 @@ class _RowRun:
         self.inputs = self.model = self.out = self.dout = self.step = self.setup = None
 
 
+class RanTheSameKernels(Exception):
+    """A row whose first calls ran the kernels of a row already timed (``auto`` resolving to the
+    kernel of a backend the run names): timing it again would measure the same thing twice."""
+
+
+def _same_as_earlier(run: "_RowRun", same_as) -> None:
+    """Raises :class:`RanTheSameKernels` where ``same_as(row)`` names an earlier row these first calls
+    match, on every rank alike (each rank's kernels asked; all must match)."""
+    why = same_as(run.row) if same_as is not None else None
+    if run.impl.reduce_max([float(why is None)])[0] == 0:
+        raise RanTheSameKernels(why)
+
+
 def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, extra: dict | None = None,
-             captured=None) -> dict:
+             captured=None, same_as=None) -> dict:
     """Measure one (implementation, case, backend); never raises except on Ctrl-C.
 
     ``captured``: a :class:`~dilated.bench.captured.Captured` whose tensors replace the random inputs.
+    ``same_as``: called with the row after its first two calls (``kernels``, ``second_call_kernels``);
+    a string it returns (which earlier row ran the same kernels) ends the row there as ``duplicate``.
     """
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     row = {"implementation": impl.name, "backend": backend, "mode": case.mode, "config": case.config(),
@@ -468,7 +483,10 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
     try:
         run.prepare(captured)
         first_ms = run.first_call()
-        runs, reuse = run.time_calls(first_ms, 1 + run.second_call(first_ms))
+        warmed = 1 + run.second_call(first_ms)
+        if same_as is not None:
+            _same_as_earlier(run, same_as)
+        runs, reuse = run.time_calls(first_ms, warmed)
         run.record_comm(run.record_speed(runs))
         if opts.check:
             run.check(reuse)
@@ -478,6 +496,8 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
             run.profile()
     except KeyboardInterrupt:
         raise
+    except RanTheSameKernels as e:
+        row.update(status="duplicate", reason=str(e))
     except FailedOnRanks as e:  # the same status on every rank, naming the ranks that failed and why
         row.update(status=e.status, reason=str(e)[:600], failed_ranks=[r for r, _, _ in e.failures])
         if e.local is not None and e.status == "error":
@@ -494,10 +514,10 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
 
 
 def run_sweep(jobs, opts: RunOptions, writer: ResultWriter | None, script: str, progress: bool = True,
-              extra_row=None) -> list[dict]:
+              extra_row=None, same_as=None) -> list[dict]:
     """``jobs``: iterable of ``(Implementation, Case, backend)`` or ``(..., captured)``. Rows are
-    written as they finish. Progress is a tqdm bar on a terminal and one line per row otherwise
-    (logs of batch jobs stay readable)."""
+    written as they finish; ``same_as`` as :func:`run_case` takes it. Progress is a tqdm bar on a
+    terminal and one line per row otherwise (logs of batch jobs stay readable)."""
     jobs = list(jobs)
     rows = []
     env = envmod.environment()
@@ -510,7 +530,7 @@ def run_sweep(jobs, opts: RunOptions, writer: ResultWriter | None, script: str, 
     for i, (impl, case, backend, *cap) in enumerate(bar):
         label = f"{impl.name}/{backend} N={case.seq_len} {case.mode}"
         bar.set_postfix_str(label)
-        row = run_case(impl, case, backend, opts, captured=cap[0] if cap else None)
+        row = run_case(impl, case, backend, opts, captured=cap[0] if cap else None, same_as=same_as)
         row.update(script=script, env=env, run_timestamp=stamp, command=cmd)
         if warmed is not None and i == 0:
             row["process_warmup"] = warmed  # what ran before this row, so that its first call is its own
