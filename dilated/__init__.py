@@ -28,8 +28,11 @@ from .distributed_dilated_attention import DistributedDilatedAttention  # noqa: 
 from .ring_attention import RingAttention, ring_attention  # noqa: E402
 from .ulysses_attention import UlyssesAttention  # noqa: E402
 from .hybrid_attention import HybridAttention  # noqa: E402
+from .document_layout import DocumentLayout  # noqa: E402
+from .document_attention import DocumentParallelAttention  # noqa: E402
 
-__all__ += ["RingAttention", "ring_attention", "UlyssesAttention", "HybridAttention", "DistributedDilatedAttention", "shard", "unshard", "init_distributed"]
+__all__ += ["RingAttention", "ring_attention", "UlyssesAttention", "HybridAttention", "DistributedDilatedAttention", "shard", "unshard", "init_distributed",
+            "DocumentLayout", "DocumentParallelAttention"]
 from ._checks import UncoveredRowsWarning  # noqa: E402
 from .agreement import RankMismatchError  # noqa: E402
 

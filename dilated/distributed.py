@@ -9,6 +9,8 @@ Layouts along the sequence dimension:
 * ``contiguous``: rank r holds chunk r of P.
 * ``zigzag``: the sequence is cut into 2P chunks and rank r holds chunks r and 2P-1-r, so that
   causal work is balanced across ranks.
+* a :class:`~dilated.DocumentLayout`: packed documents placed so that every rank's work within
+  the documents is equal (see :mod:`dilated.document_layout`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import zlib
 
 import torch
 import torch.distributed as dist
+
+from .document_layout import DocumentLayout
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -133,9 +137,19 @@ def _check_layout(layout, n, p):
                          f"({'2 x ' if layout == 'zigzag' else ''}world size {p}) for layout={layout!r}")
 
 
-def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+def _check_document_layout(layout: DocumentLayout, n: int, p: int) -> None:
+    if layout.world_size != p or layout.seq_len != n:
+        raise ValueError(f"layout: a DocumentLayout of {layout.seq_len} positions over {layout.world_size} ranks, "
+                         f"but the tensor has {n} positions over {p} ranks: build it from this batch's cu_seqlens "
+                         "and this group")
+
+
+def shard(x: torch.Tensor, group=None, layout: str | DocumentLayout = "contiguous", dim: int = 1) -> torch.Tensor:
     """This rank's part of the full tensor ``x`` along ``dim``."""
     rank, p = _world(group)
+    if isinstance(layout, DocumentLayout):
+        _check_document_layout(layout, x.shape[dim], p)
+        return x.index_select(dim, layout.positions(rank).to(x.device)).contiguous()
     _check_layout(layout, x.shape[dim], p)
     if layout == "contiguous":
         return x.chunk(p, dim)[rank].contiguous()
@@ -166,9 +180,19 @@ def _check_same_shards(x: torch.Tensor, group, p: int) -> None:
                          "global tensor, of one shape and dtype")
 
 
-def unshard(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+def unshard(x_local: torch.Tensor, group=None, layout: str | DocumentLayout = "contiguous",
+            dim: int = 1) -> torch.Tensor:
     """All-gather the shards and put the full sequence back in order (differentiable is not needed here)."""
     rank, p = _world(group)
+    if isinstance(layout, DocumentLayout):
+        _check_document_layout(layout, x_local.shape[dim] * p, p)
+        whole = x_local if p == 1 else None
+        if whole is None:
+            _check_same_shards(x_local, group, p)
+            parts = [torch.empty_like(x_local) for _ in range(p)]
+            dist.all_gather(parts, x_local.contiguous(), group=group)
+            whole = torch.cat(parts, dim)
+        return torch.empty_like(whole).index_copy_(dim, layout.order().to(whole.device), whole)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if p == 1:

@@ -400,3 +400,65 @@ def steady_calls_do_not_sync(rank, world, port):
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _documents_reference(q, k, v, cu, causal):
+    """float64 attention within each document of ``cu``, one document at a time (a loop, not a mask)."""
+    outs = [dense_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal=causal)[0] for a, b in zip(cu, cu[1:])]
+    return torch.cat(outs, 1)
+
+
+def document_parallel(rank, world, port):
+    """DocumentParallelAttention on mixes that take each path of its layout (documents whole on a
+    rank, cut head-tail over every rank, cut at a rank's remaining room; one document; none
+    crossing), causal and not, GQA and not, batch 2: output and gradients against float64
+    attention computed one document at a time."""
+    from dilated.document_attention import rank_plan
+
+    init(rank, world, port)
+    n = 96 * world
+    mixes = {
+        "one document": [0, n],
+        "whole and cut": [0, n // 2 + 5, n // 2 + 9, 3 * n // 4, n],
+        "many small": list(range(0, n, 24)) + [n],
+        "room": list(range(0, n, 15)) + [n],  # too short to cut head-tail: the last fits nowhere whole
+    }
+    paths = set()
+    for name, cu in mixes.items():
+        for causal in (True, False):
+            for h, hkv in ((4, 2), (2, 2)):
+                layout = dilated.DocumentLayout.balance(cu, world, causal, min_piece=4)
+                crossing = layout.crossing()
+                for r in range(world):
+                    for x in layout.pieces[r]:
+                        if x.doc not in crossing:
+                            paths.add("whole")
+                        elif len([y for m in layout.pieces for y in m if y.doc == x.doc]) == 2 * world:
+                            paths.add("head-tail")
+                        else:
+                            paths.add("cut at room")
+                g = torch.Generator().manual_seed(11 + len(cu))
+                q, k, v, dout = (torch.randn(2, n, hh, 8, dtype=torch.float64, generator=g) for hh in (h, hkv, hkv, h))
+                mod = dilated.DocumentParallelAttention(causal=causal, backend="manual")
+                mine = [mod.shard(x, layout).clone().requires_grad_() for x in (q, k, v)]
+                out = mod(*mine, layout=layout)
+                grads = torch.autograd.grad(out, mine, mod.shard(dout, layout))
+                ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+                ref = _documents_reference(*ref_in, cu, causal)
+                what = f"{name} causal={causal} h={h}/{hkv}"
+                _check(f"out of {what}", mod.unshard(out.detach()), ref, tol=1e-9)
+                for t, gl, rg in zip("qkv", grads, torch.autograd.grad(ref, ref_in, dout)):
+                    _check(f"d{t} of {what}", mod.unshard(gl), rg, tol=1e-9)
+                # only crossing documents' rows travel: none where no document crosses
+                assert (rank_plan(layout, rank).rows == 0) == (not crossing), what
+    assert paths == {"whole", "head-tail", "cut at room"}, paths
+    # the same through cu_seqlens (the module's own layout), float32, sdpa
+    cu = mixes["whole and cut"]
+    mod = dilated.DocumentParallelAttention(causal=True, backend="sdpa")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, n, 2, 16, generator=g) for _ in range(3))
+    layout = mod.layout(torch.tensor(cu, dtype=torch.int32))
+    out = mod(*(mod.shard(x, layout) for x in (q, k, v)), cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    _check("float32 sdpa", mod.unshard(out), _documents_reference(q.double(), k.double(), v.double(), cu,
+                                                                   True).float(), tol=2e-5)
+    dist.destroy_process_group()

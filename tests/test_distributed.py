@@ -210,3 +210,8 @@ def test_sequence_parallel_steady_calls_do_not_sync_on_gpus():
 
     world = min(torch.cuda.device_count(), 4)
     mp.spawn(dist_worker.steady_calls_do_not_sync, args=(world, _port()), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_document_parallel_attention_matches_float64_per_document(world):
+    mp.spawn(dist_worker.document_parallel, args=(world, _port()), nprocs=world, join=True)

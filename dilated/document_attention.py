@@ -1,0 +1,378 @@
+"""Document-parallel attention: packed documents balanced over ranks, only crossing documents' K/V moved.
+
+Each rank holds the positions a :class:`~dilated.document_layout.DocumentLayout` gives it: most
+documents whole on one rank, the few whose work no whole assignment balances cut head-tail over
+every rank. A call on rank r:
+
+1. starts one all-gather of the K/V rows of its pieces of *crossing* documents (those with pieces
+   on several ranks), padded to the largest such count over the ranks (the layout knows every
+   rank's, so no sizes are exchanged);
+2. meanwhile computes every local piece against itself (one varlen call over the pieces; causal,
+   square within each piece): whole documents are done here, with no communication;
+3. computes each local piece of a crossing document against the other keys of its document that
+   its queries see (causal: the positions before the piece; otherwise all others), gathered from
+   the all-gather's rows, as one varlen call of rectangles; then merges the two by log-sum-exp.
+
+Backward runs the second part first, sends its dK/dV back to the keys' owners with one
+reduce-scatter (float32) that overlaps the local pieces' backward, and adds them to the owners'
+gradients. Kernels: the backend's varlen entry point where it has one (flash-attn 4, torch's
+varlen flash kernel), else the pieces in batched calls per length (local) and one call per
+rectangle (crossing).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
+from ._transfer import host_values_on
+from .agreement import AgreedSignatures, signature, validate_on_all_ranks
+from .backends import get_backend
+from .backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel, varlen_kernel
+from .distributed import CommStats
+from .document_layout import DocumentLayout, ranges_to_positions
+from .functional import attention_backward, attention_forward, default_scale
+from .merge import merge_
+from .packed import documents_backward, documents_forward, varlen_backward, varlen_forward
+from .plan import AttentionSpec
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """What rank ``rank`` of ``layout`` computes and exchanges (host tensors; device copies cached).
+
+    ``local_cu``: cumulative lengths of its pieces (local order); ``send``: its local rows of crossing
+    documents; ``rows``: rows every rank sends (the largest ``send`` over the ranks; 0: none);
+    ``q_rows``/``k_slots``: the local query rows of the rectangles and their keys' slots in the
+    gathered ``[P * rows]`` buffer; ``cu_q``/``cu_k``: the rectangles' cumulative sizes."""
+
+    local_cu: tuple
+    send: torch.Tensor
+    rows: int
+    q_rows: torch.Tensor
+    k_slots: torch.Tensor
+    cu_q: tuple
+    cu_k: tuple
+    _on: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device) -> tuple:
+        """``(send, q_rows, k_slots)`` on ``device``."""
+        key = str(device)
+        if key not in self._on:
+            self._on[key] = tuple(t.to(device) for t in (self.send, self.q_rows, self.k_slots))
+        return self._on[key]
+
+
+def _local_offsets(pieces) -> list[int]:
+    offsets, at = [], 0
+    for x in pieces:
+        offsets.append(at)
+        at += x.length
+    return offsets
+
+
+@functools.lru_cache(maxsize=128)
+def rank_plan(layout: DocumentLayout, rank: int) -> RankPlan:
+    """The :class:`RankPlan` of ``rank`` (cached per layout and rank)."""
+    crossing = layout.crossing()
+    p = layout.world_size
+    sent = [[(x, off) for x, off in zip(mine, _local_offsets(mine)) if x.doc in crossing] for mine in layout.pieces]
+    rows = max(sum(x.length for x, _ in s) for s in sent)
+    starts, slots, lengths = [], [], []
+    for o, s in enumerate(sent):  # where each crossing position lands in the gathered buffer
+        at = o * rows
+        for x, _ in s:
+            starts.append(x.start)
+            slots.append(at)
+            lengths.append(x.length)
+            at += x.length
+    slot_of = torch.full((layout.seq_len,), -1, dtype=torch.int64)
+    slot_of[ranges_to_positions(starts, lengths)] = ranges_to_positions(slots, lengths)
+    q_starts, q_lengths, k_starts, k_lengths, cu_q, cu_k = [], [], [], [], [0], [0]
+    for x, off in sent[rank]:
+        keys = [(x.doc_start, x.start - x.doc_start)]
+        if not layout.causal:
+            keys.append((x.start + x.length, x.doc_end - x.start - x.length))
+        keys = [(a, m) for a, m in keys if m > 0]
+        if not keys:
+            continue
+        q_starts.append(off)
+        q_lengths.append(x.length)
+        cu_q.append(cu_q[-1] + x.length)
+        for a, m in keys:
+            k_starts.append(a)
+            k_lengths.append(m)
+        cu_k.append(cu_k[-1] + sum(m for _, m in keys))
+    mine = layout.pieces[rank]
+    local_cu = tuple([0] + [off + x.length for x, off in zip(mine, _local_offsets(mine))])
+    send = ranges_to_positions([off for _, off in sent[rank]], [x.length for x, _ in sent[rank]])
+    return RankPlan(local_cu, send, rows if p > 1 else 0, ranges_to_positions(q_starts, q_lengths),
+                    slot_of[ranges_to_positions(k_starts, k_lengths)], tuple(cu_q), tuple(cu_k))
+
+
+def _batched_call(cu_q, cu_k, b: int, tq: int, tk: int, causal: bool, scale: float, device) -> VarlenCall:
+    """The :class:`VarlenCall` of rectangles ``cu_q`` x ``cu_k`` repeated in each of ``b`` batch rows."""
+    q_all = [s + i * tq for i in range(b) for s in cu_q[:-1]] + [b * tq]
+    k_all = [s + i * tk for i in range(b) for s in cu_k[:-1]] + [b * tk]
+    (tq_t, tk_t), _ = host_values_on([q_all, k_all], torch.int32, device)
+    longest_q = max(y - x for x, y in zip(cu_q, cu_q[1:]))
+    longest_k = max(y - x for x, y in zip(cu_k, cu_k[1:]))
+    return VarlenCall(tq_t, tk_t, longest_q, longest_k, causal, scale)
+
+
+def _flat(x):
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@dataclass(frozen=True)
+class DocumentCall:
+    """One call's kernel spec, layout, group and kernels (``varlen``: the backend's varlen entry point
+    or None; ``small``: torch's varlen kernel for batched calls too small otherwise, or None)."""
+
+    spec: AttentionSpec
+    layout: DocumentLayout
+    plan: RankPlan
+    group: object
+    stats: CommStats
+    varlen: VarlenKernel | None
+    small: VarlenKernel | None
+
+    def local_forward(self, q, k, v):
+        cu, spec = list(self.plan.local_cu), self.spec
+        if self.varlen is not None:
+            return varlen_forward(self.varlen, q, k, v, cu, spec.causal, spec.scale)
+
+        def attend(qd, kd, vd):
+            return attention_forward(spec.backend, qd, kd, vd, spec.causal, spec.scale)
+        return documents_forward(q, k, v, cu, attend, spec.causal, self.small and (self.small, spec.scale))
+
+    def local_backward(self, tensors):
+        cu, spec = list(self.plan.local_cu), self.spec
+        if self.varlen is not None:
+            return varlen_backward(self.varlen, tensors, cu, spec.causal, spec.scale)
+
+        def grads(*ts):
+            return attention_backward(spec.backend, *ts, spec.causal, spec.scale)
+        return documents_backward(tensors, cu, grads, spec.causal, small=self.small and (self.small, spec.scale))
+
+    def crossing_forward(self, q, k, v):
+        """``(out, lse [B, H, T])`` of the rectangles (every key of a rectangle visible)."""
+        cu_q, cu_k, spec = self.plan.cu_q, self.plan.cu_k, self.spec
+        b, tq, h = q.shape[:3]
+        if self.varlen is not None:
+            call = _batched_call(cu_q, cu_k, b, tq, k.shape[1], False, spec.scale, q.device)
+            out, lse = self.varlen.forward(_flat(q), _flat(k), _flat(v), call)
+            return out.view(b, tq, h, out.shape[-1]), lse.view(h, b, tq).transpose(0, 1)
+        outs, lses = [], []
+        for (qa, qb), (ka, kb) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+            o, lse = attention_forward(spec.backend, q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], False, spec.scale)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs, 1), torch.cat(lses, 2)
+
+    def crossing_backward(self, dout, q, k, v, out, lse):
+        cu_q, cu_k, spec = self.plan.cu_q, self.plan.cu_k, self.spec
+        if self.varlen is not None:
+            b, tq, h = q.shape[:3]
+            call = _batched_call(cu_q, cu_k, b, tq, k.shape[1], False, spec.scale, q.device)
+            lse_rows = lse.transpose(0, 1).reshape(h, b * tq)
+            grads = self.varlen.backward(_flat(dout), _flat(q), _flat(k), _flat(v), _flat(out), lse_rows, call)
+            return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
+        parts = []
+        for (qa, qb), (ka, kb) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+            parts.append(attention_backward(spec.backend, dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb],
+                                            out[:, qa:qb], lse[:, :, qa:qb].contiguous(), False, spec.scale))
+        return tuple(torch.cat([g[i] for g in parts], 1) for i in range(3))
+
+
+#: one all-gather into one tensor (torch renamed all_gather_into_tensor to all_gather_single)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_kv(call: DocumentCall, k, v, send):
+    """Start the all-gather of this rank's crossing K/V rows: ``(work, gathered [P, B, rows, Hkv, Dk + Dv])``."""
+    b, _, hkv, dk = k.shape
+    p, rows = call.layout.world_size, call.plan.rows
+    mine = k.new_zeros(b, rows, hkv, dk + v.shape[3])
+    mine[:, :send.numel()] = torch.cat([k[:, send], v[:, send]], -1)
+    gathered = k.new_empty(p * b, *mine.shape[1:])  # rank-major, as every backend takes it
+    work = _ALL_GATHER(gathered, mine, group=call.group, async_op=True)
+    call.stats.sent(mine.numel() * mine.element_size(), collective=True)
+    return work, gathered.view(p, *mine.shape)
+
+
+def _crossing_kv(gathered, k_slots, dk: int):
+    """The rectangles' keys and values from the gathered buffer, ``[B, T, Hkv, D]`` each."""
+    p, b, rows = gathered.shape[:3]
+    flat = gathered.transpose(0, 1).reshape(b, p * rows, *gathered.shape[3:])
+    picked = flat.index_select(1, k_slots)
+    return picked[..., :dk], picked[..., dk:]
+
+
+class _DocumentFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, call: DocumentCall):
+        plan = call.plan
+        send, q_rows, k_slots = plan.on(q.device)
+        pending = _gather_kv(call, k, v, send) if plan.rows else None
+        failure = None
+        try:
+            out, lse = call.local_forward(q, k, v)
+        except Exception as e:  # noqa: BLE001 - raised once this rank has joined the all-gather
+            failure, out, lse = e, None, None
+        if pending is not None:
+            with call.stats.waiting(q.device):
+                pending[0].wait()
+        if failure is not None:
+            raise failure
+        gathered = pending[1] if pending is not None else None
+        if q_rows.numel():
+            kr, vr = _crossing_kv(gathered, k_slots, k.shape[3])
+            o_r, lse_r = call.crossing_forward(q[:, q_rows], kr, vr)
+            acc = out[:, q_rows].to(acc_dtype(q.dtype))
+            acc_lse = lse[:, :, q_rows].transpose(1, 2).contiguous()
+            merge_(acc, acc_lse, o_r, lse_r.transpose(1, 2))
+            out[:, q_rows] = acc.to(out.dtype)
+            lse[:, :, q_rows] = acc_lse.transpose(1, 2)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if gathered is None else (gathered,)))
+        ctx.call = call
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        call, plan = ctx.call, ctx.call.plan
+        send, q_rows, k_slots = plan.on(q.device)
+        dout = dout.contiguous()
+        acc = acc_dtype(q.dtype)
+        pending, d_rows, failure = None, None, None
+        if plan.rows:
+            p, b = call.layout.world_size, q.shape[0]
+            dk_all = k.shape[3]
+            d_full = torch.zeros(b, p * plan.rows, k.shape[2], dk_all + v.shape[3], dtype=acc, device=q.device)
+            if q_rows.numel():
+                try:
+                    kr, vr = _crossing_kv(rest[0], k_slots, dk_all)
+                    d_rows = call.crossing_backward(dout[:, q_rows], q[:, q_rows], kr, vr, out[:, q_rows],
+                                                    lse[:, :, q_rows].contiguous())
+                    d_full.index_add_(1, k_slots, torch.cat([d_rows[1], d_rows[2]], -1).to(acc))
+                except Exception as e:  # noqa: BLE001 - raised once this rank has joined the reduce-scatter
+                    failure = e
+            blocks = d_full.view(b, p, plan.rows, *d_full.shape[2:]).transpose(0, 1).contiguous()
+            mine = torch.empty(blocks.shape[1:], dtype=acc, device=q.device)
+            work = _REDUCE_SCATTER(mine, blocks.view(p * b, *blocks.shape[2:]), group=call.group, async_op=True)
+            call.stats.sent(blocks.numel() * blocks.element_size() * (p - 1) // p, collective=True)
+            pending = (work, mine)
+        if failure is None:
+            try:
+                dq, dk, dv = call.local_backward((dout, q, k, v, out, lse))
+            except Exception as e:  # noqa: BLE001 - as above
+                failure = e
+        if pending is not None:
+            with call.stats.waiting(q.device):
+                pending[0].wait()
+        if failure is not None:
+            raise failure
+        dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
+        if d_rows is not None:
+            dq[:, q_rows] += d_rows[0].to(acc)
+        if pending is not None and send.numel():
+            got = pending[1][:, :send.numel()]
+            dk[:, send] += got[..., :k.shape[3]]
+            dv[:, send] += got[..., k.shape[3]:]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+class DocumentParallelAttention(nn.Module):
+    """Exact attention within packed documents over a sequence sharded by a
+    :class:`~dilated.DocumentLayout`; ``forward(q, k, v, cu_seqlens)`` on this rank's shards
+    ``[B, N/P, H, D]`` (the positions ``layout.positions(rank)``, see :meth:`shard`). GQA allowed.
+
+    Args:
+        causal: causal attention within each document.
+        scale: softmax scale (default ``head_dim ** -0.5``).
+        backend: the local kernel (``"auto"``, ``"sdpa"``, ``"flash_attn_4"``, ...).
+        group: the process group (default: the world).
+        measure_comm: record the time the compute stream waits on communication in ``self.stats``.
+
+    The layout of a batch's documents is :meth:`layout` (computed on the host, cached per
+    ``cu_seqlens``); shard inputs with :meth:`shard` and gather results with :meth:`unshard`.
+    """
+
+    def __init__(self, *, causal: bool = False, scale: float | None = None, backend: str = "auto", group=None,
+                 measure_comm: bool = False):
+        super().__init__()
+        check_causal(causal)
+        check_scale(scale)
+        self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
+        self.stats = CommStats(measure_comm)
+        self._agreed = AgreedSignatures()
+        self.last_layout = None
+
+    def layout(self, cu_seqlens) -> DocumentLayout:
+        """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` (cumulative lengths
+        ``[0, ..., N]`` of the global sequence) over this module's group."""
+        return DocumentLayout.balance(cu_seqlens, dist.get_world_size(self.group), self.causal)
+
+    def _validate(self, q, k, v, cu_seqlens, layout):
+        check_qkv(q, k, v)
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
+        p = dist.get_world_size(self.group)
+        if layout is None:
+            layout = self.layout([0, q.shape[1] * p] if cu_seqlens is None else cu_seqlens)
+        elif not isinstance(layout, DocumentLayout):
+            raise TypeError(f"layout must be a DocumentLayout (DocumentLayout.balance), got {type(layout).__name__}")
+        elif cu_seqlens is not None:
+            raise ValueError("pass cu_seqlens or layout, not both (a layout holds its documents)")
+        if layout.world_size != p or layout.causal != self.causal:
+            raise ValueError(f"layout: balanced for {layout.world_size} ranks, causal={layout.causal}; this module runs "
+                             f"on {p} ranks, causal={self.causal}: build it with module.layout(cu_seqlens)")
+        if layout.seq_len != q.shape[1] * p:
+            raise ValueError(f"cu_seqlens: the documents total {layout.seq_len} positions, but {p} shards of "
+                             f"{q.shape[1]} hold {q.shape[1] * p}: cu_seqlens must end at the global length N")
+        scale = default_scale(q.shape[-1], self.scale)
+        impl = get_backend(self.backend, q, k, self.causal, v=v)
+        varlen = varlen_kernel(q, k, v, self.backend, self.causal)
+        small = small_documents_kernel(q, k, v, self.causal) if varlen is None and self.backend == "auto" else None
+        fields = signature(q, k, v, causal=self.causal, scale=scale, documents=layout.cu_seqlens)
+        return (AttentionSpec(impl, self.causal, scale), layout, varlen, small), fields
+
+    def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
+        """``cu_seqlens``: the documents of the *global* sequence (int32 cumulative lengths ``[0, ...,
+        N]``, the same on every rank; a CPU tensor or a list avoids a device sync; None: one
+        document), or ``layout``, a :class:`~dilated.DocumentLayout` of them. The shards must be in
+        that layout's order (:meth:`shard`)."""
+        if not dist.is_initialized():
+            raise RuntimeError("DocumentParallelAttention needs torch.distributed initialised "
+                               "(see dilated.init_distributed)")
+        spec, layout, varlen, small = validate_on_all_ranks(
+            self.group, self._agreed, "DocumentParallelAttention", lambda: self._validate(q, k, v, cu_seqlens, layout))
+        self.last_layout = layout
+        plan = rank_plan(layout, dist.get_rank(self.group))
+        call = DocumentCall(spec, layout, plan, self.group, self.stats, varlen, small)
+        return _DocumentFunction.apply(dense_rows(q), k.contiguous(), v.contiguous(), call)
+
+    def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
+        """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor in ``layout`` (default:
+        the last call's)."""
+        from .distributed import shard
+
+        return shard(x, group=self.group, layout=layout or self._last())
+
+    def unshard(self, x_local: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
+        """The global tensor in sequence order from every rank's part (an all-gather)."""
+        from .distributed import unshard
+
+        return unshard(x_local, group=self.group, layout=layout or self._last())
+
+    def _last(self) -> DocumentLayout:
+        if self.last_layout is None:
+            raise ValueError("no layout given and no call made yet: pass layout=module.layout(cu_seqlens)")
+        return self.last_layout

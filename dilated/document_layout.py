@@ -1,0 +1,228 @@
+"""Which positions of a packed sequence each rank holds, so that every rank's attention work is equal.
+
+Packed documents attend within themselves, so work per position varies: causal, a position at
+offset ``i`` of its document attends ``i + 1`` keys; without a mask, the document's length. The
+contiguous and zigzag layouts balance one sequence, not many documents. A :class:`DocumentLayout`
+balances the documents given as cumulative lengths ``cu_seqlens`` over ``P`` ranks, each rank
+holding exactly ``N / P`` positions:
+
+* documents whose work no whole-document assignment can balance are cut head-tail, as
+  TransformerEngine's THD format and PyTorch's per-document balancer cut every document: into
+  ``2P`` pieces, rank ``r`` taking pieces ``r`` and ``2P-1-r``, which gives every rank the same
+  share of the document's work (causal) and of its positions;
+* the other documents stay whole (no communication at all), assigned largest work first to the
+  rank with the least work that has room for them (longest-processing-time scheduling);
+* a whole document that no rank has room for is cut at the ranks' remaining room, in order.
+
+The layout tries cutting the ``k`` documents of most work head-tail for ``k = 0, 1, 2, 4, ...``
+and keeps the first whose slowest rank is within :data:`TARGET_IMBALANCE` of the mean (else the
+most balanced it found); documents shorter than ``2P`` x :data:`MIN_PIECE` are never cut
+head-tail (pieces that small waste a kernel's tiles).
+
+Each rank holds its pieces in sequence order. :meth:`DocumentLayout.positions` is a rank's
+global positions (what :func:`dilated.shard` takes); a document with pieces on several ranks is
+*crossing*, and only its rows travel between ranks (:class:`dilated.DocumentParallelAttention`).
+Computed on the host from the lengths alone.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+#: the slowest rank's work over the mean that a layout stops at
+TARGET_IMBALANCE = 1.01
+#: documents are cut head-tail only into pieces of at least this many positions
+MIN_PIECE = 128
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Positions ``start .. start + length - 1`` of document ``doc``, which spans ``doc_start ..
+    doc_end - 1``."""
+
+    doc: int
+    start: int
+    length: int
+    doc_start: int
+    doc_end: int
+
+    def work(self, causal: bool) -> int:
+        """(query, key) pairs its queries attend: the keys of its document up to each (causal) or all."""
+        m = self.length
+        if causal:
+            return m * (self.start - self.doc_start) + m * (m + 1) // 2
+        return m * (self.doc_end - self.doc_start)
+
+
+def _work(length: int, causal: bool) -> int:
+    return length * (length + 1) // 2 if causal else length * length
+
+
+def _head_tail(a: int, length: int, p: int, turn: int) -> list[list[Piece]]:
+    """Document ``[a, a + length)`` cut into ``2P`` pieces, rank r taking pieces r and 2P-1-r; the
+    positions left over by ``length / P`` go one each to ranks ``turn, turn + 1, ...`` (mod P)."""
+    share = [length // p + (1 if (r - turn) % p < length % p else 0) for r in range(p)]
+    sizes = [share[r] // 2 for r in range(p)] + [share[r] - share[r] // 2 for r in reversed(range(p))]
+    pieces, at = [[] for _ in range(p)], a
+    for i, size in enumerate(sizes):
+        if size:
+            pieces[i if i < p else 2 * p - 1 - i].append(Piece(-1, at, size, a, a + length))
+        at += size
+    return pieces
+
+
+def _assign(cu: tuple, p: int, causal: bool, cut: set) -> list[list[Piece]]:
+    """Every rank's pieces: the documents in ``cut`` head-tail, the others whole by work (largest
+    first, to the least-loaded rank with room), the rest cut at the ranks' remaining room."""
+    room, load = [cu[-1] // p] * p, [0] * p
+    pieces = [[] for _ in range(p)]
+    turn = 0
+    for d in sorted(cut):
+        a, b = cu[d], cu[d + 1]
+        for r, mine in enumerate(_head_tail(a, b - a, p, turn)):
+            for piece in mine:
+                pieces[r].append(Piece(d, piece.start, piece.length, a, b))
+                room[r] -= piece.length
+                load[r] += piece.work(causal)
+        turn = (turn + (b - a) % p) % p
+    whole = sorted((d for d in range(len(cu) - 1) if d not in cut), key=lambda d: (-(cu[d + 1] - cu[d]), d))
+    left = []
+    for d in whole:
+        a, b = cu[d], cu[d + 1]
+        fits = [r for r in range(p) if room[r] >= b - a]
+        if not fits:
+            left.append(d)
+            continue
+        r = min(fits, key=lambda r: (load[r], r))
+        pieces[r].append(Piece(d, a, b - a, a, b))
+        room[r] -= b - a
+        load[r] += _work(b - a, causal)
+    for d in sorted(left):
+        a, b = cu[d], cu[d + 1]
+        at = a
+        while at < b:
+            r = min((r for r in range(p) if room[r] > 0), key=lambda r: (load[r], r))
+            piece = Piece(d, at, min(room[r], b - at), a, b)
+            pieces[r].append(piece)
+            room[r] -= piece.length
+            load[r] += piece.work(causal)
+            at += piece.length
+    return [sorted(mine, key=lambda x: x.start) for mine in pieces]
+
+
+def _imbalance(pieces: list[list[Piece]], causal: bool) -> float:
+    work = [sum(x.work(causal) for x in mine) for mine in pieces]
+    return max(work) / (sum(work) / len(work)) if sum(work) else 1.0
+
+
+def _check(cu_seqlens, world_size: int) -> tuple:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+            raise ValueError("cu_seqlens must be a 1-D integer tensor of cumulative lengths [0, ..., N]")
+        cu_seqlens = cu_seqlens.tolist()
+    cu = tuple(int(c) for c in cu_seqlens)
+    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 (cumulative document lengths [0, ..., N]), got "
+                         f"{list(cu[:8])}{' ...' if len(cu) > 8 else ''}")
+    if cu[-1] % world_size:
+        raise ValueError(f"the documents' total length {cu[-1]} must be divisible by world_size {world_size} "
+                         "(every rank holds N / P positions): pad the batch")
+    return cu
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentLayout:
+    """The positions of ``cu_seqlens``'s packed documents that each of ``world_size`` ranks holds,
+    balancing their attention work (causal or not); see the module docstring. Build it with
+    :meth:`balance`. ``pieces[r]``: rank r's :class:`Piece` s in sequence order."""
+
+    cu_seqlens: tuple
+    world_size: int
+    causal: bool
+    pieces: tuple
+
+    @classmethod
+    def balance(cls, cu_seqlens, world_size: int, causal: bool = True, min_piece: int = MIN_PIECE) -> "DocumentLayout":
+        """The layout of the documents ``cu_seqlens`` (int cumulative lengths ``[0, ..., N]``, a list or
+        a tensor) over ``world_size`` ranks; documents are cut head-tail only into pieces of at
+        least ``min_piece`` positions. ValueError on lengths that are not cumulative or an N that
+        ``world_size`` does not divide."""
+        cu = _check(cu_seqlens, world_size)
+        if isinstance(min_piece, bool) or not isinstance(min_piece, int) or min_piece < 1:
+            raise ValueError(f"min_piece must be a positive int, got {min_piece!r}")
+        return _balanced(cu, world_size, bool(causal), min_piece)
+
+    @property
+    def seq_len(self) -> int:
+        return self.cu_seqlens[-1]
+
+    def work_per_rank(self) -> list[int]:
+        """(query, key) pairs each rank's queries attend."""
+        return [sum(x.work(self.causal) for x in mine) for mine in self.pieces]
+
+    def imbalance(self) -> float:
+        """The slowest rank's work over the mean (1.0: balanced)."""
+        return _imbalance([list(m) for m in self.pieces], self.causal)
+
+    def crossing(self) -> frozenset:
+        """The documents with pieces on more than one rank."""
+        return _crossing(self)
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s global positions in its local order (int64, ``N / P`` of them)."""
+        return _positions(self, rank)
+
+    def order(self) -> torch.Tensor:
+        """Every rank's positions, rank after rank: ``x[:, order()]`` is the ranks' shards concatenated."""
+        return torch.cat([self.positions(r) for r in range(self.world_size)])
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout:
+    docs = range(len(cu) - 1)
+    cuttable = sorted((d for d in docs if cu[d + 1] - cu[d] >= 2 * p * min_piece),
+                      key=lambda d: (-(cu[d + 1] - cu[d]), d))
+    best = None
+    k = 0
+    while True:
+        pieces = _assign(cu, p, causal, set(cuttable[:k]))
+        score = _imbalance(pieces, causal)
+        if best is None or score < best[0] - 1e-9:
+            best = (score, pieces)
+        if score <= TARGET_IMBALANCE or k >= len(cuttable) or p == 1:
+            break
+        k = min(len(cuttable), max(1, 2 * k))
+    return DocumentLayout(cu, p, causal, tuple(tuple(m) for m in best[1]))
+
+
+@functools.lru_cache(maxsize=64)
+def _crossing(layout: DocumentLayout) -> frozenset:
+    seen, crossing = {}, set()
+    for r, mine in enumerate(layout.pieces):
+        for x in mine:
+            if seen.setdefault(x.doc, r) != r:
+                crossing.add(x.doc)
+    return frozenset(crossing)
+
+
+def ranges_to_positions(starts, lengths) -> torch.Tensor:
+    """The positions ``start .. start + length - 1`` of each range, concatenated (int64)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    starts = torch.as_tensor(starts, dtype=torch.int64)
+    if lengths.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    offsets = torch.cumsum(lengths, 0) - lengths  # where each range begins in the output
+    total = int(lengths.sum())
+    return torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(starts - offsets, lengths)
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(layout: DocumentLayout, rank: int) -> torch.Tensor:
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank must be in [0, {layout.world_size}), got {rank}")
+    mine = layout.pieces[rank]
+    return ranges_to_positions([x.start for x in mine], [x.length for x in mine])

@@ -1,0 +1,87 @@
+"""DocumentLayout: every rank holds N/P positions, together every position once, and the attended
+work of each rank's positions (counted position by position here, not from the layout's pieces)
+is balanced on the document mixes training feeds."""
+import pytest
+import torch
+
+from dilated import DocumentLayout
+from dilated.bench.documents import cu_seqlens_of
+
+
+def _work_of_positions(cu, positions, causal):
+    """Keys each position attends, summed: causal, its offset in its document + 1; else the length."""
+    cu_t = torch.tensor(cu)
+    doc = torch.bucketize(positions, cu_t[1:], right=True)
+    start, end = cu_t[doc], cu_t[doc + 1]
+    return int((positions - start + 1).sum()) if causal else int((end - start).sum())
+
+
+def _check_partition(layout, n, p):
+    seen = torch.cat([layout.positions(r) for r in range(p)])
+    assert all(layout.positions(r).numel() == n // p for r in range(p))
+    assert torch.equal(seen.sort().values, torch.arange(n))  # each position on exactly one rank
+    for r in range(p):  # a rank holds its positions in sequence order
+        pos = layout.positions(r)
+        assert bool((pos[1:] > pos[:-1]).all())
+
+
+@pytest.mark.parametrize("spec,n", [("lognormal:8k,1.0", 1 << 18), ("lognormal:8k,1.0", 1 << 20),
+                                    ("lognormal:1k,1.0", 1 << 20), ("uniform:1k-64k", 1 << 18),
+                                    ("uniform:1k-64k", 1 << 20), ("fixed:32k", 1 << 18)])
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_rank_gets_n_over_p_positions_and_equal_work(spec, n, p, causal):
+    cu = cu_seqlens_of(spec, n)
+    layout = DocumentLayout.balance(cu, p, causal)
+    _check_partition(layout, n, p)
+    work = [_work_of_positions(cu, layout.positions(r), causal) for r in range(p)]
+    assert work == layout.work_per_rank()
+    assert max(work) / (sum(work) / p) <= 1.02, work
+
+
+def test_documents_stay_whole_where_whole_documents_balance():
+    cu = cu_seqlens_of("fixed:32k", 1 << 18)  # 8 documents, 2 per rank at P=4
+    layout = DocumentLayout.balance(cu, 4, causal=True)
+    assert layout.crossing() == frozenset() and layout.imbalance() == 1.0
+
+
+def test_one_long_document_is_cut_head_tail_over_every_rank():
+    n, p = 4096, 4
+    layout = DocumentLayout.balance([0, n], p, causal=True)
+    chunk = n // (2 * p)
+    for r in range(p):  # rank r: chunks r and 2P-1-r, as zigzag cuts one sequence
+        want = torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
+                          torch.arange((2 * p - 1 - r) * chunk, (2 * p - r) * chunk)])
+        assert torch.equal(layout.positions(r), want)
+    work = [_work_of_positions([0, n], layout.positions(r), True) for r in range(p)]
+    assert len(set(work)) == 1
+
+
+def test_short_documents_are_never_cut_into_tiny_pieces():
+    cu = list(range(0, 1 << 16, 1000)) + [1 << 16]  # 1000-long documents: below 2P x 128 at P=4
+    layout = DocumentLayout.balance(cu, 4, causal=True)
+    assert all(x.length >= 128 or x.doc in layout.crossing() and x.length < 1000
+               for m in layout.pieces for x in m)
+    assert len(layout.crossing()) <= 3  # only where a rank's room ends inside a document
+    _check_partition(layout, 1 << 16, 4)
+
+
+def test_layout_order_and_a_tensor_cu_seqlens():
+    cu = torch.tensor([0, 100, 356, 1024], dtype=torch.int32)
+    layout = DocumentLayout.balance(cu, 2, causal=False, min_piece=8)
+    order = layout.order()
+    assert torch.equal(order.sort().values, torch.arange(1024))
+    assert torch.equal(order[:512], layout.positions(0)) and torch.equal(order[512:], layout.positions(1))
+
+
+@pytest.mark.parametrize("cu,p,kw,match", [
+    ([0, 10, 10, 16], 2, {}, "rise strictly"),
+    ([1, 16], 2, {}, "rise strictly"),
+    ([0, 15], 2, {}, "divisible by world_size 2"),
+    ([0, 16], 0, {}, "world_size must be a positive int"),
+    ([0, 16], 2, {"min_piece": 0}, "min_piece must be a positive int"),
+    (torch.tensor([0.0, 16.0]), 2, {}, "integer tensor"),
+])
+def test_bad_documents_name_the_argument(cu, p, kw, match):
+    with pytest.raises(ValueError, match=match):
+        DocumentLayout.balance(cu, p, **kw)
