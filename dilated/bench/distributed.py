@@ -30,7 +30,8 @@ from dilated.agreement import all_gather_text, group_device
 
 from .registry import Case, Implementation
 from .results import trusted, untrusted_reason
-from .workload import WithDocuments, grid_work_per_rank, imbalance, ulysses_size_for, work_per_rank
+from .workload import (WithDocuments, document_layout_work, grid_work_per_rank, imbalance, ulysses_size_for,
+                       work_per_rank)
 from .runner import RunOptions, run_sweep
 
 #: above this size of a gathered tensor the check reads the shards in place (16M tokens, H=16, D=128
@@ -185,6 +186,8 @@ class DistributedImplementation(Implementation):
             return None
         if self.splits_heads:  # every rank: all queries, H/P heads
             return [work_per_rank(case, 1, "contiguous")[0] / p] * p
+        if self.layout == "documents":  # the queries DocumentLayout gives each rank
+            return document_layout_work(case, p)
         if self.layout == "hybrid":  # a zigzag ring over the rows, heads split within a row
             return grid_work_per_rank(case, p, ulysses_size_for(p, case.num_heads) or 1, "zigzag")
         return work_per_rank(case, p, self.layout)

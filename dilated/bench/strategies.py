@@ -62,6 +62,10 @@ RING_IMPLEMENTATIONS = {
                      "UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank)", splits_heads=True),
     "hybrid": _make("hybrid", "dense", "hybrid", _hybrid,
                     "HybridAttention: Ulysses inside a row, zigzag ring across rows of the rank grid"),
+    "documents": _make("documents", "dense", "documents",
+                       lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b, group=g),
+                       "DocumentParallelAttention: documents balanced over the ranks (DocumentLayout), only "
+                       "crossing documents' K/V all-gathered, overlapped with the local documents"),
 }
 for _impl in RING_IMPLEMENTATIONS.values():
     register_implementation(_impl)

@@ -61,6 +61,17 @@ def per_document_order(cu, p: int) -> torch.Tensor:
     return torch.tensor(order, dtype=torch.long)
 
 
+def document_layout_work(case, p: int) -> list[float]:
+    """Attended pairs of each rank's query positions in the :class:`~dilated.DocumentLayout` of the
+    case's documents (one document without ``--doc-lengths``)."""
+    from dilated import DocumentLayout
+
+    from .documents import cu_seqlens_of
+
+    cu = cu_seqlens_of(case.documents, case.seq_len) if case.documents else (0, case.seq_len)
+    return [float(w) for w in DocumentLayout.balance(cu, p, case.causal).work_per_rank()]
+
+
 def grid_work_per_rank(case, p: int, ulysses: int, ring_layout: str) -> list[float]:
     """Attended pairs of each rank of a Ulysses x ring grid: rings of ``p / ulysses`` over the rows
     in ``ring_layout``, each ring position's heads split among ``ulysses`` consecutive ranks."""
