@@ -338,8 +338,9 @@ class DocumentParallelAttention(nn.Module):
             raise ValueError(f"cu_seqlens: the documents total {layout.seq_len} positions, but {p} shards of "
                              f"{q.shape[1]} hold {q.shape[1] * p}: cu_seqlens must end at the global length N")
         scale = default_scale(q.shape[-1], self.scale)
-        impl = get_backend(self.backend, q, k, self.causal, v=v)
         varlen = varlen_kernel(q, k, v, self.backend, self.causal)
+        # the dense kernel runs only without a varlen entry point (every call is then a varlen one)
+        impl = get_backend(self.backend, q, k, self.causal, v=v) if varlen is None else None
         small = small_documents_kernel(q, k, v, self.causal) if varlen is None and self.backend == "auto" else None
         fields = signature(q, k, v, causal=self.causal, scale=scale, documents=layout.cu_seqlens)
         return (AttentionSpec(impl, self.causal, scale), layout, varlen, small), fields

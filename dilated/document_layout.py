@@ -16,8 +16,9 @@ holding exactly ``N / P`` positions:
 
 The layout tries cutting the ``k`` documents of most work head-tail for ``k = 0, 1, 2, 4, ...``
 and keeps the first whose slowest rank is within :data:`TARGET_IMBALANCE` of the mean (else the
-most balanced it found); documents shorter than ``2P`` x :data:`MIN_PIECE` are never cut
-head-tail (pieces that small waste a kernel's tiles).
+most balanced it found); documents shorter than ``2P`` x :data:`MIN_PIECE` are cut head-tail
+only where no layout without them comes within :data:`ACCEPTABLE_IMBALANCE` of the mean (pieces
+that small waste a kernel's tiles; halving the smallest piece allowed until one does).
 
 Each rank holds its pieces in sequence order. :meth:`DocumentLayout.positions` is a rank's
 global positions (what :func:`dilated.shard` takes); a document with pieces on several ranks is
@@ -28,17 +29,19 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 #: the slowest rank's work over the mean that a layout stops at
 TARGET_IMBALANCE = 1.01
-#: documents are cut head-tail only into pieces of at least this many positions
+#: documents are cut head-tail only into pieces of at least this many positions ...
 MIN_PIECE = 128
+#: ... unless no layout with such pieces comes within this of the mean: then smaller pieces are tried
+ACCEPTABLE_IMBALANCE = 1.05
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Positions ``start .. start + length - 1`` of document ``doc``, which spans ``doc_start ..
     doc_end - 1``."""
 
@@ -73,6 +76,15 @@ def _head_tail(a: int, length: int, p: int, turn: int) -> list[list[Piece]]:
     return pieces
 
 
+def _least_loaded_with_room(load: list, room: list, length: int) -> int:
+    """The rank of least work (the lowest such rank) with room for ``length`` positions, or -1."""
+    best = -1
+    for r, free in enumerate(room):
+        if free >= length and (best < 0 or load[r] < load[best]):
+            best = r
+    return best
+
+
 def _assign(cu: tuple, p: int, causal: bool, cut: set) -> list[list[Piece]]:
     """Every rank's pieces: the documents in ``cut`` head-tail, the others whole by work (largest
     first, to the least-loaded rank with room), the rest cut at the ranks' remaining room."""
@@ -91,11 +103,10 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set) -> list[list[Piece]]:
     left = []
     for d in whole:
         a, b = cu[d], cu[d + 1]
-        fits = [r for r in range(p) if room[r] >= b - a]
-        if not fits:
+        r = _least_loaded_with_room(load, room, b - a)
+        if r < 0:
             left.append(d)
             continue
-        r = min(fits, key=lambda r: (load[r], r))
         pieces[r].append(Piece(d, a, b - a, a, b))
         room[r] -= b - a
         load[r] += _work(b - a, causal)
@@ -103,7 +114,7 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set) -> list[list[Piece]]:
         a, b = cu[d], cu[d + 1]
         at = a
         while at < b:
-            r = min((r for r in range(p) if room[r] > 0), key=lambda r: (load[r], r))
+            r = _least_loaded_with_room(load, room, 1)
             piece = Piece(d, at, min(room[r], b - at), a, b)
             pieces[r].append(piece)
             room[r] -= piece.length
@@ -181,21 +192,33 @@ class DocumentLayout:
         return torch.cat([self.positions(r) for r in range(self.world_size)])
 
 
-@functools.lru_cache(maxsize=64)
-def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout:
-    docs = range(len(cu) - 1)
-    cuttable = sorted((d for d in docs if cu[d + 1] - cu[d] >= 2 * p * min_piece),
+def _search(cu: tuple, p: int, causal: bool, min_piece: int):
+    """``(imbalance, pieces)``: cutting the k heaviest documents of at least 2P x ``min_piece``
+    positions head-tail, k = 0, 1, 2, 4, ...: the first within :data:`TARGET_IMBALANCE`, else the best."""
+    cuttable = sorted((d for d in range(len(cu) - 1) if cu[d + 1] - cu[d] >= 2 * p * min_piece),
                       key=lambda d: (-(cu[d + 1] - cu[d]), d))
-    best = None
-    k = 0
+    best, k = None, 0
     while True:
         pieces = _assign(cu, p, causal, set(cuttable[:k]))
         score = _imbalance(pieces, causal)
         if best is None or score < best[0] - 1e-9:
             best = (score, pieces)
         if score <= TARGET_IMBALANCE or k >= len(cuttable) or p == 1:
-            break
+            return best
         k = min(len(cuttable), max(1, 2 * k))
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout:
+    # a document too short for pieces of min_piece that still dominates a rank's work (the rest
+    # of the batch is shorter still) is cut into smaller pieces: an uneven rank costs more than
+    # a kernel's partly filled tiles
+    best = _search(cu, p, causal, min_piece)
+    while best[0] > ACCEPTABLE_IMBALANCE and min_piece > 1:
+        min_piece //= 2
+        found = _search(cu, p, causal, min_piece)
+        if found[0] < best[0] - 1e-9:
+            best = found
     return DocumentLayout(cu, p, causal, tuple(tuple(m) for m in best[1]))
 
 

@@ -316,3 +316,36 @@ def random_configurations(rank, world, seeds):
                 for name, (got, want) in pairs.items()}
         bad = {name: e for name, e in errs.items() if not e < tol}
         assert not bad, f"seed {seed} on {world} ranks: {c}: {bad}"
+
+
+@worker
+def documents_varlen(rank, world, kernel):
+    """DocumentParallelAttention with a varlen entry point (stand-ins of torch's ops, ``kernel="torch"``,
+    or of flash-attn 4's, ``"fa4"``): its local pieces and its crossing rectangles (q and kv of other
+    lengths) each in one varlen call, forward and backward, against each document run alone."""
+    import varlen_standins
+
+    varlen_standins.install(None, kernel)
+    backend = "auto" if kernel == "torch" else "flash_attn_4"
+    n = 48 * world
+    cu = [0, 5, n // 2 + 7, n // 2 + 9, n]  # a long document cut head-tail, short ones whole
+    for causal in (True, False):
+        module = dilated.DocumentParallelAttention(causal=causal, backend=backend)
+        layout = dilated.DocumentLayout.balance(cu, world, causal, min_piece=2)
+        assert layout.crossing(), "no crossing document: the rectangles would not run"
+        q, k, v = _full(7, n, 4, 2)
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8), dtype=q.dtype)
+        ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
+        before = dict(varlen_standins.CALLS)
+        out = module(ql, kl, vl, layout=layout)
+        out.backward(module.shard(dout, layout))
+        ran = {key: varlen_standins.CALLS[key] - before.get(key, 0) for key in varlen_standins.CALLS}
+        assert sum(c for key, c in ran.items() if key.endswith("forward")) == 2, ran  # local + rectangles
+        assert sum(c for key, c in ran.items() if key.endswith("backward")) == 2, ran
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = _per_document(qf, kf, vf, cu, causal)
+        ref.backward(dout)
+        name = f"{kernel} causal={causal}"
+        assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9, name
+        for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
+            assert _rel(module.unshard(local.grad), full.grad) < 1e-9, f"{name} d{t}"

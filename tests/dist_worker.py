@@ -269,7 +269,8 @@ def ranks_disagree(rank, world, port):
     same = torch.randn(1, 8, world, 8, generator=torch.Generator().manual_seed(0))  # heads: Ulysses splits them
     longer = torch.randn(1, 16, world, 8, generator=torch.Generator().manual_seed(0))
     modules = [dilated.RingAttention(backend="manual"), dilated.RingAttention(layout="zigzag", backend="manual"),
-               dilated.UlyssesAttention(backend="manual"), dilated.HybridAttention(1, world, backend="manual")]
+               dilated.UlyssesAttention(backend="manual"), dilated.HybridAttention(1, world, backend="manual"),
+               dilated.DocumentParallelAttention(backend="manual")]
     for module in modules:
         for cu in two:
             module(same, same, same, cu_seqlens=cu)
@@ -461,4 +462,14 @@ def document_parallel(rank, world, port):
     out = mod(*(mod.shard(x, layout) for x in (q, k, v)), cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     _check("float32 sdpa", mod.unshard(out), _documents_reference(q.double(), k.double(), v.double(), cu,
                                                                    True).float(), tol=2e-5)
+    # documents that do not cover the global sequence, a layout for another world: the same error on every rank
+    for bad, match in (({"cu_seqlens": [0, 8, n + world]}, "must end at the global length N"),
+                       ({"layout": dilated.DocumentLayout.balance([0, n], world + 1 if n % (world + 1) == 0 else 1)},
+                        "balanced for")):
+        try:
+            mod(*(mod.shard(x, layout) for x in (q, k, v)), **bad)
+        except ValueError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(f"rank {rank}: ran with {bad}")
     dist.destroy_process_group()

@@ -218,3 +218,8 @@ def test_pytorchs_per_document_layout_work_by_hand():
     work = documents_work_per_rank((0, 8, 24), True, 2, "per_document")
     assert work == [46.0, 126.0] and imbalance(work) == pytest.approx(126 / 86)
     assert documents_work_per_rank((0, 8, 24), False, 2, "per_document") == [8 * 8 + 4 * 16, 16 * 12]
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fa4"])
+def test_document_parallel_attention_in_the_kernels_varlen_entry_points(kernel):
+    mp.spawn(cp_worker.documents_varlen, args=(2, _port(), kernel), nprocs=2, join=True)

@@ -215,3 +215,23 @@ def test_sequence_parallel_steady_calls_do_not_sync_on_gpus():
 @pytest.mark.parametrize("world", [2, 3])
 def test_document_parallel_attention_matches_float64_per_document(world):
     mp.spawn(dist_worker.document_parallel, args=(world, _port()), nprocs=world, join=True)
+
+
+def test_document_mixes_one_after_another_under_torchrun(tmp_path):
+    """Several document mixes (draws #1, #2 of one distribution) are rows one after another; the
+    documents strategy's rows pass the float64 check and its work is more even than zigzag's."""
+    mixes = "lognormal:96,1.0#1;lognormal:96,1.0#2"
+    rows, stdout = _torchrun("benchmarks/specialized/benchmark_ring_attention.py", 2, tmp_path, "--seq-lengths", "1024",
+                             "--causal", "--mode", "fwd_bwd", "--doc-lengths", mixes,
+                             "--implementations", "documents,ring_zigzag")
+    docs = [r for r in rows if r["implementation"] == "documents"]
+    assert [r["config"]["documents"] for r in docs] == mixes.split(";")
+    from dilated.bench.documents import cu_seqlens_of
+
+    assert cu_seqlens_of(*mixes.split(";")[:1], 1024) != cu_seqlens_of(mixes.split(";")[1], 1024)
+    for r in docs:
+        assert r["status"] == "ok" and r["check"]["passed"], r
+        zig = next(z for z in rows if z["implementation"] == "ring_zigzag"
+                   and z["config"]["documents"] == r["config"]["documents"])
+        assert zig["work_imbalance"] > r["work_imbalance"] and r["work_imbalance"] <= 1.05, (zig, r)
+    assert "first call" in stdout

@@ -22,10 +22,12 @@ CALLS: Counter = Counter()
 
 
 def _documents(cu_q, cu_k, max_q, max_k):
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and torch.equal(cu_q, cu_k)
-    cu = cu_q.tolist()
-    assert max_q == max_k == max(b - a for a, b in zip(cu, cu[1:]))
-    return list(zip(cu, cu[1:]))
+    """``[((q start, q end), (k start, k end))]`` per document; the longest lengths given must bound
+    the real ones (the kernels read the lengths from cu_seqlens and size their grids by these)."""
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.shape == cu_k.shape
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    assert max_q >= max(b - a for a, b in zip(cq, cq[1:])) and max_k >= max(b - a for a, b in zip(ck, ck[1:]))
+    return list(zip(zip(cq, cq[1:]), zip(ck, ck[1:])))
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -33,8 +35,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     inputs)``; GQA by kv head groups."""
     g = q.shape[1] // k.shape[1]
     outs, lses = [], []
-    for a, b in _documents(cu_q, cu_k, max_q, max_k):
-        kk, vv = (x[a:b].repeat_interleave(g, 1) for x in (k, v))
+    for (a, b), (c, e) in _documents(cu_q, cu_k, max_q, max_k):
+        kk, vv = (x[c:e].repeat_interleave(g, 1) for x in (k, v))
         o, l = dense_reference(q[None, a:b].detach(), kk[None].detach(), vv[None].detach(), causal=causal, scale=scale)
         outs.append(o[0].to(q.dtype))
         lses.append(l[0])
@@ -45,11 +47,11 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dlse=None):
     """``(dq, dk, dv)`` in the inputs' dtypes from the given out and lse ``[H, T]`` (and dlse)."""
     grads = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
-    for a, b in _documents(cu_q, cu_k, max_q, max_k):
-        one = [x[None, a:b] for x in (dout, q, k, v, out)]
+    for (a, b), (c, e) in _documents(cu_q, cu_k, max_q, max_k):
+        one = [dout[None, a:b], q[None, a:b], k[None, c:e], v[None, c:e], out[None, a:b]]
         g = flash_grads(*one, lse[None, :, a:b], scale, causal, None if dlse is None else dlse[None, :, a:b])
-        for dst, gi in zip(grads, g):
-            dst[a:b] = gi[0]
+        for dst, gi, (x, y) in zip(grads, g, ((a, b), (c, e), (c, e))):
+            dst[x:y] += gi[0]
     return tuple(gi.to(x.dtype) for gi, x in zip(grads, (q, k, v)))
 
 

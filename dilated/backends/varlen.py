@@ -128,12 +128,20 @@ class TorchVarlen(VarlenKernel):
         return dq, reduce_kv_heads(dk, groups, 1), reduce_kv_heads(dv, groups, 1)
 
 
+def bucketed_max_seqlen(n: int) -> int:
+    """The longest document as flash-attn 4 is told it: the next power of two, at least 256. The
+    value is an upper bound (the kernel reads the real lengths from ``cu_seqlens``); flash-attn 4
+    derives launch choices that are part of its compiled kernel's key from it (split-KV, a
+    single-block specialisation), so each new document mix would otherwise risk a compile."""
+    return max(256, 1 << max(0, n - 1).bit_length())
+
+
 class FlashAttn4Varlen(VarlenKernel):
     name = "flash_attn_4_varlen"
 
     def _args(self, call: VarlenCall) -> dict:
-        return dict(cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
-                    max_seqlen_k=call.max_k, softmax_scale=call.scale, causal=call.causal)
+        return dict(cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=bucketed_max_seqlen(call.max_q),
+                    max_seqlen_k=bucketed_max_seqlen(call.max_k), softmax_scale=call.scale, causal=call.causal)
 
     def forward(self, q, k, v, call):
         from .flash_attn_4 import _import

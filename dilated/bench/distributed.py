@@ -317,6 +317,7 @@ def run_scaling_sweep(sweep: ScalingSweep, opts: RunOptions, writer, script: str
                 print(f"[P={row['world_size']}] {row['implementation']}/{backend} N={case.seq_len} {case.mode}"
                       f"{' causal' if case.causal else ''}: {row['status']}" + (f" {t:.3f} ms" if t is not None else "")
                       + (f", efficiency {eff:.2f}" if eff is not None else "")
+                      + (f", first call {row['first_call_ms']:.0f} ms" if row.get("first_call_ms") else "")
                       + (f" ({row['reason'][:100]})" if row.get("reason") else ""), flush=True)
     return rows
 

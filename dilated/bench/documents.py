@@ -9,7 +9,8 @@ positions (the last document cut at N), as training on packed corpora does.
   at least 1.
 
 The draw is seeded by the spec and N alone, so every rank, every implementation and the reference
-see the same documents.
+see the same documents. A suffix ``#K`` (``lognormal:8k,1.0#3``) is another draw of the same
+distribution: a new document mix, as each training batch brings.
 """
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ def parse_spec(spec: str) -> tuple:
     """``(kind, parameters)``; ValueError naming the form on a bad spec."""
     from .cli import parse_size as size  # (cli imports the runner, which imports this module's users)
 
+    spec, _, draw = spec.partition("#")
     kind, _, rest = spec.partition(":")
     try:
+        if draw and not (draw.isdigit() and draw.isascii()):
+            raise ValueError
         if kind == "fixed":
             return kind, (size(rest),)
         if kind == "uniform":
@@ -43,8 +47,9 @@ def parse_spec(spec: str) -> tuple:
             return kind, (mean, sigma)
     except (ValueError, TypeError, argparse.ArgumentTypeError):
         pass
-    raise ValueError(f"--doc-lengths {spec!r}: use fixed:LEN, uniform:MIN-MAX or lognormal:MEAN,SIGMA "
-                     "(lengths such as 8k; SIGMA a non-negative number)")
+    raise ValueError(f"--doc-lengths {spec + ('#' + draw if draw else '')!r}: use fixed:LEN, uniform:MIN-MAX or "
+                     "lognormal:MEAN,SIGMA, optionally #K for another draw (lengths such as 8k; SIGMA a non-negative "
+                     "number; K a non-negative integer)")
 
 
 @functools.lru_cache(maxsize=64)

@@ -42,15 +42,18 @@ def head_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def doc_spec(text: str) -> str:
-    """A ``--doc-lengths`` spec, checked (a usage error names the forms)."""
+def doc_specs(text: str) -> list[str]:
+    """``--doc-lengths``: one spec or several separated by ``;``, each checked (a usage error names
+    the forms)."""
     import argparse
 
+    specs = [s.strip() for s in text.split(";")]
     try:
-        parse_spec(text)
+        for spec in specs:
+            parse_spec(spec)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return specs
 
 
 def distributed_args(description: str, default_impls: list[str]):
@@ -66,9 +69,12 @@ def distributed_args(description: str, default_impls: list[str]):
     p.add_argument("--head-shapes", type=head_shapes, default=None, metavar="SHAPES",
                    help="several head shapes in one run, each H/Hkv/D or a model name: e.g. 16/16/128,llama3-8b "
                         "(llama3-8b = 32/8/128); default: --num-heads, --num-kv-heads, --head-dim")
-    p.add_argument("--doc-lengths", type=doc_spec, default=None, metavar="SPEC",
+    p.add_argument("--doc-lengths", type=doc_specs, default=None, metavar="SPEC",
                    help="packed documents (dense attention): fixed:8k, uniform:1k-64k or lognormal:MEAN,SIGMA, drawn "
-                        "with a fixed seed and packed up to N; attention and FLOPs stay within documents")
+                        "with a fixed seed and packed up to N; attention and FLOPs stay within documents. #K after a "
+                        "spec is another draw (a new document mix); several specs separated by ';' are rows one "
+                        "after another (e.g. 'lognormal:8k,1.0#1;lognormal:8k,1.0#2': each row's first_call_ms is "
+                        "the first call at a new mix)")
     add_timeout_arg(p)
     return p
 
@@ -121,11 +127,12 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
         for n in args.seq_lengths:
             big_n = n * p_ if args.scaling == "weak" else n
             segs, dils = schedule(big_n) if impl.problem.needs_schedule else (None, None)
-            docs = None if impl.problem.needs_schedule else args.doc_lengths  # documents: dense attention's
+            mixes = [None] if impl.problem.needs_schedule or not args.doc_lengths else args.doc_lengths
             out += [Case(batch=args.batch_size, seq_len=big_n, num_heads=h, head_dim=d,
                          num_kv_heads=None if hkv == h else hkv, dtype=dtype, causal=args.causal, mode=m,
                          segment_lengths=segs, dilation_rates=dils, input_scale=s, documents=docs)
-                    for h, hkv, d in shapes for m in args.mode for s in args.input_scales]
+                    for h, hkv, d in shapes for m in args.mode for s in args.input_scales
+                    for docs in mixes]  # documents: dense attention's
         return out
 
     def baseline_case(case, p_):
