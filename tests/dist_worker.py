@@ -380,14 +380,23 @@ def steady_calls_do_not_sync(rank, world, port):
     modules += [(f"hybrid {u}x{world // u}", dilated.HybridAttention(u, world // u, causal=True), True)
                 for u in (1, world)]
     modules += [("distributed dilated", dilated.DistributedDilatedAttention([512, 1024, 2048], [1, 2, 4]), False)]
+    modules += [(f"documents causal={causal}", dilated.DocumentParallelAttention(causal=causal), True)
+                for causal in (False, True)]
+
+    def shard_of(module, docs):  # a DocumentParallelAttention's shards follow the documents' layout
+        if isinstance(module, dilated.DocumentParallelAttention):
+            layout = module.layout(cu if docs is not None else [0, n])
+            return lambda t: module.shard(t, layout)
+        return module.shard
     g = torch.Generator(device=dev).manual_seed(5)
     full = [torch.randn(1, n, hh, 64, device=dev, dtype=torch.bfloat16, generator=g) for hh in (h, h // 2, h // 2)]
     dout = torch.randn(full[0].shape, device=dev, dtype=torch.bfloat16, generator=g)
     for name, module, takes_documents in modules:
         for docs in ((None, cu) if takes_documents else (None,)):
             kw = {} if docs is None else {"cu_seqlens": docs}
-            q, k, v = (module.shard(t).requires_grad_() for t in full)
-            dl = module.shard(dout)
+            shard = shard_of(module, docs)
+            q, k, v = (shard(t).requires_grad_() for t in full)
+            dl = shard(dout)
             for call in range(3):
                 if call == 2:
                     torch.cuda.synchronize()
