@@ -85,9 +85,9 @@ def _least_loaded_with_room(load: list, room: list, length: int) -> int:
     return best
 
 
-def _assign(cu: tuple, p: int, causal: bool, cut: set) -> list[list[Piece]]:
-    """Every rank's pieces: the documents in ``cut`` head-tail, the others whole by work (largest
-    first, to the least-loaded rank with room), the rest cut at the ranks' remaining room."""
+def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[list[list[Piece]], list[int]]:
+    """Every rank's pieces and work: the documents in ``cut`` head-tail, the others whole by work
+    (largest first, to the least-loaded rank with room), the rest cut at the ranks' remaining room."""
     room, load = [cu[-1] // p] * p, [0] * p
     pieces = [[] for _ in range(p)]
     turn = 0
@@ -120,11 +120,10 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set) -> list[list[Piece]]:
             room[r] -= piece.length
             load[r] += piece.work(causal)
             at += piece.length
-    return [sorted(mine, key=lambda x: x.start) for mine in pieces]
+    return [sorted(mine, key=lambda x: x.start) for mine in pieces], load
 
 
-def _imbalance(pieces: list[list[Piece]], causal: bool) -> float:
-    work = [sum(x.work(causal) for x in mine) for mine in pieces]
+def _imbalance(work: list[int]) -> float:
     return max(work) / (sum(work) / len(work)) if sum(work) else 1.0
 
 
@@ -177,7 +176,7 @@ class DocumentLayout:
 
     def imbalance(self) -> float:
         """The slowest rank's work over the mean (1.0: balanced)."""
-        return _imbalance([list(m) for m in self.pieces], self.causal)
+        return _imbalance(self.work_per_rank())
 
     def crossing(self) -> frozenset:
         """The documents with pieces on more than one rank."""
@@ -199,8 +198,8 @@ def _search(cu: tuple, p: int, causal: bool, min_piece: int):
                       key=lambda d: (-(cu[d + 1] - cu[d]), d))
     best, k = None, 0
     while True:
-        pieces = _assign(cu, p, causal, set(cuttable[:k]))
-        score = _imbalance(pieces, causal)
+        pieces, work = _assign(cu, p, causal, set(cuttable[:k]))
+        score = _imbalance(work)
         if best is None or score < best[0] - 1e-9:
             best = (score, pieces)
         if score <= TARGET_IMBALANCE or k >= len(cuttable) or p == 1:
