@@ -37,7 +37,7 @@ from .distributed import CommStats
 from .document_layout import DocumentLayout, ranges_to_positions
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import merge_
-from .packed import documents_backward, documents_forward, varlen_backward, varlen_forward
+from .document_calls import block_documents_backward, block_documents_forward
 from .plan import AttentionSpec
 
 
@@ -142,22 +142,13 @@ class DocumentCall:
     small: VarlenKernel | None
 
     def local_forward(self, q, k, v):
-        cu, spec = list(self.plan.local_cu), self.spec
-        if self.varlen is not None:
-            return varlen_forward(self.varlen, q, k, v, cu, spec.causal, spec.scale)
-
-        def attend(qd, kd, vd):
-            return attention_forward(spec.backend, qd, kd, vd, spec.causal, spec.scale)
-        return documents_forward(q, k, v, cu, attend, spec.causal, self.small and (self.small, spec.scale))
+        """``(out, lse)`` of every local piece against itself."""
+        return block_documents_forward(self.spec, self.varlen, self.small, q, k, v, list(self.plan.local_cu),
+                                       self.spec.causal)
 
     def local_backward(self, tensors):
-        cu, spec = list(self.plan.local_cu), self.spec
-        if self.varlen is not None:
-            return varlen_backward(self.varlen, tensors, cu, spec.causal, spec.scale)
-
-        def grads(*ts):
-            return attention_backward(spec.backend, *ts, spec.causal, spec.scale)
-        return documents_backward(tensors, cu, grads, spec.causal, small=self.small and (self.small, spec.scale))
+        return block_documents_backward(self.spec, self.varlen, self.small, tensors, list(self.plan.local_cu),
+                                        self.spec.causal)
 
     def crossing_forward(self, q, k, v):
         """``(out, lse [B, H, T])`` of the rectangles (every key of a rectangle visible)."""

@@ -49,7 +49,8 @@ from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import RowAccumulator
 from .backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
-from .packed import check_cu_seqlens, documents_backward, documents_forward, varlen_backward, varlen_forward
+from .document_calls import block_documents_backward, block_documents_forward
+from .packed import check_cu_seqlens
 from .plan import AttentionSpec
 
 
@@ -235,30 +236,18 @@ def _forward_piece(call: RingCall, qkv, causal: bool, docs):
     """``(out, lse)`` of one kernel call of a step on ``qkv``, or of the documents ``docs`` it holds
     (in one varlen call where the kernel has one, else in batched calls per document length)."""
     spec = call.spec
-
-    def attend(qd, kd, vd):
-        return attention_forward(spec.backend, qd, kd, vd, causal, spec.scale)
-
     if docs is None:
-        return attend(*qkv)
-    if call.varlen is not None:
-        return varlen_forward(call.varlen, *qkv, docs, causal, spec.scale)
-    return documents_forward(*qkv, docs, attend, causal, call.small and (call.small, spec.scale))
+        return attention_forward(spec.backend, *qkv, causal, spec.scale)
+    return block_documents_forward(spec, call.varlen, call.small, *qkv, docs, causal)
 
 
 def _backward_piece(call: RingCall, tensors, causal: bool, docs):
     """``(dq, dk, dv)`` of one kernel call of a step on ``tensors = (dout, q, k, v, out, lse)``, or
     of the documents ``docs`` it holds (as :func:`_forward_piece`)."""
     spec = call.spec
-
-    def grads(*ts):
-        return attention_backward(spec.backend, *ts, causal, spec.scale)
-
     if docs is None:
-        return grads(*tensors)
-    if call.varlen is not None:
-        return varlen_backward(call.varlen, tensors, docs, causal, spec.scale)
-    return documents_backward(tensors, docs, grads, causal, small=call.small and (call.small, spec.scale))
+        return attention_backward(spec.backend, *tensors, causal, spec.scale)
+    return block_documents_backward(spec, call.varlen, call.small, tensors, docs, causal)
 
 
 class _RingFunction(torch.autograd.Function):
