@@ -150,6 +150,17 @@ def _per_document(q, k, v, cu, causal):
                       for a, b in zip(cu, cu[1:])], 1)
 
 
+def _matches_per_document(module, inputs, grads_of, out, dout, cu, causal, name):
+    """``out`` and the local inputs' gradients (gathered by the module's ``unshard``) against each
+    document of the full ``inputs`` run alone, in float64."""
+    full = [t.clone().requires_grad_() for t in inputs]
+    ref = _per_document(*full, cu, causal)
+    ref.backward(dout)
+    assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9, name
+    for t, local, whole in zip("qkv", grads_of, full):
+        assert _rel(module.unshard(local.grad), whole.grad) < 1e-9, f"{name} d{t}"
+
+
 @worker
 def ring_documents(rank, world, varlen=None):
     """Ring (contiguous and zigzag) and the hybrid with packed documents that cross shard and
@@ -191,13 +202,8 @@ def ring_documents(rank, world, varlen=None):
             ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
             out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
             out.backward(module.shard(dout))
-            qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-            ref = _per_document(qf, kf, vf, cu, causal)
-            ref.backward(dout)
             name = f"{type(module).__name__} {getattr(module, 'layout', '')} causal={causal}"
-            assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9, name
-            for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
-                assert _rel(module.unshard(local.grad), full.grad) < 1e-9, f"{name} d{t}"
+            _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal, name)
     if varlen is not None:  # every ring call ran its chunks' own documents in the varlen kernel
         calls = varlen_standins.CALLS
         assert calls["torch_forward"] >= 2 * len(modules) and calls["torch_backward"] >= 2 * len(modules), calls
@@ -342,10 +348,4 @@ def documents_varlen(rank, world, kernel):
         ran = {key: varlen_standins.CALLS[key] - before.get(key, 0) for key in varlen_standins.CALLS}
         assert sum(c for key, c in ran.items() if key.endswith("forward")) == 2, ran  # local + rectangles
         assert sum(c for key, c in ran.items() if key.endswith("backward")) == 2, ran
-        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-        ref = _per_document(qf, kf, vf, cu, causal)
-        ref.backward(dout)
-        name = f"{kernel} causal={causal}"
-        assert _rel(module.unshard(out.detach()), ref.detach()) < 1e-9, name
-        for t, (local, full) in zip("qkv", ((ql, qf), (kl, kf), (vl, vf))):
-            assert _rel(module.unshard(local.grad), full.grad) < 1e-9, f"{name} d{t}"
+        _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal, f"{kernel} causal={causal}")
