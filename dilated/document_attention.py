@@ -131,7 +131,8 @@ def _flat(x):
 @dataclass(frozen=True)
 class DocumentCall:
     """One call's kernel spec, layout, group and kernels (``varlen``: the backend's varlen entry point
-    or None; ``small``: torch's varlen kernel for batched calls too small otherwise, or None)."""
+    or None; ``small``: torch's varlen kernel for batched calls too small otherwise, or None), on
+    ``rank`` of the group (``plan``: its :class:`RankPlan`)."""
 
     spec: AttentionSpec
     layout: DocumentLayout
@@ -140,6 +141,7 @@ class DocumentCall:
     stats: CommStats
     varlen: VarlenKernel | None
     small: VarlenKernel | None
+    rank: int
 
     def local_forward(self, q, k, v):
         """``(out, lse)`` of every local piece against itself."""
@@ -150,9 +152,10 @@ class DocumentCall:
         return block_documents_backward(self.spec, self.varlen, self.small, tensors, list(self.plan.local_cu),
                                         self.spec.causal)
 
-    def crossing_forward(self, q, k, v):
-        """``(out, lse [B, H, T])`` of the rectangles (every key of a rectangle visible)."""
-        cu_q, cu_k, spec = self.plan.cu_q, self.plan.cu_k, self.spec
+    def crossing_forward(self, q, k, v, cu_q, cu_k):
+        """``(out, lse [B, H, T])`` of the rectangles ``cu_q`` x ``cu_k`` (cumulative query and key
+        counts; every key of a rectangle visible)."""
+        spec = self.spec
         b, tq, h = q.shape[:3]
         if self.varlen is not None:
             call = _batched_call(cu_q, cu_k, b, tq, k.shape[1], False, spec.scale, q.device)
@@ -165,8 +168,9 @@ class DocumentCall:
             lses.append(lse)
         return torch.cat(outs, 1), torch.cat(lses, 2)
 
-    def crossing_backward(self, dout, q, k, v, out, lse):
-        cu_q, cu_k, spec = self.plan.cu_q, self.plan.cu_k, self.spec
+    def crossing_backward(self, dout, q, k, v, out, lse, cu_q, cu_k):
+        """``(dq, dk, dv)`` of the rectangles of :meth:`crossing_forward`."""
+        spec = self.spec
         if self.varlen is not None:
             b, tq, h = q.shape[:3]
             call = _batched_call(cu_q, cu_k, b, tq, k.shape[1], False, spec.scale, q.device)
@@ -180,18 +184,88 @@ class DocumentCall:
         return tuple(torch.cat([g[i] for g in parts], 1) for i in range(3))
 
 
+@dataclass(frozen=True)
+class DocumentParts:
+    """The validated parts of a call on a :class:`~dilated.DocumentLayout` (shared by every module
+    that takes one): the kernel spec, the layout and the kernels of :class:`DocumentCall`."""
+
+    spec: AttentionSpec
+    layout: DocumentLayout
+    varlen: VarlenKernel | None
+    small: VarlenKernel | None
+
+    @classmethod
+    def resolve(cls, q, k, v, *, causal: bool, scale, backend: str, world_size: int, cu_seqlens=None,
+                layout=None) -> "DocumentParts":
+        """Check the shards ``[B, N/P, H, D]`` against ``cu_seqlens`` (global cumulative lengths;
+        None: one document) or ``layout`` over ``world_size`` ranks, and pick the kernels; a
+        ValueError or TypeError naming the argument where they disagree."""
+        check_qkv(q, k, v)
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
+        p = world_size
+        if layout is None:
+            layout = DocumentLayout.balance([0, q.shape[1] * p] if cu_seqlens is None else cu_seqlens, p, causal)
+        elif not isinstance(layout, DocumentLayout):
+            raise TypeError(f"layout must be a DocumentLayout (DocumentLayout.balance), got {type(layout).__name__}")
+        elif cu_seqlens is not None:
+            raise ValueError("pass cu_seqlens or layout, not both (a layout holds its documents)")
+        if layout.world_size != p or layout.causal != causal:
+            raise ValueError(f"layout: balanced for {layout.world_size} ranks, causal={layout.causal}; this module runs "
+                             f"on {p} ranks, causal={causal}: build it with module.document_layout(cu_seqlens)")
+        if layout.seq_len != q.shape[1] * p:
+            raise ValueError(f"cu_seqlens: the documents total {layout.seq_len} positions, but {p} shards of "
+                             f"{q.shape[1]} hold {q.shape[1] * p}: cu_seqlens must end at the global length N")
+        scale = default_scale(q.shape[-1], scale)
+        varlen = varlen_kernel(q, k, v, backend, causal)
+        # the dense kernel runs only without a varlen entry point (every call is then a varlen one)
+        impl = get_backend(backend, q, k, causal, v=v) if varlen is None else None
+        small = small_documents_kernel(q, k, v, causal) if varlen is None and backend == "auto" else None
+        return cls(AttentionSpec(impl, causal, scale), layout, varlen, small)
+
+    def signature(self, q, k, v, **more) -> dict:
+        """The fields every rank must agree on (:func:`dilated.agreement.signature`)."""
+        return signature(q, k, v, causal=self.spec.causal, scale=self.spec.scale, documents=self.layout.cu_seqlens,
+                         **more)
+
+    def call(self, rank: int, group, stats: CommStats) -> DocumentCall:
+        """The :class:`DocumentCall` of ``rank``."""
+        return DocumentCall(self.spec, self.layout, rank_plan(self.layout, rank), group, stats, self.varlen,
+                            self.small, rank)
+
+
 #: one all-gather into one tensor (torch renamed all_gather_into_tensor to all_gather_single)
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def crossing_rows(k, v, send, rows: int):
+    """This rank's K/V rows ``send`` of crossing documents as one buffer ``[B, rows, Hkv, Dk + Dv]``
+    (zero-padded to the ``rows`` every rank sends)."""
+    mine = k.new_zeros(k.shape[0], rows, k.shape[2], k.shape[3] + v.shape[3])
+    mine[:, :send.numel()] = torch.cat([k[:, send], v[:, send]], -1)
+    return mine
+
+
+def split_kv(rows, dk: int):
+    """``(k, v)`` of a buffer of :func:`crossing_rows` (keys: the first ``dk`` channels)."""
+    return rows[..., :dk], rows[..., dk:]
+
+
+def add_crossing_grads(dk, dv, got, send):
+    """Add the gradient rows ``got`` (``[B, rows, Hkv, Dk + Dv]``, this rank's crossing rows first)
+    to ``dk``/``dv`` at the local rows ``send``."""
+    if send.numel():
+        got = got[:, :send.numel()]
+        dk[:, send] += got[..., :dk.shape[3]]
+        dv[:, send] += got[..., dk.shape[3]:]
+
+
 def _gather_kv(call: DocumentCall, k, v, send):
     """Start the all-gather of this rank's crossing K/V rows: ``(work, gathered [P, B, rows, Hkv, Dk + Dv])``."""
-    b, _, hkv, dk = k.shape
-    p, rows = call.layout.world_size, call.plan.rows
-    mine = k.new_zeros(b, rows, hkv, dk + v.shape[3])
-    mine[:, :send.numel()] = torch.cat([k[:, send], v[:, send]], -1)
-    gathered = k.new_empty(p * b, *mine.shape[1:])  # rank-major, as every backend takes it
+    p = call.layout.world_size
+    mine = crossing_rows(k, v, send, call.plan.rows)
+    gathered = k.new_empty(p * k.shape[0], *mine.shape[1:])  # rank-major, as every backend takes it
     work = _ALL_GATHER(gathered, mine, group=call.group, async_op=True)
     call.stats.sent(mine.numel() * mine.element_size(), collective=True)
     return work, gathered.view(p, *mine.shape)
@@ -201,8 +275,7 @@ def _crossing_kv(gathered, k_slots, dk: int):
     """The rectangles' keys and values from the gathered buffer, ``[B, T, Hkv, D]`` each."""
     p, b, rows = gathered.shape[:3]
     flat = gathered.transpose(0, 1).reshape(b, p * rows, *gathered.shape[3:])
-    picked = flat.index_select(1, k_slots)
-    return picked[..., :dk], picked[..., dk:]
+    return split_kv(flat.index_select(1, k_slots), dk)
 
 
 class _DocumentFunction(torch.autograd.Function):
@@ -224,7 +297,7 @@ class _DocumentFunction(torch.autograd.Function):
         gathered = pending[1] if pending is not None else None
         if q_rows.numel():
             kr, vr = _crossing_kv(gathered, k_slots, k.shape[3])
-            o_r, lse_r = call.crossing_forward(q[:, q_rows], kr, vr)
+            o_r, lse_r = call.crossing_forward(q[:, q_rows], kr, vr, plan.cu_q, plan.cu_k)
             acc = out[:, q_rows].to(acc_dtype(q.dtype))
             acc_lse = lse[:, :, q_rows].transpose(1, 2).contiguous()
             merge_(acc, acc_lse, o_r, lse_r.transpose(1, 2))
@@ -251,7 +324,7 @@ class _DocumentFunction(torch.autograd.Function):
                 try:
                     kr, vr = _crossing_kv(rest[0], k_slots, dk_all)
                     d_rows = call.crossing_backward(dout[:, q_rows], q[:, q_rows], kr, vr, out[:, q_rows],
-                                                    lse[:, :, q_rows].contiguous())
+                                                    lse[:, :, q_rows].contiguous(), plan.cu_q, plan.cu_k)
                     d_full.index_add_(1, k_slots, torch.cat([d_rows[1], d_rows[2]], -1).to(acc))
                 except Exception as e:  # noqa: BLE001 - raised once this rank has joined the reduce-scatter
                     failure = e
@@ -273,10 +346,8 @@ class _DocumentFunction(torch.autograd.Function):
         dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
         if d_rows is not None:
             dq[:, q_rows] += d_rows[0].to(acc)
-        if pending is not None and send.numel():
-            got = pending[1][:, :send.numel()]
-            dk[:, send] += got[..., :k.shape[3]]
-            dv[:, send] += got[..., k.shape[3]:]
+        if pending is not None:
+            add_crossing_grads(dk, dv, pending[1], send)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -292,7 +363,7 @@ class DocumentParallelAttention(nn.Module):
         group: the process group (default: the world).
         measure_comm: record the time the compute stream waits on communication in ``self.stats``.
 
-    The layout of a batch's documents is :meth:`layout` (computed on the host, cached per
+    The layout of a batch's documents is :meth:`document_layout` (computed on the host, cached per
     ``cu_seqlens``); shard inputs with :meth:`shard` and gather results with :meth:`unshard`.
     """
 
@@ -306,35 +377,16 @@ class DocumentParallelAttention(nn.Module):
         self._agreed = AgreedSignatures()
         self.last_layout = None
 
-    def layout(self, cu_seqlens) -> DocumentLayout:
+    def document_layout(self, cu_seqlens) -> DocumentLayout:
         """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` (cumulative lengths
         ``[0, ..., N]`` of the global sequence) over this module's group."""
         return DocumentLayout.balance(cu_seqlens, dist.get_world_size(self.group), self.causal)
 
     def _validate(self, q, k, v, cu_seqlens, layout):
-        check_qkv(q, k, v)
-        if k.shape[1] != q.shape[1]:
-            raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
-        p = dist.get_world_size(self.group)
-        if layout is None:
-            layout = self.layout([0, q.shape[1] * p] if cu_seqlens is None else cu_seqlens)
-        elif not isinstance(layout, DocumentLayout):
-            raise TypeError(f"layout must be a DocumentLayout (DocumentLayout.balance), got {type(layout).__name__}")
-        elif cu_seqlens is not None:
-            raise ValueError("pass cu_seqlens or layout, not both (a layout holds its documents)")
-        if layout.world_size != p or layout.causal != self.causal:
-            raise ValueError(f"layout: balanced for {layout.world_size} ranks, causal={layout.causal}; this module runs "
-                             f"on {p} ranks, causal={self.causal}: build it with module.layout(cu_seqlens)")
-        if layout.seq_len != q.shape[1] * p:
-            raise ValueError(f"cu_seqlens: the documents total {layout.seq_len} positions, but {p} shards of "
-                             f"{q.shape[1]} hold {q.shape[1] * p}: cu_seqlens must end at the global length N")
-        scale = default_scale(q.shape[-1], self.scale)
-        varlen = varlen_kernel(q, k, v, self.backend, self.causal)
-        # the dense kernel runs only without a varlen entry point (every call is then a varlen one)
-        impl = get_backend(self.backend, q, k, self.causal, v=v) if varlen is None else None
-        small = small_documents_kernel(q, k, v, self.causal) if varlen is None and self.backend == "auto" else None
-        fields = signature(q, k, v, causal=self.causal, scale=scale, documents=layout.cu_seqlens)
-        return (AttentionSpec(impl, self.causal, scale), layout, varlen, small), fields
+        parts = DocumentParts.resolve(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,
+                                      world_size=dist.get_world_size(self.group), cu_seqlens=cu_seqlens,
+                                      layout=layout)
+        return parts, parts.signature(q, k, v)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
         """``cu_seqlens``: the documents of the *global* sequence (int32 cumulative lengths ``[0, ...,
@@ -344,11 +396,10 @@ class DocumentParallelAttention(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("DocumentParallelAttention needs torch.distributed initialised "
                                "(see dilated.init_distributed)")
-        spec, layout, varlen, small = validate_on_all_ranks(
-            self.group, self._agreed, "DocumentParallelAttention", lambda: self._validate(q, k, v, cu_seqlens, layout))
-        self.last_layout = layout
-        plan = rank_plan(layout, dist.get_rank(self.group))
-        call = DocumentCall(spec, layout, plan, self.group, self.stats, varlen, small)
+        parts = validate_on_all_ranks(self.group, self._agreed, "DocumentParallelAttention",
+                                      lambda: self._validate(q, k, v, cu_seqlens, layout))
+        self.last_layout = parts.layout
+        call = parts.call(dist.get_rank(self.group), self.group, self.stats)
         return _DocumentFunction.apply(dense_rows(q), k.contiguous(), v.contiguous(), call)
 
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
@@ -366,5 +417,5 @@ class DocumentParallelAttention(nn.Module):
 
     def _last(self) -> DocumentLayout:
         if self.last_layout is None:
-            raise ValueError("no layout given and no call made yet: pass layout=module.layout(cu_seqlens)")
+            raise ValueError("no layout given and no call made yet: pass layout=module.document_layout(cu_seqlens)")
         return self.last_layout

@@ -8,8 +8,11 @@ ring's steps are ``ring_size``, not the world size; heads need only be divisible
 
 Layout (:meth:`HybridAttention.shard`): the global sequence is cut into ``ring_size`` ring shards
 in ``layout`` (``zigzag`` balances causal work over the ring), and each ring shard into
-``ulysses_size`` contiguous parts, one per rank of its grid row. Construct it on every rank of the
-default process group (it creates the row and column groups, a collective).
+``ulysses_size`` contiguous parts, one per rank of its grid row; ``layout="documents"``: the ring
+shards are those of the :class:`~dilated.DocumentLayout` of each call's documents over the
+``ring_size`` rows, and the ring passes only crossing documents' rows (:mod:`dilated.document_ring`).
+Construct it on every rank of the default process group (it creates the row and column groups, a
+collective).
 """
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ from torch import nn
 
 from ._checks import check_causal, check_qkv, check_scale, dense_rows
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .distributed import LAYOUTS, CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
+from .distributed import CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
+from .document_layout import DocumentLayout
 from .functional import attention, default_scale
 from .packed import check_cu_seqlens
-from .ring_attention import RingAttention
+from .ring_attention import RING_LAYOUTS, RingAttention
 from .ulysses_attention import kv_heads_for
 
 
@@ -45,8 +49,8 @@ class HybridAttention(nn.Module):
         if ulysses_size * ring_size != len(ranks):
             raise ValueError(f"ulysses_size x ring_size = {ulysses_size} x {ring_size} = {ulysses_size * ring_size} "
                              f"must equal the group's size {len(ranks)}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout not in RING_LAYOUTS:
+            raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
         check_causal(causal)
         check_scale(scale)
         self.ulysses_size, self.ring_size, self.layout, self.group = ulysses_size, ring_size, layout, group
@@ -67,7 +71,12 @@ class HybridAttention(nn.Module):
         self.stats = self.ring.stats = CommStats(measure_comm)  # the all-to-alls and the ring's steps together
         self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
 
-    def _validate(self, q, k, v, cu_seqlens):
+    def document_layout(self, cu_seqlens) -> DocumentLayout:
+        """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` over the ring
+        (``layout="documents"``)."""
+        return DocumentLayout.balance(cu_seqlens, self.ring_size, self.causal)
+
+    def _validate(self, q, k, v, cu_seqlens, layout):
         check_qkv(q, k, v)
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"q and k/v parts must have one length, got {q.shape[1]} and {k.shape[1]}")
@@ -79,35 +88,44 @@ class HybridAttention(nn.Module):
                              f"{self.ulysses_size} must be even (global N divisible by 2 x world size)")
         hkv = kv_heads_for(q.shape[2], k.shape[2], self.ulysses_size)
         scale = default_scale(q.shape[-1], self.scale)
+        if layout is not None and self.layout != "documents":
+            raise ValueError(f"layout: a DocumentLayout is taken by HybridAttention(layout='documents'); this "
+                             f"module's ring shards are {self.layout}")
+        if layout is not None and cu_seqlens is not None:
+            raise ValueError("pass cu_seqlens or layout, not both (a layout holds its documents)")
+        if layout is not None:
+            cu_seqlens = layout.cu_seqlens
         docs = None if cu_seqlens is None else check_cu_seqlens(
             cu_seqlens, q.shape[1] * self.ulysses_size * self.ring_size)
         return hkv, signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, algorithm="hybrid",
                               grid=[self.ring_size, self.ulysses_size], documents=docs)
 
-    def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
+    def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths,
-        the same on every rank); attention stays within each document."""
+        the same on every rank); attention stays within each document. ``layout="documents"``:
+        or ``layout``, their :class:`~dilated.DocumentLayout` over the ring (:meth:`document_layout`)."""
         # every rank of the grid agrees before any row or column communicates (a row that stopped
         # alone would leave the ring of the others waiting)
         hkv = validate_on_all_ranks(self.group, self._agreed, "HybridAttention",
-                                    lambda: self._validate(q, k, v, cu_seqlens))
+                                    lambda: self._validate(q, k, v, cu_seqlens, layout))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
         q, k, v = (sequence_to_heads(dense_rows(x), self.ulysses_group, self.stats) for x in (q, k, v))
-        if self.ring_size == 1:  # a ring of one: the whole sequence on this row's heads (Ulysses)
+        if self.ring_size == 1 and self.layout != "documents":  # the whole sequence on this row's heads (Ulysses)
             out = attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,
                             cu_seqlens=cu_seqlens)
-        else:
-            out = self.ring(q, k, v, cu_seqlens=cu_seqlens)  # ring shards in self.layout, this row's heads
+        else:  # ring shards in self.layout, this row's heads
+            out = self.ring(q, k, v, cu_seqlens=cu_seqlens, **({} if layout is None else {"layout": layout}))
         return heads_to_sequence(out, self.ulysses_group, self.stats)
 
-    def shard(self, x: torch.Tensor) -> torch.Tensor:
+    def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor: its ring shard
-        (in ``layout`` over ``ring_size``), then its contiguous part of that (over ``ulysses_size``)."""
-        ring_part = shard(x, group=self.ring_group, layout=self.layout)
+        (in ``layout`` over ``ring_size``; ``layout="documents"``: ``layout``, default the last
+        call's), then its contiguous part of that (over ``ulysses_size``)."""
+        ring_part = self.ring.shard(x, layout)
         return shard(ring_part, group=self.ulysses_group, layout="contiguous")
 
-    def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
+    def unshard(self, x_local: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """The global tensor from every rank's part (all-gathers along the row, then the column)."""
         ring_part = unshard(x_local, group=self.ulysses_group, layout="contiguous")
-        return unshard(ring_part, group=self.ring_group, layout=self.layout)
+        return self.ring.unshard(ring_part, layout)

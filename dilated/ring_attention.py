@@ -49,44 +49,19 @@ from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import RowAccumulator
 from .backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
+from .document_attention import DocumentParts
 from .document_calls import block_documents_backward, block_documents_forward
+from .document_layout import DocumentLayout
+from .document_ring import document_ring_attention
 from .packed import check_cu_seqlens
 from .plan import AttentionSpec
+from .ring_exchange import RingExchange
 
 
 TRANSPORTS = ("auto", "copy_engine", "p2p")
-
-
-class _Ring:
-    """Batched send to the next rank and receive from the previous one."""
-
-    def __init__(self, group, stats: CommStats):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group else (self.rank - 1) % self.size
-        self.stats = stats
-
-    def start(self, sends: tuple[torch.Tensor, ...], tag: int = 0):
-        """Send each tensor to next, receive one like it from prev (one batch of messages: no copy
-        into one buffer). K/V and dK/dV are in flight together in backward: distinct tags (``tag``
-        plus twice the tensor's index) keep gloo from matching one for the other (NCCL matches in
-        issue order)."""
-        recvs = tuple(torch.empty_like(t) for t in sends)
-        ops = []
-        for i, (send, recv) in enumerate(zip(sends, recvs)):
-            ops += [dist.P2POp(dist.isend, send, self.next, self.group, tag + 2 * i),
-                    dist.P2POp(dist.irecv, recv, self.prev, self.group, tag + 2 * i)]
-            self.stats.sent(send.numel() * send.element_size())
-        return dist.batch_isend_irecv(ops), recvs
-
-    def wait(self, pending) -> tuple[torch.Tensor, ...]:
-        reqs, recvs = pending
-        with self.stats.waiting(recvs[0].device):
-            for r in reqs:
-                r.wait()
-        return recvs
+#: shard layouts of RingAttention: those of :func:`dilated.shard`, and ``"documents"`` (a
+#: :class:`~dilated.DocumentLayout` of each call's documents, see :mod:`dilated.document_ring`)
+RING_LAYOUTS = ("contiguous", "zigzag", "documents")
 
 
 def _plan(step_src: int, rank: int, n: int, causal: bool, layout: str):
@@ -149,7 +124,7 @@ def _pieces(plan, src: int, rank: int, p: int, n: int, layout: str, cu):
     return out
 
 
-def _ring_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: bool):
+def _ring_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, overlap: bool):
     """Yield ``(k_block, v_block, plan)`` for each ring step; the next block is in flight meanwhile
     (or, with ``overlap=False``, received before the current one is computed)."""
     rank, p = ring.rank, ring.size
@@ -167,7 +142,7 @@ def _ring_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: 
         ring.stats.steps += 1
 
 
-def _pulled_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap: bool):
+def _pulled_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, overlap: bool):
     """``_ring_blocks`` by copy-engine pulls from each block's owner: the pull of step s + 1 runs on
     a high-priority side stream while step s computes (``overlap=False``: right before it)."""
     rank, p = ring.rank, ring.size
@@ -202,7 +177,7 @@ def _pulled_blocks(ring: _Ring, k, v, n: int, causal: bool, layout: str, overlap
     cur.wait_stream(side)
 
 
-def _blocks(transport: str, ring: _Ring, k, v, n, causal, layout, overlap):
+def _blocks(transport: str, ring: RingExchange, k, v, n, causal, layout, overlap):
     fn = _pulled_blocks if transport == "copy_engine" and ring.size > 1 else _ring_blocks
     return fn(ring, k, v, n, causal, layout, overlap)
 
@@ -226,7 +201,7 @@ class RingCall:
     varlen: VarlenKernel | None = None
     small: VarlenKernel | None = None
 
-    def steps(self, ring: _Ring, k, v, n: int):
+    def steps(self, ring: RingExchange, k, v, n: int):
         """``(k block, v block, kernel calls)`` per ring step."""
         for kb, vb, plan, src in _blocks(self.transport, ring, k, v, n, self.spec.causal, self.layout, self.overlap):
             yield kb, vb, _pieces(plan, src, ring.rank, ring.size, n, self.layout, self.cu)
@@ -254,7 +229,7 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     @one_operation()
     def forward(ctx, q, k, v, call: RingCall):
-        ring, n = _Ring(call.group, call.stats), q.shape[1]
+        ring, n = RingExchange(call.group, call.stats), q.shape[1]
         rows = RowAccumulator.merging((*q.shape[:3], v.shape[3]), q.device, acc_dtype(q.dtype))
         failure = None
         for kb, vb, pieces in call.steps(ring, k, v, n):
@@ -279,7 +254,7 @@ class _RingFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         call = ctx.call
-        ring = _Ring(call.group, call.stats)
+        ring = RingExchange(call.group, call.stats)
         p, n, dtype = ring.size, q.shape[1], acc_dtype(q.dtype)
         dout = dout.contiguous()
         dq = RowAccumulator.summing([q.shape], q.device, dtype)
@@ -325,6 +300,9 @@ class RingAttention(nn.Module):
 
     ``transport`` is how K/V blocks move (see the module docstring: ``"auto"``, ``"copy_engine"``,
     ``"p2p"``); ``self.transport_used`` says which the last call took.
+    ``layout="documents"``: the shards are in the :class:`~dilated.DocumentLayout` of each call's
+    documents (:meth:`document_layout`, :meth:`shard`); only crossing documents' K/V rows pass around
+    the ring, by send/recv (:mod:`dilated.document_ring`).
     ``overlap=False`` waits for each K/V block before computing (for measuring what overlap buys);
     ``measure_comm=True`` records the time the compute stream stalls on communication in
     ``self.stats`` (a :class:`dilated.distributed.CommStats`; CUDA events, read lazily).
@@ -333,18 +311,25 @@ class RingAttention(nn.Module):
     def __init__(self, *, causal=False, scale=None, backend="auto", layout="contiguous", group=None,
                  overlap: bool = True, measure_comm: bool = False, transport: str = "auto"):
         super().__init__()
-        from .distributed import LAYOUTS
-
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout not in RING_LAYOUTS:
+            raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if layout == "documents" and transport == "copy_engine":
+            raise ValueError("transport='copy_engine' pulls whole shards; with layout='documents' only crossing "
+                             "documents' rows move, by send/recv: use transport='p2p' or 'auto'")
         check_causal(causal)
         check_scale(scale)
         self.causal, self.scale, self.backend, self.layout, self.group = causal, scale, backend, layout, group
         self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
         self.overlap, self.transport, self.transport_used = overlap, transport, None
         self.stats = CommStats(measure_comm)
+        self.last_layout = None
+
+    def document_layout(self, cu_seqlens) -> DocumentLayout:
+        """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` (global cumulative
+        lengths) over this module's group (``layout="documents"``)."""
+        return DocumentLayout.balance(cu_seqlens, dist.get_world_size(self.group), self.causal)
 
     def _resolve_transport(self, k, v) -> str:
         if self.transport == "p2p":
@@ -375,15 +360,22 @@ class RingAttention(nn.Module):
             small = small_documents_kernel(q, k, v, self.causal)
         return (AttentionSpec(impl, self.causal, scale), docs, varlen, small), fields
 
-    def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
+    def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
         ``[0, ..., N]`` in sequence order, the same on every rank); attention stays within each
         document (the documents of a chunk with itself in one varlen call where the kernel has
         a varlen entry point, else in batched calls per length, ``auto`` running those of calls too
         small to keep the GPU busy in one call of torch's varlen kernel; one call per document and
-        pair of different chunks it meets in a step)."""
+        pair of different chunks it meets in a step). With ``layout="documents"`` the shards are in
+        the documents' :class:`~dilated.DocumentLayout`, or pass that ``layout`` instead of
+        ``cu_seqlens``."""
         if not dist.is_initialized():
             raise RuntimeError("RingAttention needs torch.distributed initialised (see dilated.init_distributed)")
+        if self.layout == "documents":
+            return self._documents(q, k, v, cu_seqlens, layout)
+        if layout is not None:
+            raise ValueError(f"layout: a DocumentLayout is taken by RingAttention(layout='documents'); this module's "
+                             f"shards are {self.layout}")
         spec, docs, varlen, small = validate_on_all_ranks(self.group, self._agreed, "RingAttention",
                                                           lambda: self._validate(q, k, v, cu_seqlens))
         q, k, v = dense_rows(q), k.contiguous(), v.contiguous()
@@ -392,17 +384,39 @@ class RingAttention(nn.Module):
                         small)
         return _RingFunction.apply(q, k, v, call)
 
-    def shard(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor, in this module's layout."""
+    def _documents(self, q, k, v, cu_seqlens, layout):
+        def validate():
+            parts = DocumentParts.resolve(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,
+                                          world_size=dist.get_world_size(self.group), cu_seqlens=cu_seqlens,
+                                          layout=layout)
+            return parts, parts.signature(q, k, v, algorithm="ring", layout="documents")
+
+        parts = validate_on_all_ranks(self.group, self._agreed, "RingAttention", validate)
+        self.last_layout, self.transport_used = parts.layout, "p2p"
+        call = parts.call(dist.get_rank(self.group), self.group, self.stats)
+        return document_ring_attention(dense_rows(q), k.contiguous(), v.contiguous(), call)
+
+    def _shard_layout(self, layout):
+        if self.layout != "documents":
+            return self.layout
+        layout = layout or self.last_layout
+        if layout is None:
+            raise ValueError("layout='documents': no layout given and no call made yet: pass "
+                             "layout=module.document_layout(cu_seqlens)")
+        return layout
+
+    def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
+        """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor, in this module's
+        layout (``layout="documents"``: ``layout``, default the last call's)."""
         from .distributed import shard
 
-        return shard(x, group=self.group, layout=self.layout)
+        return shard(x, group=self.group, layout=self._shard_layout(layout))
 
-    def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
+    def unshard(self, x_local: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """The global tensor from every rank's part (an all-gather), in sequence order."""
         from .distributed import unshard
 
-        return unshard(x_local, group=self.group, layout=self.layout)
+        return unshard(x_local, group=self.group, layout=self._shard_layout(layout))
 
 
 _MODULES: dict = {}  # (group, settings) -> RingAttention: the agreed input signatures are kept per module

@@ -1,5 +1,6 @@
 """Workers for tests/test_distributed.py: real gloo process groups, no mocks."""
 import datetime
+import functools
 import os
 
 import torch
@@ -312,12 +313,12 @@ def random_strategies(rank, world, port, seed, count):
     rng = random.Random(seed)
     grids = [u for u in range(1, world + 1) if world % u == 0]
     for it in range(count):
-        kind = rng.choice(["ring", "zigzag", "ulysses", "hybrid", "dilated"])
+        kind = rng.choice(["ring", "zigzag", "ulysses", "hybrid", "dilated", "ring_documents", "hybrid_documents"])
         causal = rng.random() < 0.5
         unit = 2 * world if kind in ("zigzag", "hybrid") else world
         n = unit * rng.randint(1, 8)
         hkv = rng.choice([1, 2, world])
-        h = hkv * rng.choice([1, 2]) if kind not in ("ulysses", "hybrid") else world * hkv
+        h = hkv * rng.choice([1, 2]) if kind not in ("ulysses", "hybrid", "hybrid_documents") else world * hkv
         backend = rng.choice(["manual", "sdpa", "sdpa_math"])
         g = torch.Generator().manual_seed(seed * 1000 + it)
         b = rng.choice([1, 2])
@@ -331,17 +332,24 @@ def random_strategies(rank, world, port, seed, count):
             mod = dilated.RingAttention(causal=causal, backend=backend, layout="zigzag")
         elif kind == "ulysses":
             mod = dilated.UlyssesAttention(causal=causal, backend=backend)
-        elif kind == "hybrid":
+        elif kind in ("hybrid", "hybrid_documents"):
             u = rng.choice(grids)
-            mod = dilated.HybridAttention(u, world // u, causal=causal, backend=backend)
+            mod = dilated.HybridAttention(u, world // u, causal=causal, backend=backend,
+                                          layout="documents" if kind == "hybrid_documents" else "zigzag")
+        elif kind == "ring_documents":
+            mod = dilated.RingAttention(causal=causal, backend=backend, layout="documents")
         else:
             segs = sorted(rng.choice([2, 4, 6, 8, 16, 24, 32]) for _ in range(rng.randint(1, 3)))
             dils = [1] + [min(rng.choice([1, 2, 4]), w) for w in segs[1:]]
             mod = dilated.DistributedDilatedAttention(segs, dils, causal=causal, backend=backend)
-        mine = [mod.shard(x).clone().requires_grad_() for x in (q, k, v)]
+        shard = mod.shard
+        if kind.endswith("_documents"):  # shards in the DocumentLayout of the documents (one without cu)
+            layout = mod.document_layout(cu or [0, n])
+            shard = functools.partial(mod.shard, layout=layout)
+        mine = [shard(x).clone().requires_grad_() for x in (q, k, v)]
         kw = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
         out = mod(*mine, **kw)
-        grads = torch.autograd.grad(out, mine, mod.shard(dout))
+        grads = torch.autograd.grad(out, mine, shard(dout))
         ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
         if kind == "dilated":
             ref = dilated_reference(*ref_in, segs, dils, causal=causal)
@@ -383,9 +391,14 @@ def steady_calls_do_not_sync(rank, world, port):
     modules += [(f"documents causal={causal}", dilated.DocumentParallelAttention(causal=causal), True)
                 for causal in (False, True)]
 
-    def shard_of(module, docs):  # a DocumentParallelAttention's shards follow the documents' layout
-        if isinstance(module, dilated.DocumentParallelAttention):
-            layout = module.layout(cu if docs is not None else [0, n])
+    modules += [(f"ring documents causal={causal}", dilated.RingAttention(causal=causal, layout="documents"), True)
+                for causal in (False, True)]
+    modules += [(f"hybrid documents {u}x{world // u}",
+                 dilated.HybridAttention(u, world // u, causal=True, layout="documents"), True) for u in (1, world)]
+
+    def shard_of(module, docs):  # shards of document-laid-out modules follow the documents' layout
+        if hasattr(module, "document_layout") and getattr(module, "layout", "documents") == "documents":
+            layout = module.document_layout(cu if docs is not None else [0, n])
             return lambda t: module.shard(t, layout)
         return module.shard
     g = torch.Generator(device=dev).manual_seed(5)
@@ -419,10 +432,10 @@ def _documents_reference(q, k, v, cu, causal):
 
 
 def document_parallel(rank, world, port):
-    """DocumentParallelAttention on mixes that take each path of its layout (documents whole on a
-    rank, cut head-tail over every rank, cut at a rank's remaining room; one document; none
-    crossing), causal and not, GQA and not, batch 2: output and gradients against float64
-    attention computed one document at a time."""
+    """DocumentParallelAttention and RingAttention(layout="documents") on mixes that take each path
+    of their layout (documents whole on a rank, cut head-tail over every rank, cut at a rank's
+    remaining room; one document; none crossing), causal and not, GQA and not, batch 2: output and
+    gradients against float64 attention computed one document at a time."""
     from dilated.document_attention import rank_plan
 
     init(rank, world, port)
@@ -449,16 +462,21 @@ def document_parallel(rank, world, port):
                             paths.add("cut at room")
                 g = torch.Generator().manual_seed(11 + len(cu))
                 q, k, v, dout = (torch.randn(2, n, hh, 8, dtype=torch.float64, generator=g) for hh in (h, hkv, hkv, h))
-                mod = dilated.DocumentParallelAttention(causal=causal, backend="manual")
-                mine = [mod.shard(x, layout).clone().requires_grad_() for x in (q, k, v)]
-                out = mod(*mine, layout=layout)
-                grads = torch.autograd.grad(out, mine, mod.shard(dout, layout))
                 ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
                 ref = _documents_reference(*ref_in, cu, causal)
-                what = f"{name} causal={causal} h={h}/{hkv}"
-                _check(f"out of {what}", mod.unshard(out.detach()), ref, tol=1e-9)
-                for t, gl, rg in zip("qkv", grads, torch.autograd.grad(ref, ref_in, dout)):
-                    _check(f"d{t} of {what}", mod.unshard(gl), rg, tol=1e-9)
+                ref_grads = torch.autograd.grad(ref, ref_in, dout)
+                for mod in (dilated.DocumentParallelAttention(causal=causal, backend="manual"),
+                            dilated.RingAttention(causal=causal, backend="manual", layout="documents")):
+                    steps = mod.stats.steps
+                    mine = [mod.shard(x, layout).clone().requires_grad_() for x in (q, k, v)]
+                    out = mod(*mine, layout=layout)
+                    grads = torch.autograd.grad(out, mine, mod.shard(dout, layout))
+                    what = f"{type(mod).__name__} {name} causal={causal} h={h}/{hkv}"
+                    _check(f"out of {what}", mod.unshard(out.detach()), ref, tol=1e-9)
+                    for t, gl, rg in zip("qkv", grads, ref_grads):
+                        _check(f"d{t} of {what}", mod.unshard(gl), rg, tol=1e-9)
+                    if isinstance(mod, dilated.RingAttention):  # P steps each way, none without crossing rows
+                        assert mod.stats.steps - steps == (2 * world if crossing else 0), what
                 # only crossing documents' rows travel: none where no document crosses
                 assert (rank_plan(layout, rank).rows == 0) == (not crossing), what
     assert paths == {"whole", "head-tail", "cut at room"}, paths
@@ -467,7 +485,7 @@ def document_parallel(rank, world, port):
     mod = dilated.DocumentParallelAttention(causal=True, backend="sdpa")
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, n, 2, 16, generator=g) for _ in range(3))
-    layout = mod.layout(torch.tensor(cu, dtype=torch.int32))
+    layout = mod.document_layout(torch.tensor(cu, dtype=torch.int32))
     out = mod(*(mod.shard(x, layout) for x in (q, k, v)), cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     _check("float32 sdpa", mod.unshard(out), _documents_reference(q.double(), k.double(), v.double(), cu,
                                                                    True).float(), tol=2e-5)

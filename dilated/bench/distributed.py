@@ -188,8 +188,9 @@ class DistributedImplementation(Implementation):
             return [work_per_rank(case, 1, "contiguous")[0] / p] * p
         if self.layout == "documents":  # the queries DocumentLayout gives each rank
             return document_layout_work(case, p)
-        if self.layout == "hybrid":  # a zigzag ring over the rows, heads split within a row
-            return grid_work_per_rank(case, p, ulysses_size_for(p, case.num_heads) or 1, "zigzag")
+        if self.layout in ("hybrid", "hybrid_documents"):  # a ring over the rows, heads split within a row
+            return grid_work_per_rank(case, p, ulysses_size_for(p, case.num_heads) or 1,
+                                      "zigzag" if self.layout == "hybrid" else "documents")
         return work_per_rank(case, p, self.layout)
 
     def reduce_max(self, values):

@@ -32,13 +32,13 @@ def _ulysses(case, backend, group):
     return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group)
 
 
-def _hybrid(case, backend, group):
+def _hybrid(case, backend, group, layout="zigzag"):
     p = dist.get_world_size(group)
     ulysses = ulysses_size_for(p, case.num_heads)
     if ulysses is None:
         raise NotImplementedError(f"a Ulysses x ring grid needs 2 or more ranks in both directions: {p} ranks with "
                                   f"{case.num_heads} heads have none (launch 4 or more ranks)")
-    return dilated.HybridAttention(ulysses, p // ulysses, causal=case.causal, layout="zigzag", backend=backend,
+    return dilated.HybridAttention(ulysses, p // ulysses, causal=case.causal, layout=layout, backend=backend,
                                    group=group)
 
 
@@ -66,6 +66,13 @@ RING_IMPLEMENTATIONS = {
                        lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b, group=g),
                        "DocumentParallelAttention: documents balanced over the ranks (DocumentLayout), only "
                        "crossing documents' K/V all-gathered, overlapped with the local documents"),
+    "ring_documents": _make("ring_documents", "dense", "documents", lambda c, b, g: _ring(c, b, "documents", True, g),
+                            "RingAttention on the documents' DocumentLayout: only crossing documents' K/V rows "
+                            "passed round the ring"),
+    "hybrid_documents": _make("hybrid_documents", "dense", "hybrid_documents",
+                              lambda c, b, g: _hybrid(c, b, g, layout="documents"),
+                              "HybridAttention: Ulysses inside a row, a ring on the documents' DocumentLayout "
+                              "across rows"),
 }
 for _impl in RING_IMPLEMENTATIONS.values():
     register_implementation(_impl)

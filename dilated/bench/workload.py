@@ -75,7 +75,8 @@ def document_layout_work(case, p: int) -> list[float]:
 def grid_work_per_rank(case, p: int, ulysses: int, ring_layout: str) -> list[float]:
     """Attended pairs of each rank of a Ulysses x ring grid: rings of ``p / ulysses`` over the rows
     in ``ring_layout``, each ring position's heads split among ``ulysses`` consecutive ranks."""
-    ring = work_per_rank(case, p // ulysses, ring_layout)
+    ring = (document_layout_work(case, p // ulysses) if ring_layout == "documents"
+            else work_per_rank(case, p // ulysses, ring_layout))
     return [ring[r // ulysses] / ulysses for r in range(p)]
 
 
