@@ -4,9 +4,11 @@ Each rank holds the positions a :class:`~dilated.document_layout.DocumentLayout`
 documents whole on one rank, the few whose work no whole assignment balances cut head-tail over
 every rank. A call on rank r:
 
-1. starts one all-gather of the K/V rows of its pieces of *crossing* documents (those with pieces
-   on several ranks), padded to the largest such count over the ranks (the layout knows every
-   rank's, so no sizes are exchanged);
+1. starts gathering the K/V rows of its pieces of *crossing* documents (those with pieces on
+   several ranks), padded to the largest such count over the ranks (the layout knows every rank's,
+   so no sizes are exchanged): one all-gather (``transport="all_gather"``), or ``P - 1`` send/recv
+   hops round the ring issued on a side stream (``"ring"``, :class:`~dilated.RingAttention` with
+   ``layout="documents"``: traffic only between ring neighbours);
 2. meanwhile computes every local piece against itself (one varlen call over the pieces; causal,
    square within each piece): whole documents are done here, with no communication;
 3. computes each local piece of a crossing document against the other keys of its document that
@@ -14,8 +16,8 @@ every rank. A call on rank r:
    the all-gather's rows, as one varlen call of rectangles; then merges the two by log-sum-exp.
 
 Backward runs the second part first, sends its dK/dV back to the keys' owners with one
-reduce-scatter (float32) that overlaps the local pieces' backward, and adds them to the owners'
-gradients. Kernels: the backend's varlen entry point where it has one (flash-attn 4, torch's
+reduce-scatter (float32; on the ring, ``P - 1`` hops each adding its own part) that overlaps the
+local pieces' backward, and adds them to the owners' gradients. Kernels: the backend's varlen entry point where it has one (flash-attn 4, torch's
 varlen flash kernel), else the pieces in batched calls per length (local) and one call per
 rectangle (crossing).
 """
@@ -39,6 +41,7 @@ from .functional import attention_backward, attention_forward, default_scale
 from .merge import merge_
 from .document_calls import block_documents_backward, block_documents_forward
 from .plan import AttentionSpec
+from .ring_exchange import RingExchange
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,6 +145,7 @@ class DocumentCall:
     varlen: VarlenKernel | None
     small: VarlenKernel | None
     rank: int
+    transport: str = "all_gather"
 
     def local_forward(self, q, k, v):
         """``(out, lse)`` of every local piece against itself."""
@@ -228,10 +232,11 @@ class DocumentParts:
         return signature(q, k, v, causal=self.spec.causal, scale=self.spec.scale, documents=self.layout.cu_seqlens,
                          **more)
 
-    def call(self, rank: int, group, stats: CommStats) -> DocumentCall:
-        """The :class:`DocumentCall` of ``rank``."""
+    def call(self, rank: int, group, stats: CommStats, transport: str = "all_gather") -> DocumentCall:
+        """The :class:`DocumentCall` of ``rank``; ``transport``: how crossing rows move
+        (``"all_gather"``: one collective each way; ``"ring"``: relayed round the ring by send/recv)."""
         return DocumentCall(self.spec, self.layout, rank_plan(self.layout, rank), group, stats, self.varlen,
-                            self.small, rank)
+                            self.small, rank, transport)
 
 
 #: one all-gather into one tensor (torch renamed all_gather_into_tensor to all_gather_single)
@@ -261,14 +266,43 @@ def add_crossing_grads(dk, dv, got, send):
         dv[:, send] += got[..., dk.shape[3]:]
 
 
+class _Collective:
+    """An asynchronous collective's result; :meth:`wait` makes the current stream wait for it
+    (counted as exposed communication) and returns it."""
+
+    def __init__(self, work, result: torch.Tensor, stats: CommStats):
+        self.work, self.result, self.stats = work, result, stats
+
+    def wait(self) -> torch.Tensor:
+        with self.stats.waiting(self.result.device):
+            self.work.wait()
+        return self.result
+
+
 def _gather_kv(call: DocumentCall, k, v, send):
-    """Start the all-gather of this rank's crossing K/V rows: ``(work, gathered [P, B, rows, Hkv, Dk + Dv])``."""
+    """Start gathering every rank's crossing K/V rows (one all-gather, or relayed round the ring):
+    its ``wait()`` gives ``[P, B, rows, Hkv, Dk + Dv]``."""
     p = call.layout.world_size
     mine = crossing_rows(k, v, send, call.plan.rows)
+    if call.transport == "ring":
+        return RingExchange(call.group, call.stats).all_gather(mine)
     gathered = k.new_empty(p * k.shape[0], *mine.shape[1:])  # rank-major, as every backend takes it
     work = _ALL_GATHER(gathered, mine, group=call.group, async_op=True)
     call.stats.sent(mine.numel() * mine.element_size(), collective=True)
-    return work, gathered.view(p, *mine.shape)
+    return _Collective(work, gathered.view(p, *mine.shape), call.stats)
+
+
+def _reduce_grads(call: DocumentCall, blocks):
+    """Start summing every rank's gradient rows ``blocks [P, B, rows, ...]`` of each rank's crossing
+    rows onto their owner (one reduce-scatter, or relayed round the ring): its ``wait()`` gives this
+    rank's ``[B, rows, ...]``."""
+    if call.transport == "ring":
+        return RingExchange(call.group, call.stats).reduce_scatter(blocks)
+    p, b = blocks.shape[:2]
+    mine = torch.empty(blocks.shape[1:], dtype=blocks.dtype, device=blocks.device)
+    work = _REDUCE_SCATTER(mine, blocks.view(p * b, *blocks.shape[2:]), group=call.group, async_op=True)
+    call.stats.sent(blocks.numel() * blocks.element_size() * (p - 1) // p, collective=True)
+    return _Collective(work, mine, call.stats)
 
 
 def _crossing_kv(gathered, k_slots, dk: int):
@@ -289,12 +323,9 @@ class _DocumentFunction(torch.autograd.Function):
             out, lse = call.local_forward(q, k, v)
         except Exception as e:  # noqa: BLE001 - raised once this rank has joined the all-gather
             failure, out, lse = e, None, None
-        if pending is not None:
-            with call.stats.waiting(q.device):
-                pending[0].wait()
+        gathered = pending.wait() if pending is not None else None
         if failure is not None:
             raise failure
-        gathered = pending[1] if pending is not None else None
         if q_rows.numel():
             kr, vr = _crossing_kv(gathered, k_slots, k.shape[3])
             o_r, lse_r = call.crossing_forward(q[:, q_rows], kr, vr, plan.cu_q, plan.cu_k)
@@ -328,27 +359,27 @@ class _DocumentFunction(torch.autograd.Function):
                     d_full.index_add_(1, k_slots, torch.cat([d_rows[1], d_rows[2]], -1).to(acc))
                 except Exception as e:  # noqa: BLE001 - raised once this rank has joined the reduce-scatter
                     failure = e
-            blocks = d_full.view(b, p, plan.rows, *d_full.shape[2:]).transpose(0, 1).contiguous()
-            mine = torch.empty(blocks.shape[1:], dtype=acc, device=q.device)
-            work = _REDUCE_SCATTER(mine, blocks.view(p * b, *blocks.shape[2:]), group=call.group, async_op=True)
-            call.stats.sent(blocks.numel() * blocks.element_size() * (p - 1) // p, collective=True)
-            pending = (work, mine)
+            pending = _reduce_grads(call, d_full.view(b, p, plan.rows, *d_full.shape[2:]).transpose(0, 1).contiguous())
         if failure is None:
             try:
                 dq, dk, dv = call.local_backward((dout, q, k, v, out, lse))
             except Exception as e:  # noqa: BLE001 - as above
                 failure = e
-        if pending is not None:
-            with call.stats.waiting(q.device):
-                pending[0].wait()
+        got = pending.wait() if pending is not None else None
         if failure is not None:
             raise failure
         dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
         if d_rows is not None:
             dq[:, q_rows] += d_rows[0].to(acc)
-        if pending is not None:
-            add_crossing_grads(dk, dv, pending[1], send)
+        if got is not None:
+            add_crossing_grads(dk, dv, got, send)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def document_attention(q, k, v, call: DocumentCall):
+    """Exact attention within documents on this rank's shards of ``call.layout`` (differentiable):
+    the local pieces while the crossing documents' K/V rows move (``call.transport``), then those."""
+    return _DocumentFunction.apply(q, k, v, call)
 
 
 class DocumentParallelAttention(nn.Module):
@@ -400,7 +431,7 @@ class DocumentParallelAttention(nn.Module):
                                       lambda: self._validate(q, k, v, cu_seqlens, layout))
         self.last_layout = parts.layout
         call = parts.call(dist.get_rank(self.group), self.group, self.stats)
-        return _DocumentFunction.apply(dense_rows(q), k.contiguous(), v.contiguous(), call)
+        return document_attention(dense_rows(q), k.contiguous(), v.contiguous(), call)
 
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor in ``layout`` (default:

@@ -10,7 +10,7 @@ Layout (:meth:`HybridAttention.shard`): the global sequence is cut into ``ring_s
 in ``layout`` (``zigzag`` balances causal work over the ring), and each ring shard into
 ``ulysses_size`` contiguous parts, one per rank of its grid row; ``layout="documents"``: the ring
 shards are those of the :class:`~dilated.DocumentLayout` of each call's documents over the
-``ring_size`` rows, and the ring passes only crossing documents' rows (:mod:`dilated.document_ring`).
+``ring_size`` rows, and the ring relays only crossing documents' rows (:mod:`dilated.document_attention`).
 Construct it on every rank of the default process group (it creates the row and column groups, a
 collective).
 """

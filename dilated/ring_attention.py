@@ -49,10 +49,9 @@ from .distributed import CommStats
 from .functional import attention_backward, attention_forward, default_scale
 from .merge import RowAccumulator
 from .backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
-from .document_attention import DocumentParts
+from .document_attention import DocumentParts, document_attention
 from .document_calls import block_documents_backward, block_documents_forward
 from .document_layout import DocumentLayout
-from .document_ring import document_ring_attention
 from .packed import check_cu_seqlens
 from .plan import AttentionSpec
 from .ring_exchange import RingExchange
@@ -60,7 +59,7 @@ from .ring_exchange import RingExchange
 
 TRANSPORTS = ("auto", "copy_engine", "p2p")
 #: shard layouts of RingAttention: those of :func:`dilated.shard`, and ``"documents"`` (a
-#: :class:`~dilated.DocumentLayout` of each call's documents, see :mod:`dilated.document_ring`)
+#: :class:`~dilated.DocumentLayout` of each call's documents, see :mod:`dilated.document_attention`)
 RING_LAYOUTS = ("contiguous", "zigzag", "documents")
 
 
@@ -302,7 +301,7 @@ class RingAttention(nn.Module):
     ``"p2p"``); ``self.transport_used`` says which the last call took.
     ``layout="documents"``: the shards are in the :class:`~dilated.DocumentLayout` of each call's
     documents (:meth:`document_layout`, :meth:`shard`); only crossing documents' K/V rows pass around
-    the ring, by send/recv (:mod:`dilated.document_ring`).
+    the ring, relayed by send/recv (:mod:`dilated.document_attention`, ``transport="ring"``).
     ``overlap=False`` waits for each K/V block before computing (for measuring what overlap buys);
     ``measure_comm=True`` records the time the compute stream stalls on communication in
     ``self.stats`` (a :class:`dilated.distributed.CommStats`; CUDA events, read lazily).
@@ -393,8 +392,8 @@ class RingAttention(nn.Module):
 
         parts = validate_on_all_ranks(self.group, self._agreed, "RingAttention", validate)
         self.last_layout, self.transport_used = parts.layout, "p2p"
-        call = parts.call(dist.get_rank(self.group), self.group, self.stats)
-        return document_ring_attention(dense_rows(q), k.contiguous(), v.contiguous(), call)
+        call = parts.call(dist.get_rank(self.group), self.group, self.stats, transport="ring")
+        return document_attention(dense_rows(q), k.contiguous(), v.contiguous(), call)
 
     def _shard_layout(self, layout):
         if self.layout != "documents":

@@ -475,8 +475,8 @@ def document_parallel(rank, world, port):
                     _check(f"out of {what}", mod.unshard(out.detach()), ref, tol=1e-9)
                     for t, gl, rg in zip("qkv", grads, ref_grads):
                         _check(f"d{t} of {what}", mod.unshard(gl), rg, tol=1e-9)
-                    if isinstance(mod, dilated.RingAttention):  # P steps each way, none without crossing rows
-                        assert mod.stats.steps - steps == (2 * world if crossing else 0), what
+                    if isinstance(mod, dilated.RingAttention):  # P - 1 hops each way, none without crossing rows
+                        assert mod.stats.steps - steps == (2 * (world - 1) if crossing else 0), what
                 # only crossing documents' rows travel: none where no document crosses
                 assert (rank_plan(layout, rank).rows == 0) == (not crossing), what
     assert paths == {"whole", "head-tail", "cut at room"}, paths
