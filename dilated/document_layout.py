@@ -28,6 +28,8 @@ Computed on the host from the lengths alone.
 from __future__ import annotations
 
 import functools
+import heapq
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -99,17 +101,28 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[list[list[Piece]
                 room[r] -= piece.length
                 load[r] += piece.work(causal)
         turn = (turn + (b - a) % p) % p
-    whole = sorted((d for d in range(len(cu) - 1) if d not in cut), key=lambda d: (-(cu[d + 1] - cu[d]), d))
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    # longest first, ties in document order (a stable sort keeps it, reversed too)
+    whole = sorted((d for d in range(len(lengths)) if d not in cut), key=lengths.__getitem__, reverse=True)
     left = []
+    ranks = [(load[r], r) for r in range(p) if room[r]]  # a heap of (work, rank) of the ranks with room
+    heapq.heapify(ranks)
     for d in whole:
         a, b = cu[d], cu[d + 1]
-        r = _least_loaded_with_room(load, room, b - a)
-        if r < 0:
+        skipped = []  # ranks of less work without room for this document (a shorter one may fit)
+        while ranks and room[ranks[0][1]] < b - a:
+            skipped.append(heapq.heappop(ranks))
+        if ranks:  # the rank of least work (the lowest such rank) with room for it
+            _, r = heapq.heappop(ranks)
+            pieces[r].append(Piece(d, a, b - a, a, b))
+            room[r] -= b - a
+            load[r] += _work(b - a, causal)
+            if room[r]:
+                heapq.heappush(ranks, (load[r], r))
+        else:
             left.append(d)
-            continue
-        pieces[r].append(Piece(d, a, b - a, a, b))
-        room[r] -= b - a
-        load[r] += _work(b - a, causal)
+        for entry in skipped:
+            heapq.heappush(ranks, entry)
     for d in sorted(left):
         a, b = cu[d], cu[d + 1]
         at = a
@@ -120,7 +133,7 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[list[list[Piece]
             room[r] -= piece.length
             load[r] += piece.work(causal)
             at += piece.length
-    return [sorted(mine, key=lambda x: x.start) for mine in pieces], load
+    return [sorted(mine, key=operator.itemgetter(1)) for mine in pieces], load  # by start
 
 
 def _imbalance(work: list[int]) -> float:
