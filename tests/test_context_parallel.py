@@ -2,12 +2,14 @@
 process groups, exact against a float64 reference forward and backward."""
 import socket
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import cp_worker
+import dilated
 
 
 def _port():
@@ -223,3 +225,29 @@ def test_pytorchs_per_document_layout_work_by_hand():
 @pytest.mark.parametrize("kernel", ["torch", "fa4"])
 def test_document_parallel_attention_in_the_kernels_varlen_entry_points(kernel):
     mp.spawn(cp_worker.documents_varlen, args=(2, _port(), kernel), nprocs=2, join=True)
+
+
+def test_hybrid_on_the_document_layout_work_by_hand():
+    """The work of each rank of a 2x2 grid whose ring runs on the documents' layout, counted by
+    hand: the keys each position attends (a float64 loop over the documents), summed over the
+    positions the layout gives the rank's ring row, halved between the row's two ranks (each takes
+    half the heads)."""
+    from dilated.bench.distributed import DistributedImplementation
+    from dilated.bench.registry import Case
+    from dilated.bench.strategies import RING_IMPLEMENTATIONS
+
+    cu = (0, 40, 46, 100, 128)
+    case = Case(batch=1, seq_len=128, num_heads=4, head_dim=8, causal=True, documents="given")
+    keys = torch.zeros(128, dtype=torch.float64)
+    for a, b in zip(cu, cu[1:]):
+        for i in range(a, b):
+            keys[i] = i - a + 1
+    layout = dilated.DocumentLayout.balance(cu, 2, True)
+    by_hand = [float(keys[layout.positions(r // 2)].sum()) / 2 for r in range(4)]
+    impl = RING_IMPLEMENTATIONS["hybrid_documents"]
+    assert isinstance(impl, DistributedImplementation) and impl.layout == "hybrid_documents"
+    with mock.patch("dilated.bench.documents.cu_seqlens_of", return_value=cu):
+        assert impl.work_per_rank(case, 4) == by_hand
+        assert RING_IMPLEMENTATIONS["ring_documents"].work_per_rank(case, 4) == [
+            float(keys[dilated.DocumentLayout.balance(cu, 4, True).positions(r)].sum()) for r in range(4)]
+    assert sum(by_hand) == float(keys.sum())
