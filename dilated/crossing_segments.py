@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .functional import attention_backward, attention_forward
+from .dense import attention_backward, attention_forward
 from .plan import AttentionSpec, KernelCall
 
 

@@ -36,7 +36,7 @@ from .backends import get_backend
 from .backends.graph_shapes import one_operation
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats
-from .functional import attention_backward, attention_forward, default_scale
+from .dense import attention_backward, attention_forward, default_scale
 from .improved_dilated_attention import backward_calls, forward_calls
 from .pattern_cache import PatternCache
 from .plan import AttentionSpec, KernelCall, plan_for

@@ -37,7 +37,7 @@ from .backends import get_backend
 from .backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel, varlen_kernel
 from .distributed import CommStats
 from .document_layout import DocumentLayout, ranges_to_positions
-from .functional import attention_backward, attention_forward, default_scale
+from .dense import attention_backward, attention_forward, default_scale
 from .merge import merge_
 from .document_calls import block_documents_backward, block_documents_forward
 from .plan import AttentionSpec

@@ -6,7 +6,7 @@ the sequence-parallel modules that take packed documents (:mod:`dilated.ring_att
 from __future__ import annotations
 
 from .backends.varlen import VarlenKernel
-from .functional import attention_backward, attention_forward
+from .dense import attention_backward, attention_forward
 from .packed import documents_backward, documents_forward, varlen_backward, varlen_forward
 from .plan import AttentionSpec
 

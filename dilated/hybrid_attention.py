@@ -24,7 +24,8 @@ from ._checks import check_causal, check_qkv, check_scale, dense_rows
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
 from .document_layout import DocumentLayout
-from .functional import attention, default_scale
+from .functional import attention
+from .dense import default_scale
 from .packed import check_cu_seqlens
 from .ring_attention import RING_LAYOUTS, RingAttention
 from .ulysses_attention import kv_heads_for

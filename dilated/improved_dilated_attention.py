@@ -37,7 +37,7 @@ from .backends import get_backend
 from .backends.graph_shapes import no_build, one_operation
 from .call_streams import call_streams
 from .dilated_attention import check_dilated_inputs
-from .functional import attention_backward, attention_forward, default_scale
+from .dense import attention_backward, attention_forward, default_scale
 from .rows import add_call, combine, gather, merge_call, merged_lse_for
 from .ops import dilated_forward_op
 from .memory_pool import MemoryPool

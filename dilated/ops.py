@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ._checks import acc_dtype, dense_rows
 from .backends import get_backend
-from .functional import attention_backward, attention_forward
+from .dense import attention_backward, attention_forward
 from .handles import object_of
 
 # -- one exact attention -------------------------------------------------------------------

@@ -25,8 +25,10 @@ from collections import defaultdict
 import torch
 
 from ._transfer import host_values_on
+from .backends import get_backend
 from .backends.kernel_log import note_kernel
-from .backends.varlen import VarlenCall, VarlenKernel
+from .backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel
+from .dense import attention_backward, attention_forward
 
 
 def check_cu_seqlens(cu_seqlens, n: int) -> list[int]:
@@ -78,12 +80,9 @@ def packed_attention(q, k, v, cu: list[int], backend: str, causal: bool, scale: 
     kernels' backward on the same calls (:class:`DocumentsFunction`). With ``auto``, the documents of
     calls too small to keep the GPU busy (:data:`SMALL_CALL_FLOPS`) run in one call of torch's varlen
     flash kernel where it runs."""
-    from .backends.varlen import small_documents_kernel
-    from .functional import attention
-
     if torch.compiler.is_compiling():  # each call one custom op (dilated.ops); autograd through the gathers
-        return documents_forward(q, k, v, cu, lambda a, b, c: attention(
-            a, b, c, causal=causal, scale=scale, backend=backend, return_lse=True), causal)
+        return documents_forward(q, k, v, cu, lambda a, b, c: torch.ops.dilated.attention_forward(
+            a, b, c, causal, scale, backend, True), causal)
     small = small_documents_kernel(q, k, v, causal) if backend == "auto" else None
     small = None if small is None else (small, scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -99,16 +98,11 @@ class _DocumentCalls:
         self.backend, self.causal, self.scale, self.resolved = backend, causal, scale, []
 
     def forward(self, q, k, v):
-        from .backends import get_backend
-        from .functional import attention_forward
-
         impl = get_backend(self.backend, q, k, self.causal, v=v)
         self.resolved.append(impl)
         return attention_forward(impl, q, k, v, self.causal, self.scale)
 
     def backward(self, index: int, dout, q, k, v, out, lse, dlse=None):
-        from .functional import attention_backward
-
         return attention_backward(self.resolved[index], dout, q, k, v, out, lse, self.causal, self.scale, dlse)
 
 

@@ -35,7 +35,7 @@ from ._checks import check_scale, check_schedule, dense_rows
 from .backends import backend_reason, get_backend
 from .backends.kernel_log import note_kernel, recording
 from .dilated_attention import check_dilated_inputs
-from .functional import default_scale
+from .dense import default_scale
 from .handles import handle_or_zero
 from .ops import residue_major_forward_op
 

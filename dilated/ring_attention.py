@@ -46,7 +46,7 @@ from .backends import get_backend
 from .backends.graph_shapes import one_operation
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats
-from .functional import attention_backward, attention_forward, default_scale
+from .dense import attention_backward, attention_forward, default_scale
 from .merge import RowAccumulator
 from .backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
 from .document_attention import DocumentParts, document_attention

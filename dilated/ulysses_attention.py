@@ -26,7 +26,8 @@ from torch import nn
 from ._checks import check_causal, check_qkv, check_scale, dense_rows
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats, _world, heads_to_sequence, sequence_to_heads
-from .functional import attention, default_scale
+from .functional import attention
+from .dense import default_scale
 from .packed import check_cu_seqlens
 from .backends import get_backend
 

@@ -188,7 +188,7 @@ def test_causal_pieces_merge_exactly_at_large_logits(gen):
 def test_causal_pieces_cover_the_causal_mask_once(nq, nk, longest):
     """The calls' areas tile exactly the bottom-right causal mask, and no causal call is longer
     than ``longest`` nor other than square."""
-    from dilated.functional import causal_pieces
+    from dilated.dense import causal_pieces
 
     covered = torch.zeros(nq, nk, dtype=torch.int64)
     for q0, q1, k0, k1, c in causal_pieces(nq, nk, True, longest):

@@ -216,7 +216,7 @@ def sage2_sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None,
 def test_sageattention_serves_dense_forward_and_says_when_it_cannot(version, monkeypatch, gen):
     import dilated
     from dilated.backends import sageattention as sage_mod
-    from dilated.functional import attention_forward
+    from dilated.dense import attention_forward
 
     monkeypatch.setattr(sage_mod, "_import", lambda: sage1_sageattn if version == "1.0.6" else sage2_sageattn)
     monkeypatch.setattr(sage_mod, "_version", lambda: version)

@@ -239,7 +239,7 @@ def test_auto_runs_small_documents_in_one_varlen_call(causal, threshold, monkeyp
     from dilated.backends import varlen
 
     monkeypatch.setattr(varlen, "torch_varlen_ops", lambda: varlen_standins.TORCH_OPS["new"])
-    monkeypatch.setattr(varlen, "small_documents_kernel", lambda q, k, v, causal=False: varlen.TorchVarlen())
+    monkeypatch.setattr(packed, "small_documents_kernel", lambda q, k, v, causal=False: varlen.TorchVarlen())
     monkeypatch.setattr(packed, "SMALL_CALL_FLOPS", threshold)
     varlen_standins.CALLS.clear()
     cu = DOCS["varied"]  # lengths 1, 5, 13, 1, 13, 7

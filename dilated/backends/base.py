@@ -94,7 +94,7 @@ class Backend:
         """The longest square causal call this kernel runs at its full rate here, or None (no
         limit). A longer causal forward is split into query chunks of at most this length, each an
         unmasked call over the keys before it and a causal call on its own block, merged by lse
-        (:func:`dilated.functional.causal_pieces`): the same causal work at the unmasked rate."""
+        (:func:`dilated.dense.causal_pieces`): the same causal work at the unmasked rate."""
         return None
 
     def block_sparse_reason(self, q: torch.Tensor, k: torch.Tensor, block: int) -> str | None:

@@ -17,7 +17,7 @@ call it on its merged results. Two kernels:
 
 The gradient of lse (``dlse``) is part of the backward: flash-attn 4 takes it, torch's op does not
 (its autograd drops it), so there it is one more backward pass with a unit ``v`` (see
-:func:`dilated.functional.lse_gradient`).
+:func:`dilated.dense.lse_gradient`).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ._signature import call_by_name, parameters
+from ..dense import lse_gradient
 from .base import expand_kv_heads, reduce_kv_heads
 
 
@@ -108,8 +109,6 @@ class TorchVarlen(VarlenKernel):
         return out, _lse_rows_last(lse, q.shape[0], q.shape[1])
 
     def backward(self, dout, q, k, v, out, lse, call, dlse=None):
-        from ..functional import lse_gradient
-
         _, bwd = torch_varlen_ops()
         groups = self._groups(q, k)
         ke, ve = expand_kv_heads(k, groups, 1), expand_kv_heads(v, groups, 1)

@@ -17,7 +17,7 @@ import torch
 
 from dilated.backends import get_backend
 from dilated.call_streams import call_streams
-from dilated.functional import attention_backward, attention_forward, default_scale
+from dilated.dense import attention_backward, attention_forward, default_scale
 from dilated.rows import gather
 from dilated.plan import build_plan, plan_for
 
