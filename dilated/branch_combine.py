@@ -27,6 +27,7 @@ import math
 import torch
 
 from ._transfer import host_values_on, made_for_a_cache
+from ._triton.launch import LAUNCH, blocks
 
 try:  # Triton ships with CUDA builds of PyTorch; it is optional here.
     import triton
@@ -162,12 +163,10 @@ def _recipe(layout, parts, lses, out: torch.Tensor) -> tuple:
     (:func:`_table`) as an int64 tensor on the device; which part each tensor argument is (r per
     run, unused entries repeat the first); the branches' constants; the period, block sizes and
     alignment."""
-    from .rows import _blocks, _LAUNCH
-
     branches, runs = layout
     _, _, h, d = out.shape
     key = (out.device, h, d, out.stride(), branches, runs, tuple(p.stride()[:3] for p in parts),
-           tuple(l.stride() for l in lses) if lses is not None else None, _LAUNCH["elements"])
+           tuple(l.stride() for l in lses) if lses is not None else None, LAUNCH["elements"])
     found = _TABLES.get(key)
     if found is not None:
         return found
@@ -178,7 +177,7 @@ def _recipe(layout, parts, lses, out: torch.Tensor) -> tuple:
         for _, _, idx in described:
             index += [idx[e] if e < len(idx) else 0 for e in range(r)]
     period = period_of(branches)
-    block_p, block_d = _blocks(d)
+    block_p, block_d = blocks(d)
     # a branch whose segments are whole multiples of a program's positions (and aligned: r | w,
     # r | period) finds where a program's rows lie once per program, not per row
     span = block_p * period
@@ -212,8 +211,6 @@ def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tens
     length, and the plan's descriptor table (:func:`_table`), an int64 tensor: Triton specializes
     integers (value 1, multiples of 16, 32 or 64 bits) and does so inside tuples, so the integers
     that follow the length travel in memory."""
-    from .rows import _LAUNCH
-
     branches, runs = layout
     b, n, h, d = out.shape
     has_lse, store_lse = lses is not None, lses is not None and out_lse is not None
@@ -226,7 +223,7 @@ def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tens
     _branch_combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
         out, lse_out, ptrs, lptrs, table, n, d, *out.stride()[:3], *lse_out_strides,
         _alias(branches, runs, parts, out), BRANCHES=constants, H=h, PERIOD=period, ALIGN=align,
-        HAS_LSE=has_lse, STORE_LSE=store_lse, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        HAS_LSE=has_lse, STORE_LSE=store_lse, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=LAUNCH["num_warps"])
 
 
 def _alias(branches, runs, parts, out) -> int:

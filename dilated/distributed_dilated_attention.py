@@ -37,7 +37,7 @@ from .backends.graph_shapes import one_operation
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .distributed import CommStats
 from .dense import attention_backward, attention_forward, default_scale
-from .improved_dilated_attention import backward_calls, forward_calls
+from .dilated_calls import backward_calls, forward_calls
 from .pattern_cache import PatternCache
 from .plan import AttentionSpec, KernelCall, plan_for
 from .crossing_segments import CrossingSegments, Saved as _Saved, crossing_backward, crossing_forward

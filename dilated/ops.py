@@ -7,8 +7,8 @@ graph breaks (as flash-attention registers its kernels).
   name), its lse, and the gradients of both.
 * ``dilated::dilated_forward`` / ``dilated_backward``: the whole fast dilated computation of
   :func:`~dilated.improved_dilated_attention` (plan, gathers, kernel calls, combine).
-* ``dilated::residue_major_forward`` / ``residue_major_backward``: the same in the residue-major
-  layout (:mod:`dilated.residue_major`): one block-sparse call, or the above between permutes.
+* ``dilated::residue_major_forward`` / ``residue_major_backward`` (registered in
+  :mod:`dilated.residue_major`, beside what they run): the same in the residue-major layout.
 
 Each has a fake implementation (shapes and dtypes only) and the forward ops have autograd
 formulas that call the backward ops. The ops take what a graph can carry: tensors, numbers,
@@ -25,6 +25,7 @@ from torch import Tensor
 from ._checks import acc_dtype, dense_rows
 from .backends import get_backend
 from .dense import attention_backward, attention_forward
+from .dilated_calls import backward_calls, forward_calls, resolve_dilated
 from .handles import object_of
 
 # -- one exact attention -------------------------------------------------------------------
@@ -80,8 +81,6 @@ attention_forward_op.register_autograd(_attention_grad, setup_context=_attention
 
 
 def _resolved(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache):
-    from .improved_dilated_attention import resolve_dilated  # the module imports this one
-
     return resolve_dilated(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, object_of(cache))
 
 
@@ -91,8 +90,6 @@ def dilated_forward_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[in
                        with_lse: bool) -> tuple[Tensor, Tensor]:
     """``(out [B, N, H, D], lse [B, N, H])`` of :func:`dilated.improved_dilated_attention` (lse empty
     unless ``with_lse``); ``cache``, ``pool``: handles of a pattern cache and a memory pool, or 0."""
-    from .improved_dilated_attention import forward_calls
-
     spec, plan = _resolved(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache)
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     out, lse = forward_calls((q, k, v), plan, spec, pool=object_of(pool), with_lse=with_lse)
@@ -110,8 +107,6 @@ def dilated_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         segment_lengths: list[int], dilation_rates: list[int], causal: bool,
                         scale: Optional[float], backend: str, cache: int) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` of :func:`dilated_forward_op` given its ``out`` and ``lse``."""
-    from .improved_dilated_attention import backward_calls
-
     spec, plan = _resolved(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache)
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     return backward_calls((q, k, v), plan, spec, out, lse, dout.contiguous())
@@ -122,13 +117,14 @@ def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, b
     return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
 
-def _dilated_setup(ctx, inputs, output):
+def save_inputs_and_outputs(ctx, inputs, output):
+    """``setup_context`` of a dilated forward op: its q, k, v, outputs and other arguments."""
     q, k, v, *ctx.args = inputs  # segment_lengths ... with_lse
     ctx.save_for_backward(q, k, v, *output)
 
 
-def _grad_by(backward_op, forward_name: str):
-    """The autograd formula of a forward op with :func:`_dilated_setup`'s arguments: ``backward_op``
+def grad_by(backward_op, forward_name: str):
+    """The autograd formula of a forward op with :func:`save_inputs_and_outputs`'s arguments: ``backward_op``
     on the saved inputs, output and lse."""
 
     def grad(ctx, dout, dlse):
@@ -143,46 +139,5 @@ def _grad_by(backward_op, forward_name: str):
     return grad
 
 
-dilated_forward_op.register_autograd(_grad_by(dilated_backward_op, "dilated_forward"), setup_context=_dilated_setup)
-
-# -- the residue-major layout (dilated.residue_major) --------------------------------------
-
-
-@torch.library.custom_op("dilated::residue_major_forward", mutates_args=())
-def residue_major_forward_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int], dilation_rates: list[int],
-                             causal: bool, scale: Optional[float], backend: str, cache: int, pool: int,
-                             with_lse: bool) -> tuple[Tensor, Tensor]:
-    """``(out [B, N, H, D], lse [B, H, N])`` of ``improved_dilated_attention(..., layout="residue_major")``
-    (lse empty unless ``with_lse``): one block-sparse call, or the natural path between permutes."""
-    from .residue_major import residue_major_forward  # it imports this module
-
-    out, lse = residue_major_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
-                                     object_of(cache), object_of(pool), with_lse)
-    return out.contiguous(), (lse.contiguous() if with_lse else q.new_empty(0, dtype=acc_dtype(q.dtype)))
-
-
-@residue_major_forward_op.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache, pool, with_lse):
-    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if with_lse else (0,)
-    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=acc_dtype(q.dtype))
-
-
-@torch.library.custom_op("dilated::residue_major_backward", mutates_args=())
-def residue_major_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                              segment_lengths: list[int], dilation_rates: list[int], causal: bool,
-                              scale: Optional[float], backend: str, cache: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``dq, dk, dv`` of :func:`residue_major_forward_op` given its ``out`` and ``lse``."""
-    from .residue_major import residue_major_backward
-
-    grads = residue_major_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, backend,
-                                   object_of(cache))
-    return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v)))
-
-
-@residue_major_backward_op.register_fake
-def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, backend, cache):
-    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-
-
-residue_major_forward_op.register_autograd(_grad_by(residue_major_backward_op, "residue_major_forward"),
-                                           setup_context=_dilated_setup)
+dilated_forward_op.register_autograd(grad_by(dilated_backward_op, "dilated_forward"),
+                                     setup_context=save_inputs_and_outputs)

@@ -28,16 +28,19 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-from ._checks import check_scale, check_schedule, dense_rows
+from ._checks import acc_dtype, check_scale, check_schedule, dense_rows
 from .backends import backend_reason, get_backend
 from .backends.kernel_log import note_kernel, recording
-from .dilated_attention import check_dilated_inputs
 from .dense import default_scale
-from .handles import handle_or_zero
-from .ops import residue_major_forward_op
+from .dilated_attention import check_dilated_inputs
+from .dilated_calls import backward_calls, forward_calls, resolve_dilated
+from .handles import handle_or_zero, object_of
+from .ops import grad_by, save_inputs_and_outputs
 
 #: the largest tile of the block lists (a kernel that takes smaller ones gets them where the
 #: schedule's ``w_i / R`` are not multiples of it)
@@ -242,8 +245,6 @@ def residue_major_forward(q, k, v, segment_lengths, dilation_rates, causal, scal
             note_kernel(impl.name)
         q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
         return impl.block_sparse_forward(q, k, v, lists, default_scale(q.shape[-1], scale))
-    from .improved_dilated_attention import forward_calls, resolve_dilated  # it imports this module
-
     qkv = tuple(dense_rows(from_residue_major(t, segs, dils)) for t in (q, k, v))
     spec, plan = resolve_dilated(*qkv, segs, dils, causal, scale, backend, pattern_cache)
     out, lse_rows = forward_calls(qkv, plan, spec, pool=memory_pool, with_lse=with_lse)
@@ -259,14 +260,51 @@ def residue_major_backward(dout, q, k, v, out, lse, segment_lengths, dilation_ra
     if impl is not None:
         q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
         return impl.block_sparse_backward(dout.contiguous(), q, k, v, out, lse, lists, default_scale(q.shape[-1], scale))
-    from .improved_dilated_attention import backward_calls, resolve_dilated
-
     qkv = tuple(dense_rows(from_residue_major(t, segs, dils)) for t in (q, k, v))
     spec, plan = resolve_dilated(*qkv, segs, dils, causal, scale, backend, pattern_cache)
     out, dout = (from_residue_major(t, segs, dils) for t in (out, dout))
     lse_rows = from_residue_major(lse.transpose(1, 2), segs, dils)
     grads = backward_calls(qkv, plan, spec, out, lse_rows, dout.contiguous())
     return tuple(to_residue_major(g, segs, dils) for g in grads)
+
+
+# -- the custom ops (dilated.ops): the computation above as one op each way under torch.compile --
+
+
+@torch.library.custom_op("dilated::residue_major_forward", mutates_args=())
+def residue_major_forward_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int], dilation_rates: list[int],
+                             causal: bool, scale: Optional[float], backend: str, cache: int, pool: int,
+                             with_lse: bool) -> tuple[Tensor, Tensor]:
+    """``(out [B, N, H, D], lse [B, H, N])`` of ``improved_dilated_attention(..., layout="residue_major")``
+    (lse empty unless ``with_lse``): one block-sparse call, or the natural path between permutes."""
+    out, lse = residue_major_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
+                                     object_of(cache), object_of(pool), with_lse)
+    return out.contiguous(), (lse.contiguous() if with_lse else q.new_empty(0, dtype=acc_dtype(q.dtype)))
+
+
+@residue_major_forward_op.register_fake
+def _(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, cache, pool, with_lse):
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if with_lse else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("dilated::residue_major_backward", mutates_args=())
+def residue_major_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              segment_lengths: list[int], dilation_rates: list[int], causal: bool,
+                              scale: Optional[float], backend: str, cache: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` of :func:`residue_major_forward_op` given its ``out`` and ``lse``."""
+    grads = residue_major_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, backend,
+                                   object_of(cache))
+    return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v)))
+
+
+@residue_major_backward_op.register_fake
+def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, causal, scale, backend, cache):
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+
+residue_major_forward_op.register_autograd(grad_by(residue_major_backward_op, "residue_major_forward"),
+                                           setup_context=save_inputs_and_outputs)
 
 
 class _ResidueMajorFunction(torch.autograd.Function):

@@ -33,6 +33,7 @@ import os
 import torch
 
 from ._checks import acc_dtype
+from ._triton.launch import LAUNCH, blocks
 from .branch_combine import MAX_PERIOD, combine_branches, layout_of
 from .memory_pool import MemoryPool
 from .merge import merge_
@@ -209,11 +210,6 @@ def _combine_torch(plan, parts, lses, out, out_lse, kv):
         out.copy_(acc)
 
 
-# per program: rows x head_dim elements. Combine, kernel only, H200, LongNet schedule, D = 128
-# (2048 x 4 warps against 4096 x 4): 132 vs 150 us at 32K, 3.53 vs 3.63 ms at 1M.
-_LAUNCH = {"elements": 2048, "num_warps": 4}
-
-
 def _aligned(c: KernelCall) -> int:
     """Segments start at multiples of r: a position's rank mod r says if it is a member."""
     return int(c.start % c.r == 0 and c.length % c.r == 0)
@@ -275,21 +271,15 @@ def _call_groups(plan, parts, lses, period: int) -> tuple[tuple, tuple]:
     return tuple(groups), tuple(places)
 
 
-def _blocks(d: int) -> tuple[int, int]:
-    """(rows, head_dim padded to a power of two) per program."""
-    block_d = triton.next_power_of_2(d)
-    return max(1, _LAUNCH["elements"] // block_d), block_d
-
-
 def _gather_triton(c, sources, dests):
     d = sources[0].shape[3]
     bp, nc, hc, _ = dests[0].shape
-    block_r, block_d = _blocks(d)
+    block_r, block_d = blocks(d)
     _gather_kernel[(triton.cdiv(nc * hc, block_r), bp)](
         tuple(sources), tuple(s for x in sources for s in x.stride()[:3]), tuple(dests), nc, d, c.start, c.count,
         c.length, c.r, c.offset if c.mode == "offset" else 0, c.first_row if c.mode == "offset" else 0,
         DIAG=c.mode == "diag", N_T=len(sources), HC=hc, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=_LAUNCH["num_warps"])
+        num_warps=LAUNCH["num_warps"])
 
 
 def _combine_triton(plan, parts, lses, out, out_lse):
@@ -309,12 +299,12 @@ def _combine_triton(plan, parts, lses, out, out_lse):
     else:
         lse_parts, lse_strides = tuple(parts), strides  # not read
     lse_out, lse_out_strides = (out_lse, out_lse.stride()) if store_lse else (out, (0, 0, 0))  # not written
-    block_p, block_d = _blocks(d)
+    block_p, block_d = blocks(d)
     _combine_kernel[(triton.cdiv(triton.cdiv(n, period), block_p) * period * h, b)](
         out, lse_out, tuple(parts), strides, lse_parts, lse_strides, places, n, d,
         out.stride(0), out.stride(1), out.stride(2), *lse_out_strides,
         CALLS=calls, N_CALLS=len(calls), H=h, PERIOD=period, HAS_LSE=has_lse, STORE_LSE=store_lse,
-        ALIAS=_alias(calls, parts, out), BLOCK_P=block_p, BLOCK_D=block_d, num_warps=_LAUNCH["num_warps"])
+        ALIAS=_alias(calls, parts, out), BLOCK_P=block_p, BLOCK_D=block_d, num_warps=LAUNCH["num_warps"])
 
 
 def _alias(calls, parts, out) -> int:

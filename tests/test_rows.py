@@ -68,13 +68,13 @@ def check_plans():
     """Run in the interpreter: gather and combine (Triton) equal the torch path; the combine with
     programs of the default size and of a few rows (then a program's rows lie in one segment of
     each branch and the schedule's kernel finds their place once per program)."""
-    import dilated.rows as rows
+    from dilated._triton.launch import LAUNCH
 
     _check_plans(PLANS, (torch.float32, torch.bfloat16))
-    elements = rows._LAUNCH["elements"]
-    rows._LAUNCH["elements"] = 16  # the interpreter is slow over many programs: two plans
+    elements = LAUNCH["elements"]
+    LAUNCH["elements"] = 16  # the interpreter is slow over many programs: two plans
     _check_plans([PLANS[0], PLANS[3]], (torch.float32,))
-    rows._LAUNCH["elements"] = elements
+    LAUNCH["elements"] = elements
     print("plans ok")
 
 

@@ -11,10 +11,11 @@
   :mod:`external_ring`: the sequence-parallel implementations; :mod:`workload`: documents and
   how work falls on the ranks.
 """
-from .registry import Case, Implementation, get_implementation, register_implementation
+from .registry import Case, Implementation, get_implementation, load_providers, register_implementation
 from .results import ResultWriter, read_jsonl
 from .runner import RunOptions, run_case, run_sweep
-from . import external_ring, strategies  # noqa: E402,F401  (register the sequence-parallel implementations)
+
+load_providers()  # the sequence-parallel implementations register themselves
 
 __all__ = ["Case", "Implementation", "register_implementation", "get_implementation", "RunOptions", "run_case",
            "run_sweep", "ResultWriter", "read_jsonl"]

@@ -11,45 +11,12 @@ import os
 import yaml
 
 from .runner import RunOptions
+from .sizes import LARGEST_SIZE, parse_size, size_list  # noqa: F401  (the options' types)
 
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 MODES = ("fwd", "bwd", "fwd_bwd")
 LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
 LONGNET_DILATIONS = (1, 2, 4, 8, 16)
-
-
-#: the largest size any option takes (2**40 tokens: far beyond a GPU, within 64-bit index arithmetic)
-LARGEST_SIZE = 1 << 40
-
-
-def parse_size(text) -> int:
-    """``8192``, ``8k``, ``1M``, ``2m`` -> int (k = 1024)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text <= 0 or text > LARGEST_SIZE:
-            raise argparse.ArgumentTypeError(f"not a positive size up to {LARGEST_SIZE >> 30}G: {text!r}")
-        return text
-    s = str(text).strip().lower()
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(s[-1:], 1)
-    num = s[:-1] if mult > 1 else s
-    try:
-        value = float(num) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8192, 8k, 1M)") from None
-    if not math.isfinite(value) or value <= 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a positive whole size: {text!r} (use e.g. 8192, 8k, 1M)")
-    if value > LARGEST_SIZE:
-        raise argparse.ArgumentTypeError(f"too large a size: {text!r} (at most {LARGEST_SIZE >> 30}G)")
-    return int(value)
-
-
-def size_list(text) -> list[int]:
-    if isinstance(text, (list, tuple)):
-        sizes = [parse_size(t) for t in text]
-    else:
-        sizes = [parse_size(t) for t in str(text).split(",") if t.strip()]
-    if not sizes:
-        raise argparse.ArgumentTypeError(f"an empty list: {text!r} (give at least one size, e.g. 8k)")
-    return sizes
 
 
 def int_list(text) -> list[int]:

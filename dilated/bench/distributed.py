@@ -129,6 +129,7 @@ class DistributedImplementation(Implementation):
 
     layout: str = "contiguous"
     group: object = None
+    runs_on_ranks = True
     factory: object = None  # factory(case, backend, group) -> module
     takes_documents: bool = False  # forward(q, k, v, cu_seqlens=...)
     splits_heads: bool = False  # each rank computes every query for a share of the heads (Ulysses)

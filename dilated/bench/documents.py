@@ -21,12 +21,11 @@ import zlib
 
 import torch
 
+from .sizes import parse_size as size
 
 
 def parse_spec(spec: str) -> tuple:
     """``(kind, parameters)``; ValueError naming the form on a bad spec."""
-    from .cli import parse_size as size  # (cli imports the runner, which imports this module's users)
-
     spec, _, draw = spec.partition("#")
     kind, _, rest = spec.partition(":")
     try:

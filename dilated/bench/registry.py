@@ -4,6 +4,7 @@ Register your own with :func:`register_implementation` (see ``examples/custom_be
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,8 @@ class Implementation:
     build: callable
     description: str = ""
     options: dict = field(default_factory=dict)
+    #: True for implementations whose inputs are shards over ranks (DistributedImplementation)
+    runs_on_ranks = False
 
     def __post_init__(self):
         self.problem = problem_named(self.problem)
@@ -125,6 +128,15 @@ class Implementation:
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {}
+#: the modules that register the sequence-parallel implementations, loaded by name (this module
+#: imports none of them: they import it)
+PROVIDERS = ("dilated.bench.strategies", "dilated.bench.external_ring")
+
+
+def load_providers() -> None:
+    """Import every module of :data:`PROVIDERS` (each registers its implementations once)."""
+    for name in PROVIDERS:
+        importlib.import_module(name)
 
 
 def register_implementation(impl: Implementation) -> Implementation:
@@ -135,14 +147,14 @@ def register_implementation(impl: Implementation) -> Implementation:
 def implementation_names(distributed: bool | None = None) -> list[str]:
     """Every registered implementation (``distributed``: only those that run across ranks, or only
     those that do not)."""
-    from . import external_ring, strategies  # noqa: F401  (register the sequence-parallel implementations)
-    from .distributed import DistributedImplementation
-
+    load_providers()
     return [n for n, impl in IMPLEMENTATIONS.items()
-            if distributed is None or isinstance(impl, DistributedImplementation) == distributed]
+            if distributed is None or impl.runs_on_ranks == distributed]
 
 
 def get_implementation(name: str) -> Implementation:
+    if name not in IMPLEMENTATIONS:
+        load_providers()
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {name!r}; choose from: {', '.join(IMPLEMENTATIONS)}")
     return IMPLEMENTATIONS[name]

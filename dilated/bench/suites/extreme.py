@@ -69,7 +69,7 @@ def _have_matplotlib() -> bool:
 
 
 def _parse(argv):
-    from ..cli import parse_size
+    from ..sizes import parse_size
 
     gpu = runs_on_gpus(argv)
     p = BenchParser(description="Sequence length sweep (doubling) of dilated, improved, multihead and "
