@@ -7,13 +7,8 @@ SMs idle until the next call starts, and the small calls (the r = 16 branch at 3
 are mostly tail. Taken in turns by two streams, one call's tail runs beside the next call's first
 wave.
 
-Measured on an H200 (LongNet's schedule, H = 16, D = 128, bf16; one stream and two in turns in
-one process; docs/performance-log.md): a whole forward, flash-attn 4 32K 1.863 -> 1.825 ms, 64K
-3.878 -> 3.760 ms, 1M 60.6 -> 59.9 ms; cuDNN 32K 1.974 -> 1.970 ms, 64K 3.955 -> 3.879 ms, 1M
-63.3 -> 63.0 ms. The backward's calls too, forward+backward (two rounds each): flash-attn 4
-replayed from CUDA graphs 32K 7.24, 7.29 -> 7.03, 7.03 ms, 1M 231.9, 233.3 -> 230.7, 231.2 ms;
-eager 32K 8.16, 7.58 -> 7.45, 7.46 ms, 128K 29.3, 29.1 -> 28.5, 28.5 ms, 1M 232.6, 232.4 -> 233.1,
-231.3 ms; cuDNN eager 128K 31.7, 31.7 -> 31.1, 30.8 ms, 1M 255.2, 254.9 -> 252.6, 253.0 ms.
+What two streams buy, forward and backward, on flash-attn 4 and cuDNN: docs/performance-log.md
+("Calls one after another against taken in turns by two streams").
 
 Why the caching allocator needs no ``record_stream`` here: every use of a side stream begins
 by waiting for the current stream (the fork), and the current stream waits for every side

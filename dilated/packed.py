@@ -109,7 +109,7 @@ class _DocumentCalls:
 class DocumentsFunction(torch.autograd.Function):
     """Autograd over :func:`documents_forward` / :func:`documents_backward`: the backward gathers each
     call's rows and scatters its gradients back (autograd through the forward's gathers would
-    accumulate them by sorting indices: a third of a step at 64K on an H200)."""
+    accumulate them by sorting indices, a large share of a step: docs/performance-log.md)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu: tuple, backend: str, causal: bool, scale: float, small=None):
@@ -158,10 +158,10 @@ def _runs(sizes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     return run, torch.arange(total, device=sizes.device) - (torch.cumsum(sizes, 0) - sizes)[run]
 
 
-#: a batched call doing less work than this (about 0.4 ms of an H200 at 500 TFLOP/s) takes the host
-#: about as long to launch (its gathers, the call, its scatter) as the GPU to run: with ``auto``, the
-#: documents of such calls run in one varlen call instead. Lognormal documents of mean 1K packed to
-#: 256K made about 250 such calls: 184 ms forward on cuDNN against 27 ms in one varlen call.
+#: a batched call doing less work than this (a fraction of a millisecond of a Hopper GPU) takes the
+#: host about as long to launch (its gathers, the call, its scatter) as the GPU to run: with ``auto``,
+#: the documents of such calls run in one varlen call instead (many short documents: see
+#: docs/performance-log.md).
 SMALL_CALL_FLOPS = 2e11
 
 

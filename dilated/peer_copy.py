@@ -4,10 +4,9 @@ A rank *publishes* tensors into a symmetric buffer of its process group; any pee
 row ranges of them into its own memory with ``copy_`` from a view of the owner's buffer. Such a
 copy is a device-to-device ``cudaMemcpyAsync``: the GPU's copy engines move the bytes over
 NVLink and no SM runs a communication kernel. That matters when the transfer is meant to hide
-under an attention kernel: NCCL's send/recv kernels compete with it for SMs (measured on two
-H200s, see docs/performance-log.md: a 537 MB block, 1.5 ms alone, moved by NCCL during a 28.6-28.9
-ms cuDNN call made it 1.2-1.5 ms longer, about as much as not overlapping at all; pulled by the
-copy engine from a high-priority stream, 0.5-0.8 ms longer).
+under an attention kernel: NCCL's send/recv kernels compete with it for SMs, so a block sent
+during a kernel lengthens it about as much as not overlapping at all, where a copy-engine pull
+from a high-priority stream lengthens it far less (measured: docs/performance-log.md).
 
 Only for CUDA tensors of NCCL groups whose ranks share one host (:func:`prepare` sets the group's
 buffer up, or says why not; callers then fall back to point-to-point messages). The group's barrier (a tiny kernel in

@@ -69,9 +69,8 @@ QUERY_TILE = 128  # rows per query tile of the flash-type kernels (for the devic
 
 
 def in_place_min_tiles(device) -> int:
-    """Query tiles an in-place call needs to fill ``device``: one wave of its multiprocessors.
-    (H200, 32K-128K tokens, LongNet schedule: one wave beat two by 3% at 32K; half a wave was no
-    better.)"""
+    """Query tiles an in-place call needs to fill ``device``: one wave of its multiprocessors (one
+    wave against two and half a wave: docs/performance-log.md)."""
     device = torch.device(device)
     if device.type != "cuda":
         return 0

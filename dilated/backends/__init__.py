@@ -8,8 +8,7 @@ a wheel can import and still fail every call.
 head_dim), the fastest for the inputs' shape class on CUDA, found by a short measurement cached
 per process and on disk (:mod:`dilated.backends.auto`), and the first in the order below on CPU
 (or with ``DILATED_AUTO=order``). On CUDA the order follows measured forward throughput on Hopper
-(bf16, D=128, N=16K: cuDNN SDPA 612 TFLOP/s, flex 490, SDPA flash 352, SDPA efficient 174), with
-flash-attn 3/4 first where installed:
+(docs/performance-log.md), with flash-attn 3/4 first where installed:
 
     CUDA: flash_attn_3, flash_attn_4, sdpa_cudnn, flash_attn, flex, sdpa_flash,
           sdpa_efficient, xformers, sdpa, sdpa_math, manual

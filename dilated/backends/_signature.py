@@ -24,7 +24,7 @@ def parameters(fn) -> dict[str, bool]:
     """``fn``'s parameter names, each with whether it has a default (from the op schema where
     ``fn`` is a ``torch.library`` op, else from its Python signature; ``*args``/``**kwargs`` skipped).
     Cached per function: reading a signature of forty parameters costs more host time than
-    launching the kernel (about 80 us for flash-attn 4's)."""
+    launching the kernel."""
     schema = _schema(fn)
     if schema is not None:
         return {a.name: a.has_default_value() for a in schema.arguments}

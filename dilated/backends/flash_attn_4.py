@@ -16,7 +16,7 @@ and no output, and the gradients are cut back.
 Its backward compiles a kernel variant per "one query block" / "one key block" pair (flags of
 its compile key, against the "TVM stride poisoning" of single-block calls): a call of 81-128
 query rows (head_dim 128 on Hopper: 80-row query tiles, 128-row key tiles) compiled one more
-variant, 1.6 s on an H200, at whatever length first had one (a dilated plan's clipped last
+variant, seconds long, at whatever length first had one (a dilated plan's clipped last
 segment, 664 rows over r = 8). So the first backward of each dtype, head dims, head grouping and
 causality with more rows than those calls also runs tiny calls of :data:`VARIANT_ROWS` query
 rows, which compile every variant then (a short call, such as the availability probe's, leaves

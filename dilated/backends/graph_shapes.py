@@ -4,8 +4,8 @@ torch's cuDNN attention builds a cuDNN graph for each new call shape and caches 
 heads, query and key lengths and the q/k/v strides are its key (``MHACacheKeyWrapper`` in ATen's
 ``native/cudnn/MHA.cpp``), and a graph takes tens of milliseconds to build. A dilated call at a
 sequence length never seen before has several new shapes (the batch of each branch's full
-segments, the clipped last segment), so on an H200 its first call took 0.4-1.0 s longer than a
-steady one. :class:`GraphShapes` counts the calls of each shape: the first ``build_after - 1`` of
+segments, the clipped last segment), so its first call took far longer than a steady one
+(docs/performance-log.md). :class:`GraphShapes` counts the calls of each shape: the first ``build_after - 1`` of
 a shape go to a kernel that builds nothing per shape (the SDPA backend takes torch's flash kernel,
 and records it as run), and the graph is built at the call that reaches ``build_after``. A shape
 seen once, as at an inference server's varied prompt lengths, never waits for a graph; a shape

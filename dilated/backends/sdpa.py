@@ -139,16 +139,15 @@ class SDPABackend(Backend):
         return None
 
     def reads_strided_rows(self, q, k, causal):
-        # cuDNN and flash take a stride per batch, head and row (measured on an H200, torch 2.11:
-        # dilated rows as strided views run as fast as gathered ones, same results)
+        # cuDNN and flash take a stride per batch, head and row: dilated rows as strided views run
+        # as fast as gathered ones, with the same results (docs/performance-log.md)
         return q.device.type == "cuda" and self._resolve(q, k, causal) in ("cudnn", "flash")
 
     def longest_causal_block(self, q, k):
-        # cuDNN's causal forward (cuDNN 9.19, bf16, D=128, on an H200) runs at 563-647 TFLOP/s up to
-        # 128K rows but at 502-526 at 256K, where the same work as 64K query chunks (an unmasked call
-        # and a causal block each) runs at 580-592; chunks lose below 128K. Flash-attn 4 keeps its
-        # rate at 256K (656 TFLOP/s causal, 666 unmasked), so this is the kernel's, not the problem's.
-        # An H100 gains the same (256K H=16 forward: 520 -> 589 TFLOP/s).
+        # cuDNN's causal forward slows down past 128K rows, where the same work as 64K query chunks
+        # (an unmasked call and a causal block each) keeps its rate; chunks lose below 128K, and
+        # flash-attn 4 does not slow down, so this is the kernel's, not the problem's (H100 and
+        # H200: docs/performance-log.md, "cuDNN's causal forward on long blocks")
         if q.device.type == "cuda" and self._resolve(q, k, True) == "cudnn":
             return CUDNN_LONGEST_CAUSAL_BLOCK
         return None

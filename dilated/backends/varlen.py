@@ -11,9 +11,8 @@ call it on its merged results. Two kernels:
   releases (``is_causal`` or ``window_size``, ``scale``, ``enable_gqa``): they are passed by the
   names in the op's schema.
 * ``flash_attn_4``: flash-attn 4's ``_flash_attn_fwd`` / ``_flash_attn_bwd`` with
-  ``cu_seqlens_q`` / ``cu_seqlens_k`` (GQA native; its backward takes ``dlse``). On an H200
-  (ring attention on one rank, causal, lognormal documents of mean 8K packed to 256K) it ran a
-  chunk's documents 1.36-1.50x faster than the batched dense calls per document length.
+  ``cu_seqlens_q`` / ``cu_seqlens_k`` (GQA native; its backward takes ``dlse``); faster than the
+  batched dense calls per document length (docs/performance-log.md).
 
 The gradient of lse (``dlse``) is part of the backward: flash-attn 4 takes it, torch's op does not
 (its autograd drops it), so there it is one more backward pass with a unit ``v`` (see
@@ -162,10 +161,10 @@ class FlashAttn4Varlen(VarlenKernel):
 
 
 #: the varlen entry point of each dense backend that has one: the same kernels, documents packed.
-#: (cuDNN has one in torch too, which torch's own varlen_attn leaves off; on an H200 the batched
-#: cuDNN calls per document length beat torch's varlen flash kernel by 1.35-1.55x on documents of
-#: mean 8K, so ``auto``, which resolves to cuDNN there, keeps them, and runs only the documents of
-#: calls too small to keep the GPU busy in one call of torch's: see :func:`small_documents_kernel`.)
+#: (cuDNN has one in torch too, which torch's own varlen_attn leaves off; the batched cuDNN calls per
+#: document length beat torch's varlen flash kernel on documents of mean 8K, so ``auto``, which
+#: resolves to cuDNN there, keeps them, and runs only the documents of calls too small to keep the
+#: GPU busy in one call of torch's: see :func:`small_documents_kernel` and docs/performance-log.md.)
 _KERNELS = {"sdpa_flash": TorchVarlen(), "flash_attn_4": FlashAttn4Varlen()}
 
 
@@ -201,10 +200,9 @@ def varlen_reason(q, k, v, backend: str, causal: bool = False) -> str | None:
 def varlen_kernel(q, k, v, backend: str, causal: bool = False) -> VarlenKernel | None:
     """The varlen entry point of the kernel ``backend`` resolves to for these inputs, or None (see
     :func:`varlen_reason`). ``auto`` takes flash-attn 4's wherever it runs, whichever kernel won
-    ``auto``'s dense measurement: its one call over every document ran lognormal documents packed
-    to 64K and 256K 1.35-1.45x faster forward+backward, and 1.4x forward, than cuDNN's batched calls
-    per document length (one H200, docs/performance-log.md), where the dense kernels are within a
-    few percent of each other."""
+    ``auto``'s dense measurement: its one call over every document runs packed documents faster
+    than cuDNN's batched calls per document length, where the dense kernels are within a few
+    percent of each other (docs/performance-log.md)."""
     if backend == "auto" and varlen_reason(q, k, v, "flash_attn_4", causal) is None:
         return _KERNELS["flash_attn_4"]
     if varlen_reason(q, k, v, backend, causal) is not None:
