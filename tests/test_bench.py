@@ -50,6 +50,9 @@ def test_summary_statistics_by_hand():
     assert t["mean"] == pytest.approx(115.0 / 6) and t["n"] == 6
     assert t["p10"] == pytest.approx(1.5) and t["p90"] == pytest.approx(52.5)  # linear between order statistics
     assert summarize([7.0])["median"] == 7.0 and summarize([2.0, 9.0, 4.0])["median"] == 4.0
+    four = summarize([4.0, 1.0, 3.0, 2.0])  # deviations 1.5, 0.5, 0.5, 1.5: squares sum to 5, over n - 1
+    assert four["std"] == pytest.approx((5 / 3) ** 0.5) and summarize([7.0])["std"] == 0.0
+    assert four["p95"] == pytest.approx(3.85) and four["p99"] == pytest.approx(3.97)  # 3 + (4 - 3) x 0.85, x 0.97
 
 
 def _run_script(script, *args, tmp_path):

@@ -1,5 +1,6 @@
 """Context-parallel strategies beside the ring: Ulysses and the Ulysses x ring hybrid, on real gloo
 process groups, exact against a float64 reference forward and backward."""
+import math
 import socket
 from pathlib import Path
 from unittest import mock
@@ -93,6 +94,31 @@ def test_every_strategy_on_one_document_workload_under_torchrun(tmp_path):
     base = next(r for r in rows if r.get("role") == "baseline")
     assert base["config"]["documents"] == "lognormal:32,1.0" and base["check"]["passed"]
     assert "work imb" in stdout and "time imb" in stdout
+
+
+def test_document_length_generators_have_their_stated_mean_and_range():
+    """Lengths drawn by each spec against what the spec says: lognormal:MEAN,SIGMA has mean MEAN (the
+    log-mean is log MEAN - SIGMA^2 / 2) and median MEAN x exp(-SIGMA^2 / 2); uniform:LO-HI takes
+    every length from LO to HI and no other, mean (LO + HI) / 2; fixed:L every length L; every spec
+    packs exactly N positions, only the last document cut."""
+    import statistics
+
+    from dilated.bench.documents import cu_seqlens_of
+
+    def lengths(spec, n):
+        cu = cu_seqlens_of(spec, n)
+        assert cu[0] == 0 and cu[-1] == n and all(b > a for a, b in zip(cu, cu[1:]))
+        return [b - a for a, b in zip(cu, cu[1:])][:-1]  # the last one is cut at N
+
+    n = 1 << 22
+    for mean, sigma in ((1000, 0.5), (1000, 1.0)):
+        got = lengths(f"lognormal:{mean},{sigma}", n)  # about 4000 documents: the mean within a few %
+        assert statistics.fmean(got) == pytest.approx(mean, rel=0.05), (mean, sigma)
+        assert statistics.median(got) == pytest.approx(mean * math.exp(-sigma * sigma / 2), rel=0.06), (mean, sigma)
+    got = lengths("uniform:10-13", 10_000)
+    assert set(got) == {10, 11, 12, 13} and statistics.fmean(got) == pytest.approx(11.5, rel=0.03)
+    assert set(lengths("fixed:300", 10_000)) == {300}
+    assert lengths("lognormal:100,1.0#1", 50_000) != lengths("lognormal:100,1.0#2", 50_000)  # draws differ
 
 
 def test_document_workloads_by_hand():
