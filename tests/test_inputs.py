@@ -132,6 +132,8 @@ ROW_PIECES = {  # row ranges of the pieces, in order (each piece sees its own fi
     "only the whole rows": [(0, 24)],
     "the whole rows twice": [(0, 24), (0, 24)],
     "adjacent parts": [(0, 8), (8, 16), (16, 24), (3, 21)],
+    "later rows first, then across them": [(16, 20), (2, 6), (0, 24)],
+    "later rows first, gaps left": [(16, 20), (2, 6)],
 }
 
 
