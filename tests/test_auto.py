@@ -81,6 +81,21 @@ def test_shape_classes_are_measured_apart(measured, gen):
     assert auto.shape_class(qg, q, q, False)["grad"] and not auto.shape_class(q, q, q, False)["grad"]
 
 
+def test_each_field_of_a_shape_class_reads_its_own_input():
+    """q [2, 100, 4, 32], k [2, 300, 2, 32], v [2, 300, 2, 16], float64, causal: every field from the
+    input it names (powers of two for lengths, kv heads from k, head_dim_v from v, a batch that
+    fills the device for more than one sequence)."""
+    q = torch.zeros(2, 100, 4, 32, dtype=torch.float64)
+    k = torch.zeros(2, 300, 2, 32, dtype=torch.float64)
+    v = torch.zeros(2, 300, 2, 16, dtype=torch.float64)
+    cls = auto.shape_class(q, k, v, True)
+    assert cls == {"device": "cpu", "dtype": "float64", "head_dim": 32, "head_dim_v": 16, "heads": 4,
+                   "kv_heads": 2, "causal": True, "grad": False, "nq": 128, "nk": 512,
+                   "batch": auto.ROWS_TIMED // 512}
+    assert auto.shape_class(q[:1], k[:1], v[:1], False)["batch"] == 1  # one short sequence: as it is
+    assert auto.shape_class(q[:1], k[:1], None, False)["head_dim_v"] == 32  # no v: k's
+
+
 def test_fixed_order_when_asked(measured, monkeypatch, gen):
     slow, fast, _ = measured
     monkeypatch.setenv("DILATED_AUTO", "order")
