@@ -76,7 +76,7 @@ def test_improved_merging_as_it_goes_matches_reference(case, dtype, in_place, ge
 
     from dilated.backends.sdpa import SDPABackend
 
-    ida = importlib.import_module("dilated.improved_dilated_attention")  # the module, not its function
+    ida = importlib.import_module("dilated.dilated_calls")
 
     monkeypatch.setattr(ida, "merges_as_it_goes", lambda x, plan, tensors: True)
     if in_place:
@@ -113,7 +113,7 @@ def test_merging_as_it_goes_is_chosen_where_the_outputs_do_not_fit(monkeypatch):
 
     from dilated.plan import build_plan
 
-    ida = importlib.import_module("dilated.improved_dilated_attention")
+    ida = importlib.import_module("dilated.dilated_calls")
     b, n, h, d = 2, 1 << 20, 16, 128
     plan = build_plan(n, h, h, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16], "cpu")
     result = b * n * h * d * 2  # bytes of one bf16 result
@@ -142,7 +142,7 @@ def test_pieces_cover_the_plan_in_small_runs():
 
     from dilated.plan import build_plan
 
-    ida = importlib.import_module("dilated.improved_dilated_attention")
+    ida = importlib.import_module("dilated.dilated_calls")
     n, h = 4096 + 96, 8
     plan = build_plan(n, h, h, [64, 256, 1024], [1, 2, 4], "cpu")
     cut = list(ida.pieces(plan, n, h))
