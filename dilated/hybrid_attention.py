@@ -33,7 +33,16 @@ from .ulysses_attention import kv_heads_for
 
 class HybridAttention(nn.Module):
     """Exact dense attention over the global sequence on a ``ring_size x ulysses_size`` grid of
-    ranks; ``forward(q, k, v)`` on this rank's part ``[B, N/P, H, D]`` (see :meth:`shard`).
+    ranks; ``forward(q, k, v, cu_seqlens=None, layout=None)`` on this rank's part ``[B, N/P, H, D]``
+    (see :meth:`shard`) returns this rank's output ``[B, N/P, H, D]``, differentiable.
+
+    Args:
+        ulysses_size: ranks of a grid row (consecutive ranks: one node's GPUs), which split the heads.
+        ring_size: rows of the grid, which pass K/V round a ring; ``ulysses_size x ring_size`` must
+            be the group's size.
+        causal, scale, backend, transport, measure_comm: as :class:`~dilated.RingAttention`.
+        layout: the ring's shards over the rows: ``"zigzag"``, ``"contiguous"`` or ``"documents"``.
+        group: the process group (default: the world); construct on every rank of it.
 
     ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """

@@ -295,16 +295,23 @@ class _RingFunction(torch.autograd.Function):
 
 class RingAttention(nn.Module):
     """Exact dense attention over the global sequence; ``forward(q, k, v)`` on this rank's shards
-    ``[B, N/P, H, D]`` in ``layout`` (see :func:`dilated.shard`). GQA allowed.
+    ``[B, N/P, H, D]`` in ``layout`` (see :func:`dilated.shard`) returns this rank's output
+    ``[B, N/P, H, D]``, differentiable. GQA allowed (k/v ``[B, N/P, Hkv, D]``).
 
-    ``transport`` is how K/V blocks move (see the module docstring: ``"auto"``, ``"copy_engine"``,
-    ``"p2p"``); ``self.transport_used`` says which the last call took.
-    ``layout="documents"``: the shards are in the :class:`~dilated.DocumentLayout` of each call's
-    documents (:meth:`document_layout`, :meth:`shard`); only crossing documents' K/V rows pass around
-    the ring, relayed by send/recv (:mod:`dilated.document_attention`, ``transport="ring"``).
-    ``overlap=False`` waits for each K/V block before computing (for measuring what overlap buys);
-    ``measure_comm=True`` records the time the compute stream stalls on communication in
-    ``self.stats`` (a :class:`dilated.distributed.CommStats`; CUDA events, read lazily).
+    Args:
+        causal: causal attention over the global sequence (within each document with packed ones).
+        scale: softmax scale (default ``head_dim ** -0.5``).
+        backend: the local kernel (``"auto"``, ``"sdpa"``, ``"flash_attn_4"``, ...).
+        layout: ``"contiguous"``, ``"zigzag"`` (rank r holds chunks r and 2P-1-r of 2P: balanced
+            causal work) or ``"documents"`` (the :class:`~dilated.DocumentLayout` of each call's
+            documents, :meth:`document_layout`; only crossing documents' K/V rows are relayed round
+            the ring, see :mod:`dilated.document_attention`).
+        group: the process group (default: the world).
+        overlap: False waits for each K/V block before computing (to measure what overlap buys).
+        measure_comm: record the time the compute stream stalls on communication in ``self.stats``
+            (a :class:`dilated.distributed.CommStats`; CUDA events, read lazily).
+        transport: how K/V blocks move (see the module docstring): ``"auto"``, ``"copy_engine"``,
+            ``"p2p"``; ``self.transport_used`` says which the last call took.
     """
 
     def __init__(self, *, causal=False, scale=None, backend="auto", layout="contiguous", group=None,

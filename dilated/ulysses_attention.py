@@ -46,8 +46,17 @@ def kv_heads_for(num_heads: int, num_kv_heads: int, p: int) -> int:
 
 
 class UlyssesAttention(nn.Module):
-    """Exact dense attention over the global sequence; ``forward(q, k, v)`` on this rank's
-    contiguous shards ``[B, N/P, H, D]`` (see :meth:`shard`); heads must be divisible by P.
+    """Exact dense attention over the global sequence; ``forward(q, k, v, cu_seqlens=None)`` on this
+    rank's contiguous shards ``[B, N/P, H, D]`` (see :meth:`shard`) returns this rank's output
+    ``[B, N/P, H, D]``, differentiable; heads must be divisible by P (kv heads are split over the
+    ranks, repeated up to a multiple of P where P does not divide them: :func:`kv_heads_for`).
+
+    Args:
+        causal: causal attention over the global sequence (within each document with packed ones).
+        scale: softmax scale (default ``head_dim ** -0.5``).
+        backend: the local kernel (``"auto"``, ``"sdpa"``, ``"flash_attn_4"``, ...).
+        group: the process group (default: the world).
+        measure_comm: also time the compute stream's waits on the all-to-alls.
 
     ``self.stats`` (a :class:`dilated.distributed.CommStats`) counts the all-to-alls and bytes sent.
     """
