@@ -1,39 +1,38 @@
 """dilated: long-sequence attention for PyTorch on pluggable local kernels.
 
-Tensors are ``[batch, seq, heads, head_dim]`` throughout.
+Tensors are ``[batch, seq, heads, head_dim]`` throughout. The package: :mod:`dilated.functional`
+(``attention``) and the dense pieces at the top, :mod:`dilated.backends` (the local kernels),
+:mod:`dilated.longnet` (dilated attention on one device), :mod:`dilated.parallel` (context
+parallelism), :mod:`dilated.bench` (the benchmark harness, not imported here).
 """
+from . import ops  # noqa: F401  (registers the custom ops torch.compile traces)
+from ._checks import UncoveredRowsWarning
 from .backends import BackendUnavailableError, available_backends, register_backend
 from .functional import attention
-from . import ops  # noqa: F401,E402  (registers the custom ops torch.compile traces)
+from .longnet.dilated_attention import DilatedAttention, dilated_attention
+from .longnet.improved_dilated_attention import ImprovedDilatedAttention, improved_dilated_attention
+from .longnet.memory_pool import MemoryPool
+from .longnet.multihead import MultiheadDilatedAttention
+from .longnet.pattern_cache import PatternCache
+from .longnet.residue_major import (from_residue_major, residue_major_fast_path_reason, residue_major_positions,
+                                    to_residue_major)
+from .parallel.agreement import RankMismatchError
+from .parallel.distributed_dilated_attention import DistributedDilatedAttention
+from .parallel.document_attention import DocumentParallelAttention
+from .parallel.document_layout import DocumentLayout
+from .parallel.hybrid_attention import HybridAttention
+from .parallel.ring_attention import RingAttention, ring_attention
+from .parallel.sharding import init_distributed, shard, unshard
+from .parallel.ulysses_attention import UlyssesAttention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "available_backends", "register_backend", "BackendUnavailableError"]
-
-from .dilated_attention import DilatedAttention, dilated_attention  # noqa: E402
-from .improved_dilated_attention import ImprovedDilatedAttention, improved_dilated_attention  # noqa: E402
-from .memory_pool import MemoryPool  # noqa: E402
-from .pattern_cache import PatternCache  # noqa: E402
-from .residue_major import (from_residue_major, residue_major_fast_path_reason, residue_major_positions,  # noqa: E402
-                            to_residue_major)
-
-__all__ += ["dilated_attention", "DilatedAttention", "improved_dilated_attention", "ImprovedDilatedAttention",
-            "MemoryPool", "PatternCache", "to_residue_major", "from_residue_major", "residue_major_positions",
-            "residue_major_fast_path_reason"]
-from .multihead import MultiheadDilatedAttention  # noqa: E402
-
-__all__ += ["MultiheadDilatedAttention"]
-from .distributed import init_distributed, shard, unshard  # noqa: E402
-from .distributed_dilated_attention import DistributedDilatedAttention  # noqa: E402
-from .ring_attention import RingAttention, ring_attention  # noqa: E402
-from .ulysses_attention import UlyssesAttention  # noqa: E402
-from .hybrid_attention import HybridAttention  # noqa: E402
-from .document_layout import DocumentLayout  # noqa: E402
-from .document_attention import DocumentParallelAttention  # noqa: E402
-
-__all__ += ["RingAttention", "ring_attention", "UlyssesAttention", "HybridAttention", "DistributedDilatedAttention", "shard", "unshard", "init_distributed",
-            "DocumentLayout", "DocumentParallelAttention"]
-from ._checks import UncoveredRowsWarning  # noqa: E402
-from .agreement import RankMismatchError  # noqa: E402
-
-__all__ += ["UncoveredRowsWarning", "RankMismatchError"]
+__all__ = [
+    "attention", "available_backends", "register_backend", "BackendUnavailableError",
+    "dilated_attention", "DilatedAttention", "improved_dilated_attention", "ImprovedDilatedAttention",
+    "MultiheadDilatedAttention", "MemoryPool", "PatternCache",
+    "to_residue_major", "from_residue_major", "residue_major_positions", "residue_major_fast_path_reason",
+    "RingAttention", "ring_attention", "UlyssesAttention", "HybridAttention", "DistributedDilatedAttention",
+    "DocumentLayout", "DocumentParallelAttention", "shard", "unshard", "init_distributed",
+    "UncoveredRowsWarning", "RankMismatchError",
+]

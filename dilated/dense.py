@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,15 @@ from .backends.base import expand_kv_heads, reduce_kv_heads
 from .backends.graph_shapes import one_operation
 from .backends.kernel_log import note_kernel, recording
 from .merge import empty_accumulators, merge_
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What the kernel calls of one computation share: the resolved backend, causality and scale."""
+
+    backend: object  # a dilated.backends.Backend
+    causal: bool
+    scale: float
+
 
 def causal_pieces(nq: int, nk: int, causal: bool, longest: int | None = None) -> list[tuple[int, int, int, int, bool]]:
     """Split bottom-right causal attention into kernel calls ``(q0, q1, k0, k1, causal)``.

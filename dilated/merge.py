@@ -11,7 +11,7 @@ The same rule in two forms: :func:`merge_` merges one result into torch accumula
 :class:`RowAccumulator` applies it to pieces over ranges of rows as they come (ring attention's
 pieces: the first piece on rows is copied, not merged); :func:`merge_step` and
 :func:`merge_finish` are its streaming form inside a Triton kernel (a running maximum and weight
-sum over the calls of a plan, as flash attention's online softmax; :mod:`dilated.rows`).
+sum over the calls of a plan, as flash attention's online softmax; :mod:`dilated.longnet.rows`).
 Two computations stay apart on purpose, to check these: ``mix_branches`` of the readable
 :class:`~dilated.DilatedAttention` (LongNet's eq. 9-10 over all branches at once, the spec) and
 :func:`dilated.reference.sampled_reference` (softmax over every selected key of a row at once).

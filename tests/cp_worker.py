@@ -177,7 +177,7 @@ def ring_documents(rank, world, varlen=None):
         from dilated import packed
         from dilated.backends import varlen as varlen_module
 
-        ring_module = sys.modules["dilated.ring_attention"]  # (dilated.ring_attention is also a function)
+        ring_module = sys.modules["dilated.parallel.ring_attention"]
         varlen_module.torch_varlen_ops = lambda: varlen_standins.TORCH_OPS["new"]
         ring_module.small_documents_kernel = lambda q, k, v, causal=False: varlen_module.TorchVarlen()
         packed.SMALL_CALL_FLOPS = float("inf")

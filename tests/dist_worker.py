@@ -133,7 +133,7 @@ def copy_engine_matches_p2p(rank, world, port):
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
                             timeout=datetime.timedelta(seconds=120))
     groups = [(world, None)] + ([(2, dist.new_group([0, 1]))] if world > 2 else [])
-    for p, group in groups:  # the world first: see dilated.peer_copy.prepare
+    for p, group in groups:  # the world first: see dilated.parallel.peer_copy.prepare
         if rank >= p:
             continue
         g = torch.Generator(device=dev).manual_seed(3)
@@ -436,7 +436,7 @@ def document_parallel(rank, world, port):
     of their layout (documents whole on a rank, cut head-tail over every rank, cut at a rank's
     remaining room; one document; none crossing), causal and not, GQA and not, batch 2: output and
     gradients against float64 attention computed one document at a time."""
-    from dilated.document_attention import rank_plan
+    from dilated.parallel.document_attention import rank_plan
 
     init(rank, world, port)
     n = 96 * world

@@ -96,3 +96,19 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_layers_import_downward_only():
+    """The top level (attention, the dense pieces, the backends) imports neither subpackage; LongNet
+    on one device does not import context parallelism; only ``dilated/__init__`` exports both."""
+    def layer(module):
+        for sub in ("longnet", "parallel", "bench"):
+            if module == f"dilated.{sub}" or module.startswith(f"dilated.{sub}."):
+                return sub
+        return "top"
+
+    allowed = {"top": {"top"}, "longnet": {"top", "longnet"}, "parallel": {"top", "longnet", "parallel"},
+               "bench": {"top", "longnet", "parallel", "bench"}}
+    wrong = {v: sorted(w for w in ws if layer(w) not in allowed[layer(v)])
+             for v, ws in _graph().items() if v != "dilated"}
+    assert not {v: ws for v, ws in wrong.items() if ws}

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dilated import ImprovedDilatedAttention
-from dilated.call_streams import ENV, call_streams, streams_from_env
+from dilated.longnet.call_streams import ENV, call_streams, streams_from_env
 
 from conftest import captured, training_step
 

@@ -55,7 +55,7 @@ def test_the_documents_of_a_chunk_with_itself_are_one_batched_entry(layout):
     """A ring step's pair of a chunk with itself holds all of the chunk's documents: one entry
     carrying their boundaries (run in a few batched calls), not one kernel call per document;
     pairs of different chunks share at most one document."""
-    from dilated.ring_attention import _chunks, _pieces, _plan
+    from dilated.parallel.ring_attention import _chunks, _pieces, _plan
 
     n, p = 16, 2  # local length, ranks
     cu = list(range(0, 2 * n, 2)) + [2 * n]  # documents of 2 positions each

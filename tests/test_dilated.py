@@ -51,7 +51,7 @@ def test_improved_in_place_matches_reference(case, causal, batch, gen, monkeypat
     from dilated.backends.sdpa import SDPABackend
 
     monkeypatch.setattr(SDPABackend, "reads_strided_rows", lambda self, q, k, causal: True)
-    monkeypatch.setattr("dilated.plan.in_place_min_tiles", lambda device: 0)
+    monkeypatch.setattr("dilated.longnet.plan.in_place_min_tiles", lambda device: 0)
     n, h, hkv, segs, dils = case
     q, k, v = (rand(batch, n, x, 16, gen=gen, requires_grad=True) for x in (h, hkv, hkv))
     out = dilated.improved_dilated_attention(q, k, v, segs, dils, causal=causal, backend="sdpa")
@@ -76,12 +76,12 @@ def test_improved_merging_as_it_goes_matches_reference(case, dtype, in_place, ge
 
     from dilated.backends.sdpa import SDPABackend
 
-    ida = importlib.import_module("dilated.dilated_calls")
+    ida = importlib.import_module("dilated.longnet.dilated_calls")
 
     monkeypatch.setattr(ida, "merges_as_it_goes", lambda x, plan, tensors: True)
     if in_place:
         monkeypatch.setattr(SDPABackend, "reads_strided_rows", lambda self, q, k, causal: True)
-        monkeypatch.setattr("dilated.plan.in_place_min_tiles", lambda device: 0)
+        monkeypatch.setattr("dilated.longnet.plan.in_place_min_tiles", lambda device: 0)
     held = []
     each = ida._forward_each
 
@@ -111,9 +111,9 @@ def test_merging_as_it_goes_is_chosen_where_the_outputs_do_not_fit(monkeypatch):
     CUDA only (a CUDA device is stood in for by the tensor's device type)."""
     import importlib
 
-    from dilated.plan import build_plan
+    from dilated.longnet.plan import build_plan
 
-    ida = importlib.import_module("dilated.dilated_calls")
+    ida = importlib.import_module("dilated.longnet.dilated_calls")
     b, n, h, d = 2, 1 << 20, 16, 128
     plan = build_plan(n, h, h, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16], "cpu")
     result = b * n * h * d * 2  # bytes of one bf16 result
@@ -140,9 +140,9 @@ def test_pieces_cover_the_plan_in_small_runs():
     segments, each run within its share of the rows unless it is one segment."""
     import importlib
 
-    from dilated.plan import build_plan
+    from dilated.longnet.plan import build_plan
 
-    ida = importlib.import_module("dilated.dilated_calls")
+    ida = importlib.import_module("dilated.longnet.dilated_calls")
     n, h = 4096 + 96, 8
     plan = build_plan(n, h, h, [64, 256, 1024], [1, 2, 4], "cpu")
     cut = list(ida.pieces(plan, n, h))
@@ -159,10 +159,10 @@ def test_in_place_calls_over_several_segments(causal, gen, monkeypatch):
     """In-place plans whose r > 1 branches span several segments: one call per segment holding all
     offsets (count 2 and 4, fewer calls than offsets) and one call per offset over all segments."""
     from dilated.backends.sdpa import SDPABackend
-    from dilated.plan import build_plan
+    from dilated.longnet.plan import build_plan
 
     monkeypatch.setattr(SDPABackend, "reads_strided_rows", lambda self, q, k, causal: True)
-    monkeypatch.setattr("dilated.plan.in_place_min_tiles", lambda device: 0)
+    monkeypatch.setattr("dilated.longnet.plan.in_place_min_tiles", lambda device: 0)
     n, h, segs, dils = 64, 8, [8, 16, 32], [1, 8, 8]
     plan = build_plan(n, h, h, segs, dils, "cpu", batch=1, in_place_tiles=0)
     per_segment = [c for c in plan if c.mode == "diag" and c.in_place]
@@ -318,15 +318,15 @@ def test_gpu_in_place_calls(backend, causal, gen, monkeypatch):
     """Every r > 1 branch read in place (strided views into the kernel, no gather): bf16 against float64."""
     if backend not in GPU_BACKENDS:
         pytest.skip(f"{backend} is not available here")
-    monkeypatch.setattr("dilated.plan.in_place_min_tiles", lambda device: 0)
+    monkeypatch.setattr("dilated.longnet.plan.in_place_min_tiles", lambda device: 0)
     n, segs, dils = GPU_CASE
-    plan = dilated.plan.build_plan(n, 8, 8, segs, dils, "cuda", in_place_tiles=0)
+    plan = dilated.longnet.plan.build_plan(n, 8, 8, segs, dils, "cuda", in_place_tiles=0)
     assert all(c.in_place for c in plan if c.r > 1) and {c.mode for c in plan if c.r > 1} == {"offset", "diag"}
     check_gpu_bf16(lambda *a: dilated.improved_dilated_attention(*a, causal=causal, backend=backend), causal, gen)
 
 
 def test_layer_norm_in_row_chunks_equals_one_call():
-    from dilated.multihead import layer_norm_rows
+    from dilated.longnet.multihead import layer_norm_rows
 
     norm = torch.nn.LayerNorm(12)
     x = torch.randn(2, 37, 12, requires_grad=True)

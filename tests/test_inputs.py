@@ -436,7 +436,7 @@ def test_value_head_dim_where_a_kernel_cannot(gen):
     (2, 1, None, True), (8, 4, "nccl", True), (2, 2, None, False), (1, 8, None, False), (2, 1, "gloo", False)])
 def test_more_torchrun_ranks_than_gpus_is_refused_before_nccl_starts(monkeypatch, local_ranks, gpus, backend, fails):
     """Two NCCL ranks on one GPU fail deep inside NCCL; every rank gets an error naming the fix first."""
-    import dilated.distributed as dd
+    import dilated.parallel.sharding as dd
 
     started = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""The residue-major layout of a geometric schedule (dilated.residue_major): its order, its block
+"""The residue-major layout of a geometric schedule (dilated.longnet.residue_major): its order, its block
 lists (against the counts of the float64 definition) and ``layout="residue_major"`` against
 float64 dilated attention in the natural order, forward and gradients."""
 import warnings
@@ -9,7 +9,7 @@ import torch
 import dilated
 from dilated.backends import get_backend, record_kernels
 from dilated.reference import dilated_bias, dilated_reference
-from dilated.residue_major import block_lists, residue_major_fast_path_reason
+from dilated.longnet.residue_major import block_lists, residue_major_fast_path_reason
 
 from conftest import TOL, rand, rel_err
 

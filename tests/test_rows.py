@@ -1,4 +1,4 @@
-"""Gather and combine (dilated.rows): the Triton kernels against the torch path.
+"""Gather and combine (dilated.longnet.rows): the Triton kernels against the torch path.
 
 On a CPU machine the Triton kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, read
 when the kernel is defined, hence the subprocesses); skipped where Triton is not installed.
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dilated.rows import _combine_torch, branch_view, combine, gather, to_kernel_shape
-from dilated.plan import KernelCall, build_plan
+from dilated.longnet.rows import _combine_torch, branch_view, combine, gather, to_kernel_shape
+from dilated.longnet.plan import KernelCall, build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = [  # (N, H, Hkv, segments, dilations)
@@ -156,7 +156,7 @@ def test_combine_writes_in_place_over_the_full_view_part():
 
 def test_in_place_calls_of_a_branch_are_one_combine_call():
     """The r in-place calls of a branch (one per head offset) are read by one call body of the kernel."""
-    from dilated.rows import PART, SIZE, _call_groups
+    from dilated.longnet.rows import PART, SIZE, _call_groups
 
     plan = build_plan(64, 4, 4, [8, 16], [1, 2], "cpu", in_place_tiles=0)
     x = torch.randn(1, 64, 4, 8)
@@ -192,7 +192,7 @@ class _Compilations:
 
 
 def _structure(plan):
-    from dilated.rows import _call_constants
+    from dilated.longnet.rows import _call_constants
 
     return [(c.mode, c.in_place, _call_constants(c)) for c in plan]
 
@@ -204,7 +204,7 @@ def test_new_lengths_of_one_plan_structure_compile_nothing(monkeypatch, tiles, l
     other lengths, alike mod every r) launch gather and combine with one compilation key each:
     the calls' places, the length and the lse strides are runtime arguments Triton does not
     specialize on."""
-    import dilated.rows as rows
+    import dilated.longnet.rows as rows
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter has no compilation keys")
@@ -237,8 +237,8 @@ def test_lengths_of_any_plan_structure_share_one_combine_kernel(monkeypatch):
     forms of the last segments, which calls are aligned, gathered or in place) combine with one
     compilation key with lse and one without, and gather with one per form (diagonal or head
     offset) and heads per call."""
-    import dilated.branch_combine as branch_combine
-    import dilated.rows as rows
+    import dilated.longnet.branch_combine as branch_combine
+    import dilated.longnet.rows as rows
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter has no compilation keys")
@@ -280,8 +280,8 @@ def test_gpu_new_lengths_compile_no_gather_or_combine(backend):
     forward and backward at new lengths, whatever their plans' structure, compile no gather or
     combine kernel."""
     import dilated
-    import dilated.branch_combine as branch_combine
-    import dilated.rows as rows
+    import dilated.longnet.branch_combine as branch_combine
+    import dilated.longnet.rows as rows
 
     segs, dils = [256, 512, 1024], [1, 2, 4]
 

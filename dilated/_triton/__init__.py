@@ -1,2 +1,2 @@
-"""What the Triton kernels of :mod:`dilated.rows`, :mod:`dilated.branch_combine` and
+"""What the Triton kernels of :mod:`dilated.longnet.rows`, :mod:`dilated.longnet.branch_combine` and
 :mod:`dilated.merge` share (imports no Triton, so the package loads without it)."""

@@ -1,5 +1,5 @@
-"""Launch sizes shared by the gather and combine kernels (:mod:`dilated.rows`,
-:mod:`dilated.branch_combine`); the program sizes tried: docs/performance-log.md (the branch combine,
+"""Launch sizes shared by the gather and combine kernels (:mod:`dilated.longnet.rows`,
+:mod:`dilated.longnet.branch_combine`); the program sizes tried: docs/performance-log.md (the branch combine,
 "tried, all slower")."""
 from __future__ import annotations
 

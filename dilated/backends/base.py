@@ -120,7 +120,7 @@ class Backend:
         """``(out, lse)`` of non-causal attention where query block ``m`` (of ``lists.block`` rows)
         of head ``h`` sees the key blocks ``lists.indices[0, h, m, :lists.counts[0, h, m]]``, each as
         many times as it is listed (a block listed twice counts twice in the softmax). ``lists``
-        is a :class:`dilated.residue_major.BlockLists`; see :meth:`block_sparse_reason`."""
+        is a :class:`dilated.longnet.residue_major.BlockLists`; see :meth:`block_sparse_reason`."""
         raise NotImplementedError(self.block_sparse_reason(q, k, lists.block))
 
     def block_sparse_backward(self, dout, q, k, v, out, lse, lists, scale: float):

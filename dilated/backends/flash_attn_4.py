@@ -54,7 +54,7 @@ BLOCK_SPARSE_HEAD_DIMS = (64, 128)
 
 def _block_sparse_tensors(lists):
     """flash-attn 4's ``BlockSparseTensorsTorch`` for ``lists`` (a
-    :class:`dilated.residue_major.BlockLists`): every listed block is a full block (no mask within
+    :class:`dilated.longnet.residue_major.BlockLists`): every listed block is a full block (no mask within
     it); the same lists serve the forward (key blocks per query block) and, being symmetric, the
     backward (query blocks per key block)."""
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch

@@ -105,7 +105,7 @@ class ManualBackend(Backend):
             dk += torch.einsum("bhnm,bnhd->bmhd", ds, qb) * scale
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
-    # -- block-sparse lists (dilated.residue_major): the scores of a listed block get log(times
+    # -- block-sparse lists (dilated.longnet.residue_major): the scores of a listed block get log(times
     # listed), the others -inf; the scores are materialised, so for checks at small lengths
     def block_sparse_reason(self, q, k, block):
         return None

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import dilated
-from dilated.agreement import all_gather_text, group_device
+from dilated.parallel.agreement import all_gather_text, group_device
 
 from .registry import Case, Implementation
 from .results import trusted, untrusted_reason
@@ -281,7 +281,7 @@ def run_scaling_sweep(sweep: ScalingSweep, opts: RunOptions, writer, script: str
     rows, baseline_ms = [], {}
     ran = {}  # on every rank: problem -> backend -> the kernels of its baseline rows that ran warm
     # the largest group first: then every rank has joined the same groups (in the same order) when
-    # a subgroup sets up symmetric memory (see dilated.peer_copy.prepare)
+    # a subgroup sets up symmetric memory (see dilated.parallel.peer_copy.prepare)
     for p in sorted(world_sizes, reverse=True):
         group = dist.new_group(list(range(p))) if p < world else None  # collective: every rank calls it
         jobs = []

@@ -3,7 +3,7 @@ ratios are not the machine's drift:
 
 * the kernel floor (:func:`kernel_floor_step`): the backend's attention calls of the step's plan
   alone (the same calls: in place where the kernel reads strided rows, taken in turns by the
-  same CUDA streams, :mod:`dilated.call_streams`), on segment tensors
+  same CUDA streams, :mod:`dilated.longnet.call_streams`), on segment tensors
   gathered beforehand (no gather, no merge, no scatter, no launch of anything but
   the kernels): ``ImprovedDilatedAttention``'s time over it is what its own machinery costs;
 * the one-call floor (:func:`one_call_floor_step`): the same rows as one dense call per distinct
@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from dilated.backends import get_backend
-from dilated.call_streams import call_streams
+from dilated.longnet.call_streams import call_streams
 from dilated.dense import attention_backward, attention_forward, default_scale
-from dilated.rows import gather
-from dilated.plan import build_plan, plan_for
+from dilated.longnet.rows import gather
+from dilated.longnet.plan import build_plan, plan_for
 
 
 def _prepared(impl, qb, kb, vb, causal: bool, scale: float, mode: str) -> tuple:

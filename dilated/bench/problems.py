@@ -168,7 +168,7 @@ class DilatedAttention(DenseAttention):
 
 class ResidueMajorDilatedAttention(DilatedAttention):
     """Dilated attention of q, k, v that lie in the schedule's residue-major order
-    (``layout="residue_major"``, :mod:`dilated.residue_major`): the same work and FLOPs, the
+    (``layout="residue_major"``, :mod:`dilated.longnet.residue_major`): the same work and FLOPs, the
     reference in that order. No kernel floor: on a block-sparse kernel the step is one call."""
 
     name = "dilated_residue_major"

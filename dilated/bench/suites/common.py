@@ -66,7 +66,7 @@ def init_for_benchmark(args):
     import os
     import socket
 
-    from dilated.distributed import init_distributed
+    from dilated.parallel.sharding import init_distributed
 
     if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         with socket.socket() as s:  # a plain run: a world of one on a free port

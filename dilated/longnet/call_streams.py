@@ -25,7 +25,7 @@ import contextlib
 
 import torch
 
-from ._checks import positive_int_env
+from .._checks import positive_int_env
 
 ENV = "DILATED_CALL_STREAMS"
 DEFAULT_STREAMS = 2

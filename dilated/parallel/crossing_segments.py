@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from .dense import attention_backward, attention_forward
-from .plan import AttentionSpec, KernelCall
+from ..dense import AttentionSpec, attention_backward, attention_forward
+from ..longnet.plan import KernelCall
 
 
 class Saved(NamedTuple):

@@ -4,13 +4,13 @@
   strided rows (cuDNN, flash, flash-attn 4), strided views, no copy at all (one call per head offset, or per
   segment with the r offsets as a batch of stride ``(H + 1) * D``), where each call still fills
   the device; otherwise one gather per branch (the rows of a diagonal over
-  (position mod r, head mod r); q, k and v in one launch, :func:`dilated.rows.gather`) or,
+  (position mod r, head mod r); q, k and v in one launch, :func:`dilated.longnet.rows.gather`) or,
   where w, the last segment or the heads are not multiples of r, one strided slice per head
   offset. No index tensor is data-sized (GQA with r > 1 uses an ``H/r``-entry kv-head index).
 * The calls, forward and backward, are taken in turns by two CUDA streams
-  (:mod:`dilated.call_streams`): one call's last wave runs beside the next call's start.
+  (:mod:`dilated.longnet.call_streams`): one call's last wave runs beside the next call's start.
 * The calls' outputs stay in kernel shape (together about twice one output: branch r covers
-  1/r of the rows) and :func:`dilated.rows.combine` writes their log-sum-exp mixture in one
+  1/r of the rows) and :func:`dilated.longnet.rows.combine` writes their log-sum-exp mixture in one
   pass, each result row once, in the output dtype (on CUDA one Triton kernel; no float32
   accumulator, no per-branch strided merge). The result overwrites the r = 1 branch's output.
   Where the calls' outputs would not fit together in the device's free memory, the calls are
@@ -21,18 +21,18 @@
   and lse gathered to its rows, which yields the exact gradient of the mixed attention, mixing
   weights included; the calls' gradients are summed by the same combine (a plain sum), or added
   piece by piece where they would not fit together.
-* A :class:`~dilated.pattern_cache.PatternCache` keeps per-shape plans; an optional
-  :class:`~dilated.memory_pool.MemoryPool` reuses the gather buffers.
+* A :class:`~dilated.longnet.pattern_cache.PatternCache` keeps per-shape plans; an optional
+  :class:`~dilated.longnet.memory_pool.MemoryPool` reuses the gather buffers.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ._checks import check_causal, check_scale, check_schedule, dense_rows
+from .._checks import check_causal, check_scale, check_schedule, dense_rows
 from .dilated_attention import check_dilated_inputs
 from .dilated_calls import backward_calls, forward_calls, resolve_dilated
-from .handles import handle_or_zero
+from ..handles import handle_or_zero
 from .memory_pool import MemoryPool
 from .ops import dilated_forward_op
 from .pattern_cache import PatternCache
@@ -75,10 +75,10 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
 
     ``pattern_cache``: works out what the inputs' signature determines (validation, backend, plan)
     once per signature. Under ``torch.compile`` the computation is one custom op
-    (:mod:`dilated.ops`).
+    (:mod:`dilated.longnet.ops`).
 
     ``layout="residue_major"``: q, k, v and the output are in the residue-major order of the
-    schedule along the sequence (:mod:`dilated.residue_major`), where the whole computation is one
+    schedule along the sequence (:mod:`dilated.longnet.residue_major`), where the whole computation is one
     block-sparse kernel call without a combine (flash-attn 4 on Hopper, non-causal)."""
     if check_layout(layout) == "residue_major":
         return residue_major_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
@@ -104,7 +104,7 @@ class ImprovedDilatedAttention(nn.Module):
     allocator already recycles memory; see the benchmarks) may be True/False or an instance.
 
     ``layout="residue_major"`` (a geometric schedule, N a multiple of the largest segment): the
-    sequence is in the schedule's residue-major order (:mod:`dilated.residue_major`);
+    sequence is in the schedule's residue-major order (:mod:`dilated.longnet.residue_major`);
     :meth:`to_layout` / :meth:`from_layout` put a tensor in it and back, once per model.
     """
 

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from .handles import handle_of
+from ..handles import handle_of
 
 
 class MemoryPool:

@@ -33,13 +33,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import acc_dtype, check_scale, check_schedule, dense_rows
-from .backends import backend_reason, get_backend
-from .backends.kernel_log import note_kernel, recording
-from .dense import default_scale
+from .._checks import acc_dtype, check_scale, check_schedule, dense_rows
+from ..backends import backend_reason, get_backend
+from ..backends.kernel_log import note_kernel, recording
+from ..dense import default_scale
 from .dilated_attention import check_dilated_inputs
 from .dilated_calls import backward_calls, forward_calls, resolve_dilated
-from .handles import handle_or_zero, object_of
+from ..handles import handle_or_zero, object_of
 from .ops import grad_by, save_inputs_and_outputs
 
 #: the largest tile of the block lists (a kernel that takes smaller ones gets them where the
@@ -268,7 +268,7 @@ def residue_major_backward(dout, q, k, v, out, lse, segment_lengths, dilation_ra
     return tuple(to_residue_major(g, segs, dils) for g in grads)
 
 
-# -- the custom ops (dilated.ops): the computation above as one op each way under torch.compile --
+# -- the custom ops (dilated.longnet.ops): the computation above as one op each way under torch.compile --
 
 
 @torch.library.custom_op("dilated::residue_major_forward", mutates_args=())
@@ -325,7 +325,7 @@ def residue_major_attention(q, k, v, segment_lengths, dilation_rates, *, causal=
                             backend="auto", pattern_cache=None, memory_pool=None):
     """Dilated attention of q, k, v given in the residue-major order; the output in that order:
     :func:`residue_major_forward` and :func:`residue_major_backward` as an autograd Function, and
-    under ``torch.compile`` as one custom op (:mod:`dilated.ops`)."""
+    under ``torch.compile`` as one custom op (:mod:`dilated.longnet.ops`)."""
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
     if torch.compiler.is_compiling():  # errors at trace time, the paths inside the op
         segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal, warn=False)

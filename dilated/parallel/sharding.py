@@ -10,7 +10,7 @@ Layouts along the sequence dimension:
 * ``zigzag``: the sequence is cut into 2P chunks and rank r holds chunks r and 2P-1-r, so that
   causal work is balanced across ranks.
 * a :class:`~dilated.DocumentLayout`: packed documents placed so that every rank's work within
-  the documents is equal (see :mod:`dilated.document_layout`).
+  the documents is equal (see :mod:`dilated.parallel.document_layout`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ LAYOUTS = ("contiguous", "zigzag")
 class CommStats:
     """What a rank's attention module communicated: point-to-point messages, collectives, bytes
     sent, and (``measure=True``) the time its compute stream stalled waiting on communication.
-    A copy-engine pull (:mod:`dilated.peer_copy`) counts as one message of the bytes pulled: the
+    A copy-engine pull (:mod:`dilated.parallel.peer_copy`) counts as one message of the bytes pulled: the
     bytes its owner would have sent.
 
     The stall is measured with CUDA events around each wait, read lazily (no synchronisation per

@@ -8,7 +8,7 @@ for v and the output projection with gain ``gamma`` (``sqrt(log(2L))`` for an L-
 pass ``gamma_init``; 1.0 by default), biases zero.
 
 ``layout="residue_major"``: the layer's input and output are in the schedule's residue-major
-order along the sequence (:mod:`dilated.residue_major`; every step of the layer but the attention
+order along the sequence (:mod:`dilated.longnet.residue_major`; every step of the layer but the attention
 is token-wise, so only the attention sees the order); ``layer.attention.to_layout(x)`` puts a
 sequence in it once, for a whole stack of such layers.
 """

@@ -2,7 +2,7 @@
 ranks by trading the sequence split for a head split.
 
 Each rank holds a contiguous shard ``[B, N/P, H, D]``. One all-to-all gives every rank the whole
-sequence for ``H/P`` heads (:func:`dilated.distributed.sequence_to_heads`), one local attention
+sequence for ``H/P`` heads (:func:`dilated.parallel.sharding.sequence_to_heads`), one local attention
 runs over it (any backend; causal is plain causal over the whole sequence, so no load balancing
 is needed; where the kernel's causal rate drops on long blocks, as cuDNN's does past 64K rows,
 :func:`dilated.attention` runs it as query chunks), and one all-to-all brings the output back to
@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checks import check_causal, check_qkv, check_scale, dense_rows
+from .._checks import check_causal, check_qkv, check_scale, dense_rows
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .distributed import CommStats, _world, heads_to_sequence, sequence_to_heads
-from .functional import attention
-from .dense import default_scale
-from .packed import check_cu_seqlens
-from .backends import get_backend
+from .sharding import CommStats, _world, heads_to_sequence, sequence_to_heads
+from ..functional import attention
+from ..dense import default_scale
+from ..packed import check_cu_seqlens
+from ..backends import get_backend
 
 
 def kv_heads_for(num_heads: int, num_kv_heads: int, p: int) -> int:
@@ -58,7 +58,7 @@ class UlyssesAttention(nn.Module):
         group: the process group (default: the world).
         measure_comm: also time the compute stream's waits on the all-to-alls.
 
-    ``self.stats`` (a :class:`dilated.distributed.CommStats`) counts the all-to-alls and bytes sent.
+    ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
     """
 
     def __init__(self, *, causal=False, scale=None, backend="auto", group=None, measure_comm: bool = False):
@@ -98,12 +98,12 @@ class UlyssesAttention(nn.Module):
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor (contiguous)."""
-        from .distributed import shard
+        from .sharding import shard
 
         return shard(x, group=self.group, layout="contiguous")
 
     def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
         """The global tensor from every rank's part (an all-gather)."""
-        from .distributed import unshard
+        from .sharding import unshard
 
         return unshard(x_local, group=self.group, layout="contiguous")

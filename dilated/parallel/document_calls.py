@@ -1,14 +1,13 @@
 """The packed documents of one block on a local kernel, forward and backward: in one call of the
 kernel's varlen entry point where it has one, else in batched dense calls per document length
 (those too small to keep the GPU busy in one call of torch's varlen kernel, where given). Shared by
-the sequence-parallel modules that take packed documents (:mod:`dilated.ring_attention`,
-:mod:`dilated.document_attention`)."""
+the sequence-parallel modules that take packed documents (:mod:`dilated.parallel.ring_attention`,
+:mod:`dilated.parallel.document_attention`)."""
 from __future__ import annotations
 
-from .backends.varlen import VarlenKernel
-from .dense import attention_backward, attention_forward
-from .packed import documents_backward, documents_forward, varlen_backward, varlen_forward
-from .plan import AttentionSpec
+from ..backends.varlen import VarlenKernel
+from ..dense import AttentionSpec, attention_backward, attention_forward
+from ..packed import documents_backward, documents_forward, varlen_backward, varlen_forward
 
 
 def block_documents_forward(spec: AttentionSpec, varlen: VarlenKernel | None, small: VarlenKernel | None,

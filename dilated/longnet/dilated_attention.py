@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
-from .functional import attention
-from .dense import default_scale
+from .._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
+from ..functional import attention
+from ..dense import default_scale
 from .plan import segment_blocks
 
 

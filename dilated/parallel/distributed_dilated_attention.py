@@ -19,7 +19,7 @@ Each rank holds a contiguous shard of ``n = N/P`` positions. For a branch ``(w, 
   per rank, more than the aligned cases, so schedules that line up with the shards are faster.
 
 All branches, local and spanning, are mixed by log-sum-exp (LongNet eq. 9-10) in one
-:func:`dilated.rows.combine`, straight into the output dtype;
+:func:`dilated.longnet.rows.combine`, straight into the output dtype;
 backward is a custom autograd Function in which every kernel backward gets the *merged* output
 and lse, which is the exact gradient of the mixture. The result equals ``DilatedAttention`` on
 the gathered sequence, forward and backward. A rank whose computation fails runs the call's
@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
-from .backends import get_backend
-from .backends.graph_shapes import one_operation
+from .._checks import acc_dtype, check_causal, check_qkv, check_scale, check_schedule, dense_rows
+from ..backends import get_backend
+from ..backends.graph_shapes import one_operation
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .distributed import CommStats
-from .dense import attention_backward, attention_forward, default_scale
-from .dilated_calls import backward_calls, forward_calls
-from .pattern_cache import PatternCache
-from .plan import AttentionSpec, KernelCall, plan_for
+from .sharding import CommStats
+from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
+from ..longnet.dilated_calls import backward_calls, forward_calls
+from ..longnet.pattern_cache import PatternCache
+from ..longnet.plan import KernelCall, plan_for
 from .crossing_segments import CrossingSegments, Saved as _Saved, crossing_backward, crossing_forward
 
 
@@ -265,19 +265,19 @@ class _DistributedDilatedFunction(torch.autograd.Function):
 class DistributedDilatedAttention(nn.Module):
     """Sequence-parallel dilated attention; ``forward(q, k, v)`` on contiguous shards ``[B, N/P, H, D]``.
 
-    ``self.stats`` (a :class:`dilated.distributed.CommStats`) counts collectives and bytes sent;
+    ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts collectives and bytes sent;
     ``measure_comm=True`` also times the compute stream's waits on them.
     """
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor."""
-        from .distributed import shard
+        from .sharding import shard
 
         return shard(x, group=self.group, layout="contiguous")
 
     def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
         """The global tensor from every rank's part (an all-gather)."""
-        from .distributed import unshard
+        from .sharding import unshard
 
         return unshard(x_local, group=self.group, layout="contiguous")
 

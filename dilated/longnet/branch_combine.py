@@ -1,6 +1,6 @@
 """The combine of a whole schedule's plan, compiled once per schedule: no new kernel at a new length.
 
-A plan built from a schedule (:func:`dilated.plan.build_plan`) covers, for each branch ``(w, r)``,
+A plan built from a schedule (:func:`dilated.longnet.plan.build_plan`) covers, for each branch ``(w, r)``,
 the rows ``(p, h)`` with ``(p mod w) mod r == h mod r``: which rows a branch covers depends on
 ``w`` and ``r`` only, never on the sequence length N. What N changes is how the branch's rows
 were cut into kernel calls: the full segments ``[0, (N // w) w)`` as one *run* and the clipped
@@ -17,8 +17,8 @@ run, a fixed number per schedule) are runtime arguments, and where a program fin
 them is a table in device memory (:func:`_table`: forms, counts and strides resolved on the
 host, one entry per branch, run, head and segment index below r). So one kernel serves every
 length, and every plan of the schedule (gathered or in place, any form). It computes what
-:func:`dilated.rows.combine` defines; plans it cannot describe (calls not from one schedule,
-pieces) take the per-call kernel of :mod:`dilated.rows`.
+:func:`dilated.longnet.rows.combine` defines; plans it cannot describe (calls not from one schedule,
+pieces) take the per-call kernel of :mod:`dilated.longnet.rows`.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from ._transfer import host_values_on, made_for_a_cache
-from ._triton.launch import LAUNCH, blocks
+from .._transfer import host_values_on, made_for_a_cache
+from .._triton.launch import LAUNCH, blocks
 
 try:  # Triton ships with CUDA builds of PyTorch; it is optional here.
     import triton
@@ -205,7 +205,7 @@ def _keep_if_captured(recipe) -> None:
 
 
 def combine_branches(layout, parts, lses, out: torch.Tensor, out_lse: torch.Tensor | None) -> None:
-    """:func:`dilated.rows.combine` of a plan described by ``layout`` (:func:`branch_layout`).
+    """:func:`dilated.longnet.rows.combine` of a plan described by ``layout`` (:func:`branch_layout`).
 
     The kernel's arguments are the tensors (r entries per run, unused ones repeat the first), the
     length, and the plan's descriptor table (:func:`_table`), an int64 tensor: Triton specializes
@@ -240,7 +240,7 @@ def _alias(branches, runs, parts, out) -> int:
 
 
 if triton is not None:
-    from .merge import merge_step, store_merged
+    from ..merge import merge_step, store_merged
 
     @triton.jit
     def _runs(hh, t, w: tl.constexpr, r: tl.constexpr, PERIOD: tl.constexpr):

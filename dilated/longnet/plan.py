@@ -8,8 +8,8 @@ in the general case. For GQA with r > 1 an offset call carries the small index o
 flash and flash-attn 4 on CUDA) get strided views instead of gathers (``in_place``): one call per head offset,
 or per segment for all offsets at once (a diagonal is a fixed stride), where each such call still
 fills the device. :func:`plan_for` decides it for given inputs; :class:`AttentionSpec` is what all
-the calls share. The rows of a call are cut and mixed by :mod:`dilated.rows`; plans are cached per
-input signature by :class:`dilated.pattern_cache.PatternCache`.
+the calls share. The rows of a call are cut and mixed by :mod:`dilated.longnet.rows`; plans are cached per
+input signature by :class:`dilated.longnet.pattern_cache.PatternCache`.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._transfer import made_for_a_cache
+from .._transfer import made_for_a_cache
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class KernelCall:
     row_offset: int | None = None  # "offset" calls: first row of each segment, when not ``offset``
     in_place: bool = False  # the kernel reads the strided rows (no gather): "offset" or one-segment "diag"
     #: (index, w) of the schedule's branch the call reads, for calls of a whole schedule's plan
-    #: (:func:`build_plan`): the combine then needs no kernel per length (:mod:`dilated.branch_combine`)
+    #: (:func:`build_plan`): the combine then needs no kernel per length (:mod:`dilated.longnet.branch_combine`)
     branch: tuple | None = field(default=None, compare=False)
 
     @property
@@ -45,15 +45,6 @@ class KernelCall:
     def clipped(self) -> bool:
         """A schedule's segment cut short by the sequence's end: its shape belongs to this length."""
         return self.branch is not None and self.length < self.branch[1]
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What every kernel call of a plan shares: the resolved backend, causality and the scale."""
-
-    backend: object  # a dilated.backends.Backend
-    causal: bool
-    scale: float
 
 
 def segment_blocks(n: int, w: int):

@@ -16,7 +16,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from .distributed import _world
+from .sharding import _world
 
 
 _AGREE_BYTES = 2048

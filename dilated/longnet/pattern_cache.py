@@ -1,10 +1,10 @@
 """The pattern cache: a bounded LRU of what a call's input signature determines (its plan of kernel
-calls, :mod:`dilated.plan`, or all an entry point resolves from the signature), with hit/miss counts."""
+calls, :mod:`dilated.longnet.plan`, or all an entry point resolves from the signature), with hit/miss counts."""
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from .handles import handle_of
+from ..handles import handle_of
 
 
 class PatternCache:

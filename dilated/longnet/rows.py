@@ -1,6 +1,6 @@
 """Rows of a dilated plan between ``[B, N, H, D]`` and the kernels' shape: gather and combine.
 
-A call ``c`` of a plan (:class:`~dilated.plan.KernelCall`) covers some rows
+A call ``c`` of a plan (:class:`~dilated.longnet.plan.KernelCall`) covers some rows
 ``(b, position, head)``; :func:`branch_view` is the strided view of them, laid out
 ``[B, count, (r,) n, h, ...]``, and a kernel sees them as ``[B', n, h, D]`` (kernel shape).
 
@@ -16,7 +16,7 @@ A call ``c`` of a plan (:class:`~dilated.plan.KernelCall`) covers some rows
   merge. The output may alias the part of a ``view`` call covering every row in ``[B, N, H, D]``
   order (each program reads its rows before writing them).
 
-The plan of a whole schedule is combined by :mod:`dilated.branch_combine`, one kernel per schedule
+The plan of a whole schedule is combined by :mod:`dilated.longnet.branch_combine`, one kernel per schedule
 whatever the length. For other call lists (a rank's share of a distributed schedule, pieces
 merged as they go) what a call's rows are (dilation, head offset, segment length when it has
 several segments) is compile-time for the kernel (divisions by constants); where they lie (start,
@@ -32,11 +32,11 @@ import os
 
 import torch
 
-from ._checks import acc_dtype
-from ._triton.launch import LAUNCH, blocks
+from .._checks import acc_dtype
+from .._triton.launch import LAUNCH, blocks
 from .branch_combine import MAX_PERIOD, combine_branches, layout_of
 from .memory_pool import MemoryPool
-from .merge import merge_
+from ..merge import merge_
 from .plan import KernelCall
 
 try:  # Triton ships with CUDA builds of PyTorch; it is optional here.
@@ -320,7 +320,7 @@ def _alias(calls, parts, out) -> int:
 
 
 if triton is not None:
-    from .merge import merge_step, store_merged
+    from ..merge import merge_step, store_merged
 
     @triton.jit
     def _call_rows(p, pmask, hh, b, start, span, segment: tl.constexpr, r: tl.constexpr, diag: tl.constexpr,

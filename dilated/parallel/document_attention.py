@@ -1,6 +1,6 @@
 """Document-parallel attention: packed documents balanced over ranks, only crossing documents' K/V moved.
 
-Each rank holds the positions a :class:`~dilated.document_layout.DocumentLayout` gives it: most
+Each rank holds the positions a :class:`~dilated.parallel.document_layout.DocumentLayout` gives it: most
 documents whole on one rank, the few whose work no whole assignment balances cut head-tail over
 every rank. A call on rank r:
 
@@ -30,17 +30,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
-from ._transfer import host_values_on
+from .._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
+from .._transfer import host_values_on
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .backends import get_backend
-from .backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel, varlen_kernel
-from .distributed import CommStats
+from ..backends import get_backend
+from ..backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel, varlen_kernel
+from .sharding import CommStats
 from .document_layout import DocumentLayout, ranges_to_positions
-from .dense import attention_backward, attention_forward, default_scale
-from .merge import merge_
+from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
+from ..merge import merge_
 from .document_calls import block_documents_backward, block_documents_forward
-from .plan import AttentionSpec
 from .ring_exchange import RingExchange
 
 
@@ -228,7 +227,7 @@ class DocumentParts:
         return cls(AttentionSpec(impl, causal, scale), layout, varlen, small)
 
     def signature(self, q, k, v, **more) -> dict:
-        """The fields every rank must agree on (:func:`dilated.agreement.signature`)."""
+        """The fields every rank must agree on (:func:`dilated.parallel.agreement.signature`)."""
         return signature(q, k, v, causal=self.spec.causal, scale=self.spec.scale, documents=self.layout.cu_seqlens,
                          **more)
 
@@ -436,13 +435,13 @@ class DocumentParallelAttention(nn.Module):
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor in ``layout`` (default:
         the last call's)."""
-        from .distributed import shard
+        from .sharding import shard
 
         return shard(x, group=self.group, layout=layout or self._last())
 
     def unshard(self, x_local: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """The global tensor in sequence order from every rank's part (an all-gather)."""
-        from .distributed import unshard
+        from .sharding import unshard
 
         return unshard(x_local, group=self.group, layout=layout or self._last())
 

@@ -1,7 +1,7 @@
-"""The fast dilated computation's kernel calls (see :mod:`dilated.improved_dilated_attention`): the
+"""The fast dilated computation's kernel calls (see :mod:`dilated.longnet.improved_dilated_attention`): the
 plan resolved per input signature, every call's forward merged by one combine (or piece by piece
 where the calls' outputs would not fit), and their backward given the merged output and lse.
-What the public function, the custom ops (:mod:`dilated.ops`) and the residue-major and
+What the public function, the custom ops (:mod:`dilated.longnet.ops`) and the residue-major and
 distributed paths run."""
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from dataclasses import replace
 
 import torch
 
-from ._checks import acc_dtype
-from .backends import get_backend
-from .backends.graph_shapes import no_build, one_operation
+from .._checks import acc_dtype
+from ..backends import get_backend
+from ..backends.graph_shapes import no_build, one_operation
 from .call_streams import call_streams
-from .dense import attention_backward, attention_forward, default_scale
+from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
 from .dilated_attention import check_dilated_inputs
 from .pattern_cache import PatternCache
-from .plan import AttentionSpec, KernelCall, largest_call_inputs, plan_for
+from .plan import KernelCall, largest_call_inputs, plan_for
 from .rows import add_call, combine, gather, merge_call, merged_lse_for
 
 
@@ -113,7 +113,7 @@ def forward_calls(qkv, plan, spec: AttentionSpec, *, pool=None, dtype=None, extr
 
 def _forward_each(qkv, plan, spec: AttentionSpec, pool, streams: bool = False):
     """``(call, output, lse)`` of each call of ``plan``; with ``streams``, the calls taken in turns
-    by CUDA streams (:mod:`dilated.call_streams`; not with a ``pool``, whose buffers are ordered
+    by CUDA streams (:mod:`dilated.longnet.call_streams`; not with a ``pool``, whose buffers are ordered
     on one stream), all joined when the last is yielded."""
     q, k, v = qkv
     with call_streams(q.device, len(plan), streams and pool is None) as turn:

@@ -8,7 +8,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .distributed import CommStats
+from .sharding import CommStats
 
 
 class RingExchange:

@@ -7,7 +7,7 @@ result yet is copied there, and a rank whose one piece covers every row, a ring 
 keeps it as it came). How blocks move (``transport``):
 
 * ``"copy_engine"``: each rank publishes its K/V in symmetric memory and, at step s, pulls the
-  block of rank ``rank - s`` straight from its owner (:mod:`dilated.peer_copy`): the GPU's copy
+  block of rank ``rank - s`` straight from its owner (:mod:`dilated.parallel.peer_copy`): the GPU's copy
   engines move it, no SM is taken from the attention kernel, and only the rows a zigzag step
   needs (the first half of an earlier rank's block) are pulled. CUDA, NCCL, one host.
 * ``"p2p"``: blocks are passed around the ring by batched send/recv (``dist.batch_isend_irecv``,
@@ -41,25 +41,24 @@ import torch.distributed as dist
 from torch import nn
 
 from . import peer_copy
-from ._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
-from .backends import get_backend
-from .backends.graph_shapes import one_operation
+from .._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
+from ..backends import get_backend
+from ..backends.graph_shapes import one_operation
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .distributed import CommStats
-from .dense import attention_backward, attention_forward, default_scale
-from .merge import RowAccumulator
-from .backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
+from .sharding import CommStats
+from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
+from ..merge import RowAccumulator
+from ..backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
 from .document_attention import DocumentParts, document_attention
 from .document_calls import block_documents_backward, block_documents_forward
 from .document_layout import DocumentLayout
-from .packed import check_cu_seqlens
-from .plan import AttentionSpec
+from ..packed import check_cu_seqlens
 from .ring_exchange import RingExchange
 
 
 TRANSPORTS = ("auto", "copy_engine", "p2p")
 #: shard layouts of RingAttention: those of :func:`dilated.shard`, and ``"documents"`` (a
-#: :class:`~dilated.DocumentLayout` of each call's documents, see :mod:`dilated.document_attention`)
+#: :class:`~dilated.DocumentLayout` of each call's documents, see :mod:`dilated.parallel.document_attention`)
 RING_LAYOUTS = ("contiguous", "zigzag", "documents")
 
 
@@ -305,11 +304,11 @@ class RingAttention(nn.Module):
         layout: ``"contiguous"``, ``"zigzag"`` (rank r holds chunks r and 2P-1-r of 2P: balanced
             causal work) or ``"documents"`` (the :class:`~dilated.DocumentLayout` of each call's
             documents, :meth:`document_layout`; only crossing documents' K/V rows are relayed round
-            the ring, see :mod:`dilated.document_attention`).
+            the ring, see :mod:`dilated.parallel.document_attention`).
         group: the process group (default: the world).
         overlap: False waits for each K/V block before computing (to measure what overlap buys).
         measure_comm: record the time the compute stream stalls on communication in ``self.stats``
-            (a :class:`dilated.distributed.CommStats`; CUDA events, read lazily).
+            (a :class:`dilated.parallel.sharding.CommStats`; CUDA events, read lazily).
         transport: how K/V blocks move (see the module docstring): ``"auto"``, ``"copy_engine"``,
             ``"p2p"``; ``self.transport_used`` says which the last call took.
     """
@@ -414,13 +413,13 @@ class RingAttention(nn.Module):
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor, in this module's
         layout (``layout="documents"``: ``layout``, default the last call's)."""
-        from .distributed import shard
+        from .sharding import shard
 
         return shard(x, group=self.group, layout=self._shard_layout(layout))
 
     def unshard(self, x_local: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """The global tensor from every rank's part (an all-gather), in sequence order."""
-        from .distributed import unshard
+        from .sharding import unshard
 
         return unshard(x_local, group=self.group, layout=self._shard_layout(layout))
 

@@ -10,7 +10,7 @@ Layout (:meth:`HybridAttention.shard`): the global sequence is cut into ``ring_s
 in ``layout`` (``zigzag`` balances causal work over the ring), and each ring shard into
 ``ulysses_size`` contiguous parts, one per rank of its grid row; ``layout="documents"``: the ring
 shards are those of the :class:`~dilated.DocumentLayout` of each call's documents over the
-``ring_size`` rows, and the ring relays only crossing documents' rows (:mod:`dilated.document_attention`).
+``ring_size`` rows, and the ring relays only crossing documents' rows (:mod:`dilated.parallel.document_attention`).
 Construct it on every rank of the default process group (it creates the row and column groups, a
 collective).
 """
@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checks import check_causal, check_qkv, check_scale, dense_rows
+from .._checks import check_causal, check_qkv, check_scale, dense_rows
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .distributed import CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
+from .sharding import CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
 from .document_layout import DocumentLayout
-from .functional import attention
-from .dense import default_scale
-from .packed import check_cu_seqlens
+from ..functional import attention
+from ..dense import default_scale
+from ..packed import check_cu_seqlens
 from .ring_attention import RING_LAYOUTS, RingAttention
 from .ulysses_attention import kv_heads_for
 
