@@ -1,4 +1,4 @@
-"""Workers for tests/test_context_parallel.py: Ulysses and the Ulysses x ring hybrid on real gloo
+"""Workers for tests/parallel/test_context_parallel.py: Ulysses and the Ulysses x ring hybrid on real gloo
 process groups, against a float64 dense reference of the whole sequence."""
 import os
 import random

@@ -1,4 +1,4 @@
-"""Workers for tests/test_distributed.py: real gloo process groups, no mocks."""
+"""Workers for tests/parallel/test_distributed.py: real gloo process groups, no mocks."""
 import datetime
 import functools
 import os

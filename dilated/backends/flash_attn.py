@@ -9,7 +9,7 @@ signature changed across 2.x releases, and since 2.7 it is a ``torch.library`` c
 names come from the op schema. GQA is native. Causal in flash-attn >= 2.1 is bottom-right aligned;
 only square causal problems are passed.
 
-Tested on CPU against stand-ins registered with the real signatures (``tests/test_backends.py``);
+Tested on CPU against stand-ins registered with the real signatures (``tests/backends/test_backends.py``);
 not run against an installed flash-attn 2. Where it is not installed it reports itself unavailable.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ The log-sum-exp comes from the public API: ``flash_attn_func`` returns ``(out, s
 ``out`` and ``softmax_lse`` by keyword, names from the op schema (its varlen arguments are None
 for dense batches; its causal flag is named ``is_causal``, older builds ``causal``). GQA is native.
 
-Tested on CPU against stand-ins registered with the real signatures (``tests/test_backends.py``);
+Tested on CPU against stand-ins registered with the real signatures (``tests/backends/test_backends.py``);
 not run against an installed FA3 build. Where it is not installed it reports itself unavailable.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ never chosen by ``auto``; no log-sum-exp (dense forward only, as SageAttention 1
 Inputs in bf16/fp16 are quantized here per (batch, head): ``descale = amax / 448`` (the largest
 e4m3 value), ``x8 = x / descale``. FA3 is activated for the call and the previous flash
 implementation restored after it (torch's switch is process-wide). Tested on CPU against a
-stand-in of the quantized function (``tests/test_kernel_adapters.py``); not run on a GPU.
+stand-in of the quantized function (``tests/backends/test_kernel_adapters.py``); not run on a GPU.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 import dist_worker
 from conftest import cpu_only_env
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 def _port():

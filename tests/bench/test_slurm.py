@@ -17,7 +17,7 @@ import pytest
 
 from dilated.bench import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NEEDED = ["sbatch", "squeue", "scontrol", "sinfo", "slurmctld", "slurmd", "munged", "munge"]
 missing = [c for c in NEEDED if shutil.which(c) is None and not os.path.exists(f"/usr/sbin/{c}")]
 pytestmark = [

@@ -14,7 +14,7 @@ from dilated.bench.plots import plot
 from dilated.bench.report import compare
 from dilated.bench.results import ResultWriter
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 def test_flop_counts_by_hand():

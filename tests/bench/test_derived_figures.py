@@ -18,7 +18,7 @@ from dilated.bench.registry import IMPLEMENTATIONS
 from dilated.bench.report import compare, format_scaling, format_tables
 from dilated.bench.results import ResultWriter, check_passed, first_call_only, trusted
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 CASE = Case(batch=1, seq_len=32, num_heads=2, head_dim=8, dtype="float32")
 
 

@@ -16,7 +16,7 @@ from dilated.bench.results import ResultsWriteError, ResultWriter
 from dilated.bench.suites import (backends_main, distributed_main, extreme_main, hopper_main, implementations_main,
                                   ring_main)
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 MAINS = {"implementations": implementations_main, "backends": backends_main, "extreme": extreme_main,
          "distributed": distributed_main, "ring": ring_main, "hopper": hopper_main}
 TINY = ["--no-progress", "--batch-size", "1", "--num-heads", "2", "--head-dim", "8", "--reps", "2", "--warmup", "1"]

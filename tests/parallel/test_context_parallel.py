@@ -178,7 +178,7 @@ def test_yunchang_rows_say_what_its_torch_attention_cannot_do(monkeypatch):
     from dilated.bench.external_ring import EXTERNAL_RINGS
     from dilated.bench.registry import Case
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "standins"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "standins"))
     for name in [m for m in sys.modules if m == "yunchang" or m.startswith("yunchang.")]:
         monkeypatch.delitem(sys.modules, name)
     import yunchang.globals

@@ -15,7 +15,7 @@ import torch
 from dilated.longnet.rows import _combine_torch, branch_view, combine, gather, to_kernel_shape
 from dilated.longnet.plan import KernelCall, build_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLANS = [  # (N, H, Hkv, segments, dilations)
     (64, 4, 4, [8, 16], [1, 2]),       # view + diag
     (72, 6, 6, [8, 32], [1, 4]),       # partial last segments, offset calls
@@ -28,7 +28,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 INTERPRETED = {  # the runs in Triton's interpreter: minutes each, on one core each
     "plans": ["-c", "import test_rows; test_rows.check_plans()"],
-    "improved": ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_dilated.py", "tests/test_inputs.py",
+    "improved": ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/longnet/test_dilated.py", "tests/test_inputs.py",
                  "-k", "improved and (matches_reference or nan_in_dilated or large_logits or float64)"],
 }
 
@@ -37,7 +37,7 @@ INTERPRETED = {  # the runs in Triton's interpreter: minutes each, on one core e
 def interpreted(tmp_path_factory):
     """Every run of :data:`INTERPRETED`, started together (each holds one core for minutes; the
     two cores of a CI machine then take them at once): ``name -> (returncode, stdout, stderr)``."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}:{ROOT / 'tests' / 'longnet'}")
     logs = tmp_path_factory.mktemp("interpreted")
     procs = {}
     for name, args in INTERPRETED.items():  # output to files: a full pipe would stall a run nobody reads yet
