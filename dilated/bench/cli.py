@@ -93,11 +93,12 @@ def usage_error(p: argparse.ArgumentParser, message: str):
     p.error(message)
 
 
-def default_schedule(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """LongNet's schedule w = 2048..32768, r = 1..16, keeping the branches that fit in N;
-    for N < 2048 a scaled one (N/4, N/2, N with r = 1, 2, 4)."""
-    if n >= LONGNET_SEGMENTS[0]:
-        keep = [(w, r) for w, r in zip(LONGNET_SEGMENTS, LONGNET_DILATIONS) if w <= n]
+def default_schedule(n: int, segments=LONGNET_SEGMENTS, dilations=LONGNET_DILATIONS) -> tuple[tuple[int, ...],
+                                                                                         tuple[int, ...]]:
+    """LongNet's schedule w = 2048..32768, r = 1..16 (or ``segments`` and ``dilations``), keeping the
+    branches that fit in N; for N below the first segment a scaled one (N/4, N/2, N with r = 1, 2, 4)."""
+    if n >= segments[0]:
+        keep = [(w, r) for w, r in zip(segments, dilations) if w <= n]
     else:
         keep = [(max(1, n // 4), 1), (max(1, n // 2), 2), (n, 4)]
         keep = [(w, r) for w, r in keep if r <= w]

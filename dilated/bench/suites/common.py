@@ -16,7 +16,7 @@ def schedule_of(args, n):
         segs = tuple(min(w, n) for w in args.segment_lengths)
         dils = tuple(args.dilation_rates or [1] * len(segs))
         return segs, tuple(min(r, w) for w, r in zip(segs, dils))  # a segment clipped to N keeps r <= w
-    return default_schedule(n)
+    return default_schedule(n, *getattr(args, "default_schedule", ()))
 
 
 def cases_of(args, seq_lengths, modes, **overrides):

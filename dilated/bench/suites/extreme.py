@@ -15,6 +15,8 @@ from .common import cases_of, init_for_benchmark, launched_world, add_timeout_ar
 
 EXTREME_SET = ["dilated", "improved", "improved_pool", "multihead", "dense"]
 EXTREME_DISTRIBUTED = ["ring_zigzag", "distributed_dilated"]  # joined to "all" under torchrun
+#: the CPU default schedule: LongNet's (w = 2048..32768, r = 1..16) with segments 8 times shorter
+CPU_SEGMENTS, CPU_DILATIONS = (256, 512, 1024, 2048, 4096), (1, 2, 4, 8, 16)
 
 
 def find_max_length(run, start: int, granularity: int, limit: int, known_ok: int | None = None,
@@ -74,9 +76,12 @@ def _parse(argv):
     gpu = runs_on_gpus(argv)
     p = BenchParser(description="Sequence length sweep (doubling) of dilated, improved, multihead and "
                                 "dense attention; --find-max searches the longest sequence each one runs.")
-    add_common_args(p, seq_lengths="1", batch=1, heads=16 if gpu else 4, head_dim=128 if gpu else 32)  # lengths come from --min/--max-seq-length
-    p.add_argument("--min-seq-length", type=parse_size, default=parse_size("8k") if gpu else 256)
-    p.add_argument("--max-seq-length", type=parse_size, default=parse_size("1M") if gpu else 4096)
+    # lengths come from --min/--max-seq-length. On a CPU: small heads, and LongNet's schedule scaled
+    # down by 8 (CPU_SEGMENTS), so that the sweep shows within about a minute where dilated attention
+    # overtakes dense and dense turns quadratic
+    add_common_args(p, seq_lengths="1", batch=1, heads=16 if gpu else 2, head_dim=128 if gpu else 16)
+    p.add_argument("--min-seq-length", type=parse_size, default=parse_size("8k") if gpu else 512)
+    p.add_argument("--max-seq-length", type=parse_size, default=parse_size("1M") if gpu else parse_size("16k"))
     p.add_argument("--implementation", type=str_list, default="all")
     p.add_argument("--find-max", action="store_true", help="then search the longest N per implementation")
     p.add_argument("--find-max-limit", type=parse_size, default=parse_size("64M"))
@@ -97,6 +102,8 @@ def _parse(argv):
         usage_error(p, "--plot and --no-plot: choose one")
     if args.time_budget is None and gpu:
         args.time_budget = 5.0  # seconds per row (dense at 1M: ~15 s a call: its first call is its one sample)
+    if not gpu:
+        args.default_schedule = (CPU_SEGMENTS, CPU_DILATIONS)  # where --segment-lengths is not given
     args.plot = not args.no_plot and _have_matplotlib()
     return args
 
