@@ -108,3 +108,20 @@ def captured(step, warmup: int = 1):
     with torch.cuda.graph(graph):
         result = step()
     return graph, result
+
+
+def pytest_collection_finish(session):
+    """Start the Triton-interpreter runs of tests/longnet/test_rows.py as soon as the tests are
+    collected, where any selected test uses them: minutes of one core each, at the lowest priority
+    beside the rest of the suite instead of after it."""
+    for item in session.items:
+        if "interpreted" in getattr(item, "fixturenames", ()):
+            item.module.start_interpreted()
+            return
+
+
+def pytest_sessionfinish(session):
+    for item in getattr(session, "items", ()):  # runs left over by a session that ended early
+        if "interpreted" in getattr(item, "fixturenames", ()):
+            item.module.stop_interpreted()
+            return

@@ -75,7 +75,20 @@ def mix_branches(outs, lses, dtype):
 
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto"):
-    """Exact LongNet dilated attention (see the module docstring); returns ``[B, N, H, D]``."""
+    """Exact LongNet dilated attention (see the module docstring).
+
+    Args:
+        q, k, v: ``[B, N, H, D]`` (k/v may have fewer heads: GQA, H divisible by their heads).
+        segment_lengths: each branch's segment length w (a segment longer than N is cut at N).
+        dilation_rates: each branch's dilation r: a segment keeps every r-th row, head h taking the
+            rows offset by h mod r.
+        causal: causal attention within each segment.
+        scale: softmax scale (default ``head_dim ** -0.5``).
+        backend: the local kernel (``"auto"``, ``"sdpa"``, ``"manual"``, ...).
+
+    Returns:
+        ``[B, N, H, D]`` in q's dtype: the branches mixed by their log-sum-exp (LongNet eq. 10).
+    """
     # dynamo cannot trace a warning: under torch.compile only the module's constructor warns of uncovered rows
     segs, dils = check_dilated_inputs(q, k, v, segment_lengths, dilation_rates, causal,
                                       warn=not torch.compiler.is_compiling())
@@ -89,7 +102,8 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
 
 
 class DilatedAttention(nn.Module):
-    """Module form of :func:`dilated_attention`: ``forward(q, k, v)`` on ``[B, N, H, D]``."""
+    """Module form of :func:`dilated_attention` (the same arguments): ``forward(q, k, v)`` on
+    ``[B, N, H, D]`` returns ``[B, N, H, D]``."""
 
     def __init__(self, segment_lengths, dilation_rates, *, causal=False, scale=None, backend="auto"):
         super().__init__()

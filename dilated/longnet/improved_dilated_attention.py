@@ -98,10 +98,15 @@ def improved_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, caus
 
 
 class ImprovedDilatedAttention(nn.Module):
-    """Module form of :func:`improved_dilated_attention`; ``forward(q, k, v)`` on ``[B, N, H, D]``.
+    """Module form of :func:`improved_dilated_attention`; ``forward(q, k, v)`` on ``[B, N, H, D]``
+    returns ``[B, N, H, D]``, the same result as :class:`~dilated.DilatedAttention`.
 
-    ``pattern_cache`` (on by default) and ``memory_pool`` (off by default: PyTorch's caching
-    allocator already recycles memory; see the benchmarks) may be True/False or an instance.
+    Args:
+        segment_lengths, dilation_rates, causal, scale, backend: as :func:`dilated.dilated_attention`.
+        pattern_cache: keep each input signature's plan (True, the default; False; or an instance).
+        memory_pool: reuse the gather buffers (False, the default: PyTorch's caching allocator
+            already recycles memory; True; or an instance).
+        layout: ``"natural"`` or ``"residue_major"`` (below).
 
     ``layout="residue_major"`` (a geometric schedule, N a multiple of the largest segment): the
     sequence is in the schedule's residue-major order (:mod:`dilated.longnet.residue_major`);

@@ -132,9 +132,11 @@ def test_device_cpu_on_a_gpu_host_gets_the_cpu_defaults(monkeypatch, tmp_path):
     assert not runs_on_gpus(["--config", str(cfg)]) and runs_on_gpus(["--config", str(cfg), "--device", "cuda"])
     for argv in (["--device", "cpu"], ["--config", str(cfg)]):
         args = _parse([*argv, "--no-plot"])
-        assert (args.num_heads, args.head_dim, args.max_seq_length, args.time_budget) == (4, 32, 4096, None)
+        assert (args.num_heads, args.head_dim, args.max_seq_length, args.time_budget) == (2, 16, 16384, None)
+        assert args.default_schedule == ((256, 512, 1024, 2048, 4096), (1, 2, 4, 8, 16))  # LongNet's, w / 8
     args = _parse(["--no-plot"])
     assert (args.num_heads, args.head_dim, args.max_seq_length, args.time_budget) == (16, 128, 1 << 20, 5.0)
+    assert not hasattr(args, "default_schedule")  # LongNet's own
 
 
 def test_quick_turns_off_the_time_based_warm_up_and_repetition_the_user_did_not_set():
