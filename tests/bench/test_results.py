@@ -4,7 +4,7 @@ import glob
 import json
 import os
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "results")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "results")
 
 
 def _committed():
