@@ -23,6 +23,26 @@ from .improved_dilated_attention import ImprovedDilatedAttention
 
 
 class MultiheadDilatedAttention(nn.Module):
+    """A self-attention layer (see the module docstring): ``forward(query, key=None, value=None)`` on
+    ``[B, N, embed_dim]`` (key and value default to query) returns ``[B, N, embed_dim]``.
+
+    Args:
+        embed_dim: the model width; ``num_heads`` must divide it (head_dim = embed_dim / num_heads).
+        num_heads: query heads.
+        segment_lengths, dilation_rates: the dilated schedule (see :func:`dilated.dilated_attention`).
+        num_kv_heads: key/value heads (GQA; default ``num_heads``), dividing ``num_heads``.
+        causal: causal attention within each segment.
+        bias: biases in the four projections.
+        layer_norm: MAGNETO's sub-layer norm before the output projection.
+        backend: the local kernel (``"auto"``, ``"sdpa"``, ``"flash_attn_4"``, ...).
+        improved: the fast :class:`~dilated.ImprovedDilatedAttention` (True) or the readable
+            :class:`~dilated.DilatedAttention`.
+        device, dtype: of the parameters.
+        layer_norm_eps: the sub-layer norm's epsilon.
+        gamma_init: MAGNETO's gain for the value and output projections.
+        layout: ``"natural"`` or ``"residue_major"`` (the module docstring; needs ``improved``).
+    """
+
     def __init__(self, embed_dim, num_heads, segment_lengths, dilation_rates, *, num_kv_heads=None,
                  causal=False, bias=True, layer_norm=True, backend="auto", improved=True, device=None,
                  dtype=None, layer_norm_eps=1e-5, gamma_init=1.0, layout="natural"):

@@ -263,7 +263,15 @@ class _DistributedDilatedFunction(torch.autograd.Function):
 
 
 class DistributedDilatedAttention(nn.Module):
-    """Sequence-parallel dilated attention; ``forward(q, k, v)`` on contiguous shards ``[B, N/P, H, D]``.
+    """Sequence-parallel dilated attention; ``forward(q, k, v)`` on contiguous shards ``[B, N/P, H, D]``
+    returns this rank's part ``[B, N/P, H, D]`` of :func:`dilated.dilated_attention` over the global
+    sequence, differentiable.
+
+    Args:
+        segment_lengths, dilation_rates, causal, scale, backend: as :func:`dilated.dilated_attention`
+            (any schedule; segments may span ranks).
+        group: the process group (default: the world); any world size.
+        measure_comm: also time the compute stream's waits on the collectives.
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts collectives and bytes sent;
     ``measure_comm=True`` also times the compute stream's waits on them.
