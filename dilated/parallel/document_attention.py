@@ -134,7 +134,8 @@ def _flat(x):
 class DocumentCall:
     """One call's kernel spec, layout, group and kernels (``varlen``: the backend's varlen entry point
     or None; ``small``: torch's varlen kernel for batched calls too small otherwise, or None), on
-    ``rank`` of the group (``plan``: its :class:`RankPlan`)."""
+    ``rank`` of the group (``plan``: its :class:`RankPlan`); ``transport``: how the crossing rows
+    move, ``"all_gather"`` (one collective each way) or ``"ring"`` (send/recv hops round the ring)."""
 
     spec: AttentionSpec
     layout: DocumentLayout
