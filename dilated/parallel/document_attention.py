@@ -36,7 +36,7 @@ from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from ..backends import get_backend
 from ..backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel, varlen_kernel
 from .sharding import CommStats
-from .document_layout import DocumentLayout, ranges_to_positions
+from .document_layout import DocumentLayout, given_or_last, ranges_to_positions
 from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
 from ..merge import merge_
 from .document_calls import block_documents_backward, block_documents_forward
@@ -438,15 +438,10 @@ class DocumentParallelAttention(nn.Module):
         the last call's)."""
         from .sharding import shard
 
-        return shard(x, group=self.group, layout=layout or self._last())
+        return shard(x, group=self.group, layout=given_or_last(layout, self.last_layout))
 
     def unshard(self, x_local: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """The global tensor in sequence order from every rank's part (an all-gather)."""
         from .sharding import unshard
 
-        return unshard(x_local, group=self.group, layout=layout or self._last())
-
-    def _last(self) -> DocumentLayout:
-        if self.last_layout is None:
-            raise ValueError("no layout given and no call made yet: pass layout=module.document_layout(cu_seqlens)")
-        return self.last_layout
+        return unshard(x_local, group=self.group, layout=given_or_last(layout, self.last_layout))

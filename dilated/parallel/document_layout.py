@@ -234,6 +234,15 @@ def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout
     return DocumentLayout(cu, p, causal, tuple(tuple(m) for m in best[1]))
 
 
+def given_or_last(layout: "DocumentLayout | None", last: "DocumentLayout | None") -> "DocumentLayout":
+    """``layout``, else a module's last call's (``last``): what ``shard``/``unshard`` of a module on
+    document layouts take; a ValueError naming the fix where neither is there."""
+    layout = layout or last
+    if layout is None:
+        raise ValueError("no layout given and no call made yet: pass layout=module.document_layout(cu_seqlens)")
+    return layout
+
+
 @functools.lru_cache(maxsize=64)
 def _crossing(layout: DocumentLayout) -> frozenset:
     seen, crossing = {}, set()

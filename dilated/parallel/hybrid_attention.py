@@ -125,7 +125,7 @@ class HybridAttention(nn.Module):
             out = attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,
                             cu_seqlens=cu_seqlens)
         else:  # ring shards in self.layout, this row's heads
-            out = self.ring(q, k, v, cu_seqlens=cu_seqlens, **({} if layout is None else {"layout": layout}))
+            out = self.ring(q, k, v, cu_seqlens=cu_seqlens, layout=layout)
         return heads_to_sequence(out, self.ulysses_group, self.stats)
 
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:

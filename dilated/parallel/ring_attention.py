@@ -51,7 +51,7 @@ from ..merge import RowAccumulator
 from ..backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
 from .document_attention import DocumentParts, document_attention
 from .document_calls import block_documents_backward, block_documents_forward
-from .document_layout import DocumentLayout
+from .document_layout import DocumentLayout, given_or_last
 from ..packed import check_cu_seqlens
 from .ring_exchange import RingExchange
 
@@ -402,13 +402,7 @@ class RingAttention(nn.Module):
         return document_attention(dense_rows(q), k.contiguous(), v.contiguous(), call)
 
     def _shard_layout(self, layout):
-        if self.layout != "documents":
-            return self.layout
-        layout = layout or self.last_layout
-        if layout is None:
-            raise ValueError("layout='documents': no layout given and no call made yet: pass "
-                             "layout=module.document_layout(cu_seqlens)")
-        return layout
+        return given_or_last(layout, self.last_layout) if self.layout == "documents" else self.layout
 
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor, in this module's

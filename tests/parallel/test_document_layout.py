@@ -85,3 +85,12 @@ def test_layout_order_and_a_tensor_cu_seqlens():
 def test_bad_documents_name_the_argument(cu, p, kw, match):
     with pytest.raises(ValueError, match=match):
         DocumentLayout.balance(cu, p, **kw)
+
+
+def test_shards_without_a_layout_before_any_call_say_how_to_get_one():
+    from dilated.parallel.document_layout import given_or_last
+
+    one, two = DocumentLayout.balance([0, 8], 2), DocumentLayout.balance([0, 4, 8], 2)
+    assert given_or_last(one, two) is one and given_or_last(None, two) is two
+    with pytest.raises(ValueError, match=r"pass layout=module.document_layout\(cu_seqlens\)"):
+        given_or_last(None, None)
