@@ -225,9 +225,9 @@ def test_new_lengths_of_one_plan_structure_compile_nothing(monkeypatch, tiles, l
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter has no compilation keys")
-    combine_k, gather_k = _Compilations(rows._combine_kernel), _Compilations(rows._gather_kernel)
-    monkeypatch.setattr(rows, "_combine_kernel", combine_k)
-    monkeypatch.setattr(rows, "_gather_kernel", gather_k)
+    combine_k, gather_k = _Compilations(rows.combine_kernel), _Compilations(rows.gather_kernel)
+    monkeypatch.setattr(rows, "combine_kernel", combine_k)
+    monkeypatch.setattr(rows, "gather_kernel", gather_k)
     plans = [build_plan(n, 4, 4, [16, 32, 64], [1, 2, 4], "cpu", in_place_tiles=tiles) for n in lengths]
     assert len({str(_structure(p)) for p in plans}) == 1 and len({len(p) for p in plans}) == 1
     assert len({tuple(c.start for c in p) + tuple(c.count for c in p) for p in plans}) == len(lengths)
@@ -259,9 +259,9 @@ def test_lengths_of_any_plan_structure_share_one_combine_kernel(monkeypatch):
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter has no compilation keys")
-    combine_k, gather_k = _Compilations(branch_combine._branch_combine_kernel), _Compilations(rows._gather_kernel)
-    monkeypatch.setattr(branch_combine, "_branch_combine_kernel", combine_k)
-    monkeypatch.setattr(rows, "_gather_kernel", gather_k)
+    combine_k, gather_k = _Compilations(branch_combine.branch_combine_kernel), _Compilations(rows.gather_kernel)
+    monkeypatch.setattr(branch_combine, "branch_combine_kernel", combine_k)
+    monkeypatch.setattr(rows, "gather_kernel", gather_k)
     lengths, forms = (40, 77, 200, 263, 341, 1000, 1001), set()
     structures = set()
     for tiles in (None, 0):
@@ -308,7 +308,7 @@ def test_gpu_new_lengths_compile_no_gather_or_combine(backend):
         out.backward(torch.randn_like(out))
 
     def compiled():
-        return [_compiled(k) for k in (branch_combine._branch_combine_kernel, rows._combine_kernel, rows._gather_kernel)]
+        return [_compiled(k) for k in (branch_combine.branch_combine_kernel, rows.combine_kernel, rows.gather_kernel)]
 
     for n in (3172, 3173):
         step(n)
