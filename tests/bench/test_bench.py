@@ -202,9 +202,9 @@ def test_captured_inputs_give_the_case_and_are_loaded_weights_only(tmp_path):
 
 
 def test_extreme_script_cpu_default_writes_results_and_plots(tmp_path):
-    # the CPU defaults up to 4K (the default sweep goes on to 16K: under a minute of two cores)
+    # the CPU defaults up to 1K (the default sweep goes on to 16K: under a minute of two cores)
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/specialized/benchmark_extreme_sequences.py"),
-                          "--max-seq-length", "4k"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          "--max-seq-length", "1k"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
                          env=cpu_only_env())
     assert res.returncode == 0, res.stderr[-3000:]
     assert "extreme-sequence sweep on CPU" in res.stdout and "results are in" in res.stdout

@@ -1,4 +1,6 @@
 """An honest command line: usage errors, exit status, flags that do what they say, results files."""
+import contextlib
+import io
 import json
 import os
 import resource
@@ -340,10 +342,17 @@ def _rows(path, status="ok", gpu="H200", factor=1.0, lengths=(128, 256), check_f
 
 
 def _compare(old, new):
-    res = subprocess.run([sys.executable, "-m", "dilated.bench", "compare", old, new, "--fail-on-regression"],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert "Traceback" not in res.stderr, res.stderr
-    return res.returncode, res.stdout + res.stderr
+    """``python -m dilated.bench compare OLD NEW --fail-on-regression`` in this process (the module's
+    entry point itself runs in tests/bench/test_bench.py): exit code and output."""
+    from dilated.bench.__main__ import main
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        try:
+            code = main(["compare", old, new, "--fail-on-regression"])
+        except SystemExit as e:  # a usage error
+            code = e.code
+    return code, text.getvalue()
 
 
 def test_compare_exits_1_when_new_cannot_vouch_for_old(tmp_path):

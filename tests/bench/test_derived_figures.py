@@ -2,6 +2,7 @@
 ran warm and passed their check; a peer runs its backward inside its own context; per-GPU figures
 are per GPU; the harness's tools refuse what they cannot read. Each test plants the fault."""
 import contextlib
+import io
 import json
 import math
 import subprocess
@@ -366,11 +367,14 @@ def test_captured_inputs_that_do_not_fit_are_one_line_and_exit_2(tmp_path, conte
         (d / "empty.pt").write_bytes(b"")
     else:
         torch.save(content, d / "c.pt")
-    res = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--inputs", str(d),
-                          "--num-heads", "4", "--implementations", "dense,multihead", "--device", "cpu",
-                          "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True, cwd=ROOT)
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert "--inputs" in res.stderr and why in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    from dilated.bench.suites import implementations_main
+
+    err = io.StringIO()  # benchmarks/core/benchmark_implementations.py's main, in this process
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        implementations_main(["--inputs", str(d), "--num-heads", "4", "--implementations", "dense,multihead",
+                              "--device", "cpu", "--output", str(tmp_path / "o.jsonl")])
+    err = err.getvalue()
+    assert stop.value.code == 2 and "--inputs" in err and why in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("call, exc, match", [
