@@ -20,8 +20,10 @@ attention uses), and backward calls their private backward ops with the (merged)
 * flash's backward (CUDA) indexes its float32 dq accumulator, ``batch * heads * round_up(seq_q,
   128) * round_up(head_dim, 32)`` elements, with 32-bit integers: beyond 2**31 it reads and writes
   out of bounds (an illegal memory access on an H200, torch 2.11, at 15872 x 2048 rows x 128; fixed
-  upstream by flash-attention's pull requests 1500 and 2260). Such calls run in slices of the
-  batch, or of the heads, that stay within it (:func:`flash_backward_slices`).
+  upstream by flash-attention's pull requests 1500 and 2260). cuDNN's backward returns a wrong dq
+  (forward and the calls at or below 2**31 right) once dq has more than 2**31 elements (torch 2.11,
+  cuDNN 9.19, H200: 17 and 32 documents of 32K x 32 heads x 128, where 16 are right). Such calls
+  run in slices of the batch, or of the heads, that stay within it (:func:`backward_slices`).
 * math: the math kernel returns no lse; it is obtained by a second pass (the logsumexp of the
   scores, computed like the ``manual`` backend) and backward is autograd through math SDPA with
   the rescaled-cotangent rule of :meth:`Backend.backward` (one extra forward).
@@ -219,7 +221,9 @@ class SDPABackend(Backend):
             grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale)
         elif kern == "flash":
-            grads = _flash_backward(dot, qt, kt, vt, ot, lse, causal, scale)
+            grads = _sliced_backward(lambda *t: aten._scaled_dot_product_flash_attention_backward(
+                *t[:5], t[5], None, None, nq, nk, 0.0, causal, None, None, scale=scale)[:3],
+                FLASH_BACKWARD_MAX, "flash", dot, qt, kt, vt, ot, lse)
         elif kern == "efficient":
             pad = (-nq) % 32
             lse_p = F.pad(lse, (0, pad)) if pad else lse
@@ -228,8 +232,9 @@ class SDPABackend(Backend):
                 dot, qt, kt, vt, None, ot, lse_p, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)[:3]
         elif kern == "cudnn":
             zero = torch.zeros((), dtype=torch.int64, device=q.device)
-            grads = aten._scaled_dot_product_cudnn_attention_backward(
-                dot, qt, kt, vt, ot, lse.unsqueeze(-1), zero, zero, None, None, None, nq, nk, 0.0, causal, scale=scale)
+            grads = _sliced_backward(lambda *t: aten._scaled_dot_product_cudnn_attention_backward(
+                *t[:5], t[5].unsqueeze(-1), zero, zero, None, None, None, nq, nk, 0.0, causal, scale=scale),
+                CUDNN_BACKWARD_MAX, "sdpa_cudnn", dot, qt, kt, vt, ot, lse)
         else:
             raise RuntimeError(f"{self.name}: PyTorch found no SDPA kernel for these inputs")
         dq, dk, dv = (_back(g) for g in grads)
@@ -240,38 +245,47 @@ class SDPABackend(Backend):
 
 #: the largest float32 dq accumulator (elements) flash's backward indexes right
 FLASH_BACKWARD_MAX = 2**31
+#: the largest dq (elements) cuDNN's backward computes right
+CUDNN_BACKWARD_MAX = 2**31
 
 
-def flash_backward_slices(b: int, h: int, n: int, d: int, most: int | None = None):
+def backward_slices(b: int, h: int, n: int, d: int, most: int | None = None, group: int = 1,
+                    kernel: str = "flash"):
     """``(dim, [(start, length), ...])``: slices of the batch (dim 0) of a ``[b, h, n, d]``
-    backward whose flash accumulator stays within ``most`` (default :data:`FLASH_BACKWARD_MAX`)
-    elements each, single entries where one is larger (then sliced again), or, for one batch entry,
-    slices of the heads (dim 1); None where the whole call stays within."""
+    backward whose dq (rows rounded up to 128, head_dim to 32, as flash's accumulator) stays
+    within ``most`` (default :data:`FLASH_BACKWARD_MAX`) elements each, single entries where one
+    is larger (then sliced again), or, for one batch entry, slices of the heads (dim 1) in whole
+    groups of ``group`` heads (GQA: the heads sharing one k/v head); None where the whole call
+    stays within. ValueError where one group is larger, naming ``kernel``."""
     most = FLASH_BACKWARD_MAX if most is None else most
-    row = -(-n // 128) * 128 * (-(-d // 32) * 32)  # one head's accumulator
+    row = -(-n // 128) * 128 * (-(-d // 32) * 32)  # one head's dq
     if b * h * row <= most:
         return None
     if b > 1:
         step = max(1, most // (h * row))
         return 0, [(s, min(step, b - s)) for s in range(0, b, step)]
-    if row > most:
-        raise ValueError(f"flash's backward cannot take {n} query rows of head_dim {d} in one head "
-                         f"({row} accumulator elements > {most}): use sdpa_cudnn or flash_attn_4 for such calls")
-    step = most // row
+    if row * group > most:
+        raise ValueError(f"{kernel}'s backward cannot take {n} query rows of head_dim {d} in {group} head(s) "
+                         f"({row * group} dq elements > {most}): use flash_attn_4 for such calls")
+    step = most // (row * group) * group
     return 1, [(s, min(step, h - s)) for s in range(0, h, step)]
 
 
-def _flash_backward(dot, qt, kt, vt, ot, lse, causal: bool, scale: float):
-    """torch's flash backward on CUDA (``[B, H, N, D]`` views), in slices where its accumulator
-    would overflow (:func:`flash_backward_slices`), whose gradients are joined in ``[B, N, H, D]``
-    memory order."""
-    slices = flash_backward_slices(*qt.shape)
+def _sliced_backward(call, most: int, kernel: str, dot, qt, kt, vt, ot, lse):
+    """``call(dot, qt, kt, vt, ot, lse) -> (dq, dk, dv)`` (``[B, H, N, D]`` views; k, v with
+    ``H / group`` heads) in slices of the batch or of the heads that keep dq within ``most``
+    elements (:func:`backward_slices`), their gradients joined in ``[B, N, H, D]`` memory order."""
+    group = qt.shape[1] // kt.shape[1]
+    slices = backward_slices(*qt.shape, most=most, group=group, kernel=kernel)
     if slices is None:
-        return aten._scaled_dot_product_flash_attention_backward(
-            dot, qt, kt, vt, ot, lse, None, None, qt.shape[2], kt.shape[2], 0.0, causal, None, None, scale=scale)
+        return call(dot, qt, kt, vt, ot, lse)
     dim, parts = slices
-    grads = [_flash_backward(*(t.narrow(dim, s, n) for t in (dot, qt, kt, vt, ot, lse)), causal, scale)
-             for s, n in parts]
+    grads = []
+    for s, n in parts:
+        kv = (s, n) if dim == 0 else (s // group, n // group)
+        grads.append(_sliced_backward(call, most, kernel, *(t.narrow(dim, s, n) for t in (dot, qt)),
+                                      *(t.narrow(dim, *kv) for t in (kt, vt)),
+                                      *(t.narrow(dim, s, n) for t in (ot, lse))))
     return tuple(to_bhnd(torch.cat([_back(x) for x in g], 0 if dim == 0 else 2)) for g in zip(*grads))
 
 

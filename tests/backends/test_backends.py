@@ -241,8 +241,9 @@ def test_no_process_wide_settings_change_by_using_the_library(monkeypatch):
     assert not memory.large_allocations_tracked()
 
 
-def test_flash_backward_slices_keep_each_accumulator_within_its_index_range():
-    from dilated.backends.sdpa import FLASH_BACKWARD_MAX, flash_backward_slices
+def test_backward_slices_keep_each_accumulator_within_its_index_range():
+    from dilated.backends.sdpa import FLASH_BACKWARD_MAX
+    from dilated.backends.sdpa import backward_slices as flash_backward_slices
 
     # what was seen on an H200: 512 x 16 heads x 2048 x 128 (exactly 2**31) runs; 15872 x 1 x 2048 x 128 does not
     assert flash_backward_slices(512, 16, 2048, 128) is None
@@ -253,7 +254,7 @@ def test_flash_backward_slices_keep_each_accumulator_within_its_index_range():
         most = FLASH_BACKWARD_MAX if most is None else most
         each = -(-n // 128) * 128 * (-(-d // 32) * 32)
         if each > most and b == 1:
-            with pytest.raises(ValueError, match="sdpa_cudnn"):
+            with pytest.raises(ValueError, match="flash_attn_4"):
                 flash_backward_slices(*shape, most=most)
             continue
         dim, parts = flash_backward_slices(*shape, most=most)
@@ -264,7 +265,7 @@ def test_flash_backward_slices_keep_each_accumulator_within_its_index_range():
         if per > most:  # one batch entry is too large: single entries, each sliced by heads next (or refused)
             assert parts[0][1] == 1
             if each > most:
-                with pytest.raises(ValueError, match="sdpa_cudnn"):
+                with pytest.raises(ValueError, match="flash_attn_4"):
                     flash_backward_slices(1, h, n, d, most=most)
             else:
                 assert flash_backward_slices(1, h, n, d, most=most)[0] == 1
@@ -272,13 +273,52 @@ def test_flash_backward_slices_keep_each_accumulator_within_its_index_range():
             assert all(n_ * per <= most for _, n_ in parts) and (parts[0][1] + 1) * per > most
 
 
+def test_backward_slices_keep_gqa_groups_whole():
+    from dilated.backends.sdpa import backward_slices
+
+    # one batch entry, 8 heads in groups of 4 (2 k/v heads), room for 5 heads: slices of 4 heads
+    row = 256 * 64  # one head's dq: 200 rows rounded up to 256, head_dim 64
+    assert backward_slices(1, 8, 200, 64, most=5 * row, group=4) == (1, [(0, 4), (4, 4)])
+    assert backward_slices(1, 8, 200, 64, most=5 * row, group=1) == (1, [(0, 5), (5, 3)])
+    with pytest.raises(ValueError, match="sdpa_cudnn.* 4 head"):  # room for 3 heads: no group of 4 fits
+        backward_slices(1, 8, 200, 64, most=3 * row, group=4, kernel="sdpa_cudnn")
+
+
+@pytest.mark.parametrize("b, most", [(3, 4 * 128 * 32), (1, 2 * 128 * 32)])  # room for 4 heads: 1 batch entry; for 2
+def test_a_backward_in_slices_joins_each_slices_gradients(b, most, gen):
+    """The sliced backward (GQA: 4 heads on 2 k/v heads) against the float64 gradient of the whole
+    call; each slice's kernel stands in as float64 autograd of the dense reference."""
+    from dilated.backends.base import to_bhnd
+    from dilated.backends.sdpa import _sliced_backward
+
+    q, dout = rand(b, 100, 4, 32, gen=gen, dtype=torch.float64), rand(b, 100, 4, 32, gen=gen, dtype=torch.float64)
+    k, v = rand(b, 100, 2, 32, gen=gen, dtype=torch.float64), rand(b, 100, 2, 32, gen=gen, dtype=torch.float64)
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(dense_reference(qd, kd, vd, causal=True)[0], (qd, kd, vd), dout)
+    seen = []
+
+    def kernel(dot, qt, kt, vt, ot, lse):  # [B, H, N, D] views in, [B, H, N, D] gradients out
+        seen.append((qt.shape[0], qt.shape[1], kt.shape[1]))
+        ts = [t.transpose(1, 2).detach().requires_grad_() for t in (qt, kt, vt)]
+        out = dense_reference(*ts, causal=True)[0]
+        return tuple(to_bhnd(g) for g in torch.autograd.grad(out, ts, dot.transpose(1, 2)))
+
+    args = [to_bhnd(t) for t in (dout, q, k, v, q)] + [torch.zeros(b, 4, 100, dtype=torch.float64)]
+    got = _sliced_backward(kernel, most, "a kernel", *args)
+    assert len(seen) == (3 if b == 3 else 2) and all(s == (1, 4 if b == 3 else 2, 2 if b == 3 else 1) for s in seen)
+    for g, w in zip(got, want):
+        assert rel_err(g.transpose(1, 2), w) < 1e-12
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend, limit", [("sdpa_flash", "FLASH_BACKWARD_MAX"), ("sdpa_cudnn", "CUDNN_BACKWARD_MAX")])
 @pytest.mark.parametrize("b, h", [(3, 4), (1, 4)])  # slices of the batch, then of the heads
-def test_gpu_flash_backward_in_slices(b, h, gen, monkeypatch):
-    monkeypatch.setattr("dilated.backends.sdpa.FLASH_BACKWARD_MAX", 2 * 256 * 64)
+def test_gpu_backward_in_slices(b, h, backend, limit, gen, monkeypatch):
+    monkeypatch.setattr(f"dilated.backends.sdpa.{limit}", 2 * 256 * 64)
     q, k, v = (rand(b, 200, h, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(3))
     dout = rand(b, 200, h, 64, gen=gen, dtype=torch.bfloat16).cuda()
-    out = dilated.attention(q, k, v, causal=True, backend="sdpa_flash")
+    for _ in range(2):  # cuDNN's graph is built at the shape's second call (the first goes to flash)
+        out = dilated.attention(q, k, v, causal=True, backend=backend)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = dense_reference(qd, kd, vd, causal=True)[0]

@@ -205,11 +205,11 @@ def test_yunchang_rows_say_what_its_torch_attention_cannot_do(monkeypatch):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 6])
-def test_random_configurations_of_every_sequence_parallel_module(world):
+@pytest.mark.parametrize("world, configs", [(2, 30), (3, 30), (4, 30), (6, 12)])  # 6 processes on CI's 2 cores: fewer
+def test_random_configurations_of_every_sequence_parallel_module(world, configs):
     """Ring, zigzag ring, Ulysses, every hybrid grid and distributed dilated attention on seeded
     random shapes, GQA ratios, documents and schedules (tests/cp_worker.py), exact against float64."""
-    mp.spawn(cp_worker.random_configurations, args=(world, _port(), range(30)), nprocs=world, join=True)
+    mp.spawn(cp_worker.random_configurations, args=(world, _port(), range(configs)), nprocs=world, join=True)
 
 
 def test_pytorchs_per_document_balancer_is_the_torch_cp_row_for_documents(tmp_path):
