@@ -21,8 +21,9 @@ attention uses), and backward calls their private backward ops with the (merged)
   128) * round_up(head_dim, 32)`` elements, with 32-bit integers: beyond 2**31 it reads and writes
   out of bounds (an illegal memory access on an H200, torch 2.11, at 15872 x 2048 rows x 128; fixed
   upstream by flash-attention's pull requests 1500 and 2260). cuDNN's backward returns a wrong dq
-  (forward and the calls at or below 2**31 right) once dq has more than 2**31 elements (torch 2.11,
-  cuDNN 9.19, H200: 17 and 32 documents of 32K x 32 heads x 128, where 16 are right). Such calls
+  once dq has more than 2**31 elements, its forward staying right (cuDNN 9.19 with torch 2.11;
+  ``benchmarks/specialized/check_large_backward.py`` checks it, results linked from
+  docs/performance/packed-documents.md). Such calls
   run in slices of the batch, or of the heads, that stay within it (:func:`backward_slices`).
 * math: the math kernel returns no lse; it is obtained by a second pass (the logsumexp of the
   scores, computed like the ``manual`` backend) and backward is autograd through math SDPA with
