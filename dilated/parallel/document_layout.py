@@ -103,26 +103,32 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[list[list[Piece]
         turn = (turn + (b - a) % p) % p
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     # longest first, ties in document order (a stable sort keeps it, reversed too)
-    whole = sorted((d for d in range(len(lengths)) if d not in cut), key=lengths.__getitem__, reverse=True)
-    left = []
+    whole = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    left, mine = [], [[] for _ in range(p)]  # documents each rank takes whole
     ranks = [(load[r], r) for r in range(p) if room[r]]  # a heap of (work, rank) of the ranks with room
     heapq.heapify(ranks)
     for d in whole:
-        a, b = cu[d], cu[d + 1]
+        if d in cut:
+            continue
+        m = lengths[d]
         skipped = []  # ranks of less work without room for this document (a shorter one may fit)
-        while ranks and room[ranks[0][1]] < b - a:
+        while ranks and room[ranks[0][1]] < m:
             skipped.append(heapq.heappop(ranks))
         if ranks:  # the rank of least work (the lowest such rank) with room for it
-            _, r = heapq.heappop(ranks)
-            pieces[r].append(Piece(d, a, b - a, a, b))
-            room[r] -= b - a
-            load[r] += _work(b - a, causal)
+            w, r = ranks[0]
+            mine[r].append(d)
+            room[r] -= m
+            load[r] = w + (m * (m + 1) // 2 if causal else m * m)
             if room[r]:
-                heapq.heappush(ranks, (load[r], r))
+                heapq.heapreplace(ranks, (load[r], r))
+            else:
+                heapq.heappop(ranks)
         else:
             left.append(d)
         for entry in skipped:
             heapq.heappush(ranks, entry)
+    for r, docs in enumerate(mine):
+        pieces[r].extend(Piece(d, cu[d], lengths[d], cu[d], cu[d + 1]) for d in docs)
     for d in sorted(left):
         a, b = cu[d], cu[d + 1]
         at = a
