@@ -17,6 +17,7 @@ from .longnet.pattern_cache import PatternCache
 from .longnet.residue_major import (from_residue_major, residue_major_fast_path_reason, residue_major_positions,
                                     to_residue_major)
 from .parallel.agreement import RankMismatchError
+from .parallel.decode_attention import decode_attention
 from .parallel.distributed_dilated_attention import DistributedDilatedAttention
 from .parallel.document_attention import DocumentParallelAttention
 from .parallel.document_layout import DocumentLayout
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "available_backends", "register_backend", "BackendUnavailableError",
     "dilated_attention", "DilatedAttention", "improved_dilated_attention", "ImprovedDilatedAttention",
-    "MultiheadDilatedAttention", "MemoryPool", "PatternCache",
+    "MultiheadDilatedAttention", "MemoryPool", "PatternCache", "decode_attention",
     "to_residue_major", "from_residue_major", "residue_major_positions", "residue_major_fast_path_reason",
     "RingAttention", "ring_attention", "UlyssesAttention", "HybridAttention", "DistributedDilatedAttention",
     "DocumentLayout", "DocumentParallelAttention", "shard", "unshard", "init_distributed",

@@ -349,3 +349,27 @@ def documents_varlen(rank, world, kernel):
         assert sum(c for key, c in ran.items() if key.endswith("forward")) == 2, ran  # local + rectangles
         assert sum(c for key, c in ran.items() if key.endswith("backward")) == 2, ran
         _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal, f"{kernel} causal={causal}")
+
+
+@worker
+def decode(rank, world, seed):
+    """decode_attention over a cache split unevenly over the ranks (one rank holding no rows), GQA,
+    one and several query tokens, against float64 softmax over the whole cache; one collective."""
+    from dilated.parallel.sharding import CommStats
+
+    g = torch.Generator().manual_seed(seed)  # the same draw on every rank
+    for tq, h, hkv in ((1, 4, 2), (3, 6, 6)):
+        rows = [0] + [int(torch.randint(1, 40, (1,), generator=g)) for _ in range(world - 1)]
+        rows = rows[-1:] + rows[:-1] if seed % 2 else rows  # the empty shard on rank 0 or on rank 1
+        q = torch.randn(2, tq, h, 8, generator=g, dtype=torch.float64) * 3
+        k, v = (torch.randn(2, sum(rows), hkv, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        start = sum(rows[:rank])
+        stats = CommStats()
+        with torch.no_grad():
+            out = dilated.decode_attention(q, k[:, start:start + rows[rank]], v[:, start:start + rows[rank]],
+                                           stats=stats)
+        keys, values = (x.repeat_interleave(h // hkv, 2) for x in (k, v))
+        p = torch.einsum("bqhd,bkhd->bhqk", q, keys).mul(8 ** -0.5).softmax(-1)
+        ref = torch.einsum("bhqk,bkhd->bqhd", p, values)
+        assert _rel(out, ref) < 1e-12, (rank, tq, rows, _rel(out, ref))
+        assert stats.collectives == 1 and stats.messages == 0, vars(stats)

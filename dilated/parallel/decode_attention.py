@@ -1,0 +1,84 @@
+"""Decoding against a KV cache sharded over ranks: a few query tokens, the cache's rows split along
+the sequence over ``P`` ranks, each rank's partial attention merged by its log-sum-exp in one
+collective.
+
+Every rank holds the same query tokens and its own rows of the cache. It attends them alone
+(``out_r``, ``lse_r``: a local kernel call over ``S_r`` keys), and one all-gather of the small
+``(out_r, lse_r)`` (``B x Tq x H x (D + 1)`` float32 numbers per rank, whatever the cache's length) gives
+every rank all ``P`` partial results, which it merges exactly: ``out = sum_r exp(lse_r - L) out_r``,
+``L = logsumexp_r lse_r`` (:func:`dilated.merge.merge_`). The cache never moves, so a step costs
+one local pass over ``S / P`` keys and one collective of a few kilobytes, as Tree Attention and
+pass-Q decoding do. A rank with no rows of the cache (``S_r = 0``) contributes ``lse = -inf``.
+
+The query tokens attend every cached row: the keys and values of the tokens being decoded belong
+in the cache (on any one rank) before the call. Inference only: no autograd across the ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._checks import acc_dtype
+from ..functional import attention
+from ..merge import empty_accumulators, merge_
+from .sharding import CommStats
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a [batch, seq, heads, head_dim] tensor")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"this rank's cache rows k {tuple(k.shape)} and v {tuple(v.shape)} must match each "
+                         f"other and q {tuple(q.shape)} in batch and head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q's {q.shape[2]} heads must be a multiple of the cache's {k.shape[2]} kv heads")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("decode_attention is for inference: call it under torch.no_grad() or "
+                         "torch.inference_mode()")
+
+
+def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``q`` over this rank's rows alone: out ``[B, Tq, H, D]``, lse ``[B, Tq, H]``
+    (row layout), float32 (float64 for float64 inputs); zeros and ``-inf`` where the rank holds no
+    rows."""
+    dtype = acc_dtype(q.dtype)
+    if k.shape[1] == 0:
+        return empty_accumulators(*q.shape, q.device, dtype)
+    out, lse = attention(q, k, v, scale=scale, backend=backend, return_lse=True)
+    return out.to(dtype), lse.to(dtype).transpose(1, 2)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
+                     scale: float | None = None, backend: str = "auto",
+                     stats: CommStats | None = None) -> torch.Tensor:
+    """Attention of the query tokens ``q`` ``[B, Tq, H, D]`` (the same on every rank of ``group``)
+    over a KV cache whose rows are split along the sequence over those ranks.
+
+    Args:
+        q: the query tokens, ``[batch, tokens, heads, head_dim]``, identical on every rank.
+        k, v: this rank's rows of the cache, ``[batch, rows, kv_heads, head_dim]``; any number of
+            rows, 0 included; ``kv_heads`` divides ``heads`` (GQA).
+        group: the process group the cache is split over (default: the whole world).
+        scale: the softmax scale (default ``head_dim ** -0.5``).
+        backend: the local kernel (:func:`dilated.attention`'s backends).
+        stats: a :class:`~dilated.CommStats` that counts the one collective and its bytes.
+
+    Returns ``out`` ``[B, Tq, H, D]`` in q's dtype, the same on every rank. Under
+    ``torch.no_grad()`` or ``torch.inference_mode()`` only (ValueError otherwise)."""
+    _check(q, k, v)
+    out, lse = local_part(q, k, v, scale, backend)
+    world = dist.get_world_size(group)
+    if world == 1:
+        return out.to(q.dtype)
+    mine = torch.cat([out, lse.unsqueeze(-1)], -1).contiguous()  # [B, Tq, H, D + 1]: one message
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    stats = CommStats() if stats is None else stats
+    with stats.waiting(q.device):
+        dist.all_gather(parts, mine, group=group)
+    stats.sent(mine.numel() * mine.element_size() * (world - 1), collective=True)
+    acc, acc_lse = empty_accumulators(*q.shape, q.device, mine.dtype)
+    for part in parts:
+        merge_(acc, acc_lse, part[..., :-1], part[..., -1])
+    return acc.to(q.dtype)
