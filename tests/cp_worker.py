@@ -358,8 +358,8 @@ def decode(rank, world, seed):
     from dilated.parallel.sharding import CommStats
 
     g = torch.Generator().manual_seed(seed)  # the same draw on every rank
-    for tq, h, hkv in ((1, 4, 2), (3, 6, 6)):
-        rows = [0] + [int(torch.randint(1, 40, (1,), generator=g)) for _ in range(world - 1)]
+    for tq, h, hkv, split in ((1, 4, 2, None), (3, 6, 6, None), (2, 8, 2, 4)):
+        rows = [0] + [4 * int(torch.randint(1, 10, (1,), generator=g)) for _ in range(world - 1)]
         rows = rows[-1:] + rows[:-1] if seed % 2 else rows  # the empty shard on rank 0 or on rank 1
         q = torch.randn(2, tq, h, 8, generator=g, dtype=torch.float64) * 3
         k, v = (torch.randn(2, sum(rows), hkv, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -367,7 +367,7 @@ def decode(rank, world, seed):
         stats = CommStats()
         with torch.no_grad():
             out = dilated.decode_attention(q, k[:, start:start + rows[rank]], v[:, start:start + rows[rank]],
-                                           stats=stats)
+                                           split=split, stats=stats)
         keys, values = (x.repeat_interleave(h // hkv, 2) for x in (k, v))
         p = torch.einsum("bqhd,bkhd->bhqk", q, keys).mul(8 ** -0.5).softmax(-1)
         ref = torch.einsum("bhqk,bkhd->bqhd", p, values)

@@ -3,7 +3,8 @@ the sequence over ``P`` ranks, each rank's partial attention merged by its log-s
 collective.
 
 Every rank holds the same query tokens and its own rows of the cache. It attends them alone
-(``out_r``, ``lse_r``: a local kernel call over ``S_r`` keys), and one all-gather of the small
+(``out_r``, ``lse_r``: one local kernel call over ``S_r`` keys, cut into chunks that fill the GPU
+and merged by lse, as flash-decoding splits them), and one all-gather of the small
 ``(out_r, lse_r)`` (``B x Tq x H x (D + 1)`` float32 numbers per rank, whatever the cache's length) gives
 every rank all ``P`` partial results, which it merges exactly: ``out = sum_r exp(lse_r - L) out_r``,
 ``L = logsumexp_r lse_r`` (:func:`dilated.merge.merge_`). The cache never moves, so a step costs
@@ -38,20 +39,57 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          "torch.inference_mode()")
 
 
-def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+#: a split of the keys keeps at least this many rows per chunk
+MIN_CHUNK = 256
+#: kernel programs a split aims for (chunks x batch x kv heads): a few per SM of a large GPU
+TARGET_PROGRAMS = 512
+
+
+def key_chunks(b: int, s: int, hkv: int) -> int:
+    """Chunks of this rank's ``s`` keys that run as one kernel call's batch (flash-decoding's split):
+    the largest power of two up to ``TARGET_PROGRAMS / (b * hkv)`` that divides ``s`` into chunks
+    of at least :data:`MIN_CHUNK` rows (1: no split)."""
+    c = 1
+    while 2 * c * b * hkv <= TARGET_PROGRAMS and s % (2 * c) == 0 and s // (2 * c) >= MIN_CHUNK:
+        c *= 2
+    return c
+
+
+def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, backend: str,
+               split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``q`` over this rank's rows alone: out ``[B, Tq, H, D]``, lse ``[B, Tq, H]``
     (row layout), float32 (float64 for float64 inputs); zeros and ``-inf`` where the rank holds no
-    rows."""
+    rows.
+
+    One kernel call without copying the cache: each group of query heads sharing a kv head becomes
+    rows of that kv head (``Tq x H / Hkv`` rows, no GQA expansion), and the keys are cut into
+    ``split`` chunks (default :func:`key_chunks`) that are the call's batch (views of k and v, the
+    few query rows repeated), merged by their lse."""
     dtype = acc_dtype(q.dtype)
-    if k.shape[1] == 0:
+    b, tq, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    if s == 0:
         return empty_accumulators(*q.shape, q.device, dtype)
-    out, lse = attention(q, k, v, scale=scale, backend=backend, return_lse=True)
-    return out.to(dtype), lse.to(dtype).transpose(1, 2)
+    c = key_chunks(b, s, hkv) if split is None else split
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1 or s % c:
+        raise ValueError(f"split must be a positive int dividing this rank's {s} cache rows, got {split!r}")
+    g = h // hkv
+    rows = q.view(b, tq, hkv, g, d).transpose(2, 3).reshape(b, 1, tq * g, hkv, d)  # row (t, j) of kv head i
+    qc = rows.expand(b, c, tq * g, hkv, d).reshape(b * c, tq * g, hkv, d)
+    kc, vc = (x.reshape(b * c, s // c, hkv, d) for x in (k, v))  # views where k, v are contiguous
+    out, lse = attention(qc, kc, vc, scale=scale, backend=backend, return_lse=True)
+    out, lse = out.to(dtype).view(b, c, tq * g, hkv, d), lse.to(dtype).view(b, c, hkv, tq * g)
+    top = lse.amax(1, keepdim=True)
+    w = torch.exp(lse - top)  # [B, C, Hkv, Tq g]
+    total = w.sum(1)
+    out = torch.einsum("bchr,bcrhd->brhd", w, out) / total.transpose(1, 2).unsqueeze(-1)
+    lse = top.squeeze(1) + torch.log(total)  # [B, Hkv, Tq g]
+    out = out.view(b, tq, g, hkv, d).transpose(2, 3).reshape(b, tq, h, d)
+    return out, lse.view(b, hkv, tq, g).permute(0, 2, 1, 3).reshape(b, tq, h)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
-                     scale: float | None = None, backend: str = "auto",
+                     scale: float | None = None, backend: str = "auto", split: int | None = None,
                      stats: CommStats | None = None) -> torch.Tensor:
     """Attention of the query tokens ``q`` ``[B, Tq, H, D]`` (the same on every rank of ``group``)
     over a KV cache whose rows are split along the sequence over those ranks.
@@ -63,12 +101,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=No
         group: the process group the cache is split over (default: the whole world).
         scale: the softmax scale (default ``head_dim ** -0.5``).
         backend: the local kernel (:func:`dilated.attention`'s backends).
+        split: chunks this rank's rows are cut into for the local call (default: enough to fill
+            the GPU, :func:`key_chunks`); it must divide the rank's row count.
         stats: a :class:`~dilated.CommStats` that counts the one collective and its bytes.
 
     Returns ``out`` ``[B, Tq, H, D]`` in q's dtype, the same on every rank. Under
     ``torch.no_grad()`` or ``torch.inference_mode()`` only (ValueError otherwise)."""
     _check(q, k, v)
-    out, lse = local_part(q, k, v, scale, backend)
+    out, lse = local_part(q, k, v, scale, backend, split)
     world = dist.get_world_size(group)
     if world == 1:
         return out.to(q.dtype)

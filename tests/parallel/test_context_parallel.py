@@ -274,17 +274,3 @@ def test_hybrid_on_the_document_layout_work_by_hand():
             float(keys[dilated.DocumentLayout.balance(cu, 4, True).positions(r)].sum()) for r in range(4)]
     assert sum(by_hand) == float(keys.sum())
 
-
-@pytest.mark.parametrize("world, seed", [(2, 0), (3, 1)])
-def test_decode_over_a_sharded_cache_is_exact(world, seed):
-    mp.spawn(cp_worker.decode, args=(world, _port(), seed), nprocs=world, join=True)
-
-
-def test_decode_asks_for_inference_and_matching_shapes():
-    q, k = torch.randn(1, 1, 4, 8, requires_grad=True), torch.randn(1, 5, 2, 8)
-    with pytest.raises(ValueError, match="no_grad"):
-        dilated.decode_attention(q, k, k)
-    with torch.no_grad(), pytest.raises(ValueError, match="kv heads"):
-        dilated.decode_attention(torch.randn(1, 1, 3, 8), k, k)
-    with torch.no_grad(), pytest.raises(ValueError, match="batch and head_dim"):
-        dilated.decode_attention(torch.randn(1, 1, 4, 8), k, torch.randn(1, 5, 2, 4))
