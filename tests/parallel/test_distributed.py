@@ -241,13 +241,18 @@ def test_document_mixes_one_after_another_under_torchrun(tmp_path):
 def test_decode_benchmark_under_torchrun(tmp_path):
     """P = 1 and 2 on a cache of 64 and 96 rows, one and two sequences: every row checked against
     float64 over the whole cache, timed, with each rank's median."""
+    from dilated.bench.results import read_results
+
     rows, stdout = _torchrun("benchmarks/specialized/benchmark_decode.py", 2, tmp_path, "--cached-tokens", "64,96",
                              "--batch-sizes", "1,2", "--head-shapes", "4/2/16", "--dtype", "float32",
                              "--world-sizes", "1,2")
-    assert {(r["world_size"], r["cached_tokens"], r["batch"]) for r in rows} == {
+    assert {(r["world_size"], r["config"]["seq_len"], r["config"]["batch"]) for r in rows} == {
         (p, s, b) for p in (1, 2) for s in (64, 96) for b in (1, 2)}
     for r in rows:
         assert r["status"] == "ok" and r["check"]["passed"] and r["check"]["rel_err"] < 1e-5, r
+        assert r["mode"] == "decode" and r["config"]["q_len"] == 1 and r["config"]["num_kv_heads"] == 2
         assert r["time_ms"]["n"] == 2 and len(r["rank_median_ms"]) == r["world_size"]
-        assert r["kv_bytes_per_rank"] == 2 * r["batch"] * r["cached_tokens"] // r["world_size"] * 2 * 16 * 4
+        c = r["config"]
+        assert r["kv_bytes_per_rank"] == 2 * c["batch"] * c["seq_len"] // r["world_size"] * 2 * 16 * 4
+    assert read_results(str(tmp_path / "benchmark_decode.jsonl"))  # rows the results tools read
     assert "P=2 S=96 B=2" in stdout

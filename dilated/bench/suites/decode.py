@@ -21,6 +21,7 @@ from ...parallel.decode_attention import decode_attention
 from ...parallel.sharding import init_distributed
 from ...reference import sampled_reference
 from ..env import environment
+from ..registry import Case
 from ..results import ResultWriter
 from ..sizes import size_list
 from ..timing import measure, summarize
@@ -52,8 +53,10 @@ def _check(q, p: int, rows: int, hkv: int, d: int, device, dtype, out) -> dict:
 
 def _row(args, p, s, b, shape, group, rank, device, dtype) -> dict:
     h, hkv, d = shape
-    row = {"implementation": "decode", "world_size": p, "cached_tokens": s, "batch": b, "query_tokens": args.query_tokens,
-           "num_heads": h, "num_kv_heads": hkv, "head_dim": d, "dtype": args.dtype, "backend": args.backend}
+    case = Case(batch=b, seq_len=s, num_heads=h, num_kv_heads=hkv, head_dim=d, q_len=args.query_tokens,
+                dtype=args.dtype, causal=False, mode="decode")  # seq_len: the cached tokens
+    row = {"implementation": "decode", "backend": args.backend, "mode": "decode", "config": case.config(),
+           "world_size": p}
     rows = s // p
     try:
         q = torch.randn(b, args.query_tokens, h, d, generator=torch.Generator(device).manual_seed(7), device=device,
@@ -116,7 +119,8 @@ def decode_main(argv=None) -> int:
 
 
 def _line(row: dict) -> str:
-    head = f"P={row['world_size']} S={row['cached_tokens']} B={row['batch']} H={row['num_heads']}/{row['num_kv_heads']}"
+    c = row["config"]
+    head = f"P={row['world_size']} S={c['seq_len']} B={c['batch']} H={c['num_heads']}/{c['num_kv_heads']}"
     if row["status"] != "ok":
         return f"{head}: {row['status']} ({row.get('reason')})"
     t = row["time_ms"]
