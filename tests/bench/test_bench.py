@@ -1,4 +1,6 @@
 """The harness: FLOP counts, JSONL rows, compare, plot, OOM rows, bad input."""
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from dilated.bench import Case, Implementation, RunOptions, read_jsonl, register
 from dilated.bench.flops import dense_flops, dilated_flops, visible_pairs
 from dilated.bench.registry import IMPLEMENTATIONS
 from dilated.bench.plots import plot
+from dilated.bench.suites import implementations_main
 from dilated.bench.report import compare
 from dilated.bench.results import ResultWriter
 
@@ -144,16 +147,14 @@ def test_memory_budget_marks_rows_oom(tmp_path):
 def test_malformed_yaml_and_unknown_implementation(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("seq-lengths: [1024\n  mode: : :\n")
-    script = str(ROOT / "benchmarks/core/benchmark_implementations.py")
-    res = subprocess.run([sys.executable, script, "--config", str(bad)], capture_output=True, text=True, cwd=tmp_path)
-    assert res.returncode != 0 and "cannot read YAML" in res.stderr
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("sequence_lenghts: 1024\n")
-    res = subprocess.run([sys.executable, script, "--config", str(unknown)], capture_output=True, text=True, cwd=tmp_path)
-    assert res.returncode != 0 and "unknown option" in res.stderr
-    res = subprocess.run([sys.executable, script, "--implementations", "nope", "--no-progress"], capture_output=True,
-                         text=True, cwd=tmp_path)
-    assert res.returncode != 0 and "unknown implementation 'nope'" in res.stderr
+    for args, why in [(["--config", str(bad)], "cannot read YAML"), (["--config", str(unknown)], "unknown option"),
+                      (["--implementations", "nope", "--no-progress"], "unknown implementation 'nope'")]:
+        err = io.StringIO()  # benchmarks/core/benchmark_implementations.py's main, in this process
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+            implementations_main([*args, "--output", str(tmp_path / "never.jsonl")])
+        assert stop.value.code != 0 and why in err.getvalue(), err.getvalue()
 
 
 def test_yaml_config_sets_the_sweep(tmp_path):
