@@ -153,8 +153,8 @@ def _check(cu_seqlens, world_size: int) -> tuple:
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
             raise ValueError("cu_seqlens must be a 1-D integer tensor of cumulative lengths [0, ..., N]")
         cu_seqlens = cu_seqlens.tolist()
-    cu = tuple(int(c) for c in cu_seqlens)
-    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+    cu = tuple(map(int, cu_seqlens))
+    if len(cu) < 2 or cu[0] != 0 or not all(map(operator.lt, cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise strictly from 0 (cumulative document lengths [0, ..., N]), got "
                          f"{list(cu[:8])}{' ...' if len(cu) > 8 else ''}")
     if cu[-1] % world_size:
@@ -213,15 +213,18 @@ class DocumentLayout:
 def _search(cu: tuple, p: int, causal: bool, min_piece: int):
     """``(imbalance, pieces)``: cutting the k heaviest documents of at least 2P x ``min_piece``
     positions head-tail, k = 0, 1, 2, 4, ...: the first within :data:`TARGET_IMBALANCE`, else the best."""
-    cuttable = sorted((d for d in range(len(cu) - 1) if cu[d + 1] - cu[d] >= 2 * p * min_piece),
-                      key=lambda d: (-(cu[d + 1] - cu[d]), d))
-    best, k = None, 0
+    best, k, cuttable = None, 0, None
     while True:
-        pieces, work = _assign(cu, p, causal, set(cuttable[:k]))
+        pieces, work = _assign(cu, p, causal, set(cuttable[:k]) if k else set())
         score = _imbalance(work)
         if best is None or score < best[0] - 1e-9:
             best = (score, pieces)
-        if score <= TARGET_IMBALANCE or k >= len(cuttable) or p == 1:
+        if score <= TARGET_IMBALANCE or p == 1:
+            return best
+        if cuttable is None:  # found only where whole documents do not balance
+            cuttable = sorted((d for d in range(len(cu) - 1) if cu[d + 1] - cu[d] >= 2 * p * min_piece),
+                              key=lambda d: (-(cu[d + 1] - cu[d]), d))
+        if k >= len(cuttable):
             return best
         k = min(len(cuttable), max(1, 2 * k))
 
