@@ -12,6 +12,16 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
+def spawn(fn, args, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``, the ranks forked from this
+    process where it has not started CUDA (a forked child cannot use a CUDA context its parent
+    made): they start with its imports instead of importing torch again each, seconds a rank."""
+    import torch.multiprocessing as mp
+
+    fork = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="fork" if fork else "spawn")
+
+
 def cpu_only_env(**extra) -> dict:
     """The environment of a child process that tests a machine without GPUs (the CPU defaults), on
     any host, with ``extra`` variables (a ``PYTHONPATH`` goes in front of the checkout's)."""

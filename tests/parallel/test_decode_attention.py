@@ -4,9 +4,9 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import cp_worker
+from conftest import spawn
 import dilated
 from dilated.parallel.decode_attention import MIN_CHUNK, key_chunks, local_part
 
@@ -49,7 +49,7 @@ def test_key_chunks_fill_the_gpu_with_chunks_of_at_least_min_chunk_rows():
 
 @pytest.mark.parametrize("world, seed", [(2, 0), (3, 1)])
 def test_decode_over_a_sharded_cache_is_exact(world, seed):
-    mp.spawn(cp_worker.decode, args=(world, _port(), seed), nprocs=world, join=True)
+    spawn(cp_worker.decode, args=(world, _port(), seed), nprocs=world)
 
 
 def test_decode_asks_for_inference_and_matching_shapes():

@@ -4,10 +4,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 import dist_worker
-from conftest import cpu_only_env
+from conftest import cpu_only_env, spawn
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -20,31 +19,31 @@ def _port():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_and_distributed_dilated_match_single_process(world):
-    mp.spawn(dist_worker.correctness, args=(world, _port()), nprocs=world, join=True)
+    spawn(dist_worker.correctness, args=(world, _port()), nprocs=world)
 
 
 @pytest.mark.parametrize("world,seed", [(3, 0), (4, 1)])
 def test_random_configurations_of_every_strategy(world, seed):
-    mp.spawn(dist_worker.random_strategies, args=(world, _port(), seed, 30), nprocs=world, join=True)
+    spawn(dist_worker.random_strategies, args=(world, _port(), seed, 30), nprocs=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sampled_check_reads_shards_in_place(world):
-    mp.spawn(dist_worker.sharded_check, args=(world, _port()), nprocs=world, join=True)
+    spawn(dist_worker.sharded_check, args=(world, _port()), nprocs=world)
 
 
 def test_time_based_timing_stops_on_every_rank_together():
-    mp.spawn(dist_worker.timing_agrees, args=(2, _port()), nprocs=2, join=True)
+    spawn(dist_worker.timing_agrees, args=(2, _port()), nprocs=2)
 
 
 def test_sequence_not_divisible_by_world_size():
-    mp.spawn(dist_worker.bad_length, args=(2, _port()), nprocs=2, join=True)
+    spawn(dist_worker.bad_length, args=(2, _port()), nprocs=2)
 
 
 def test_a_rank_that_raises_ends_the_job_naming_it():
     t = time.time()
     with pytest.raises(Exception) as e:
-        mp.spawn(dist_worker.dies, args=(2, _port()), nprocs=2, join=True)
+        spawn(dist_worker.dies, args=(2, _port()), nprocs=2)
     assert "process 1" in str(e.value).lower() and "rank 1 failed on purpose" in str(e.value)
     assert time.time() - t < 60
 
@@ -122,16 +121,16 @@ def test_ring_copy_engine_pulls_match_send_recv_on_gpus():
     import torch
 
     world = min(torch.cuda.device_count(), 4)
-    mp.spawn(dist_worker.copy_engine_matches_p2p, args=(world, _port()), nprocs=world, join=True)
+    spawn(dist_worker.copy_engine_matches_p2p, args=(world, _port()), nprocs=world)
 
 
 def test_ring_and_distributed_dilated_take_strided_shards():
-    mp.spawn(dist_worker.strided_inputs, args=(2, _port()), nprocs=2, join=True)
+    spawn(dist_worker.strided_inputs, args=(2, _port()), nprocs=2)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_disagree_all_get_a_clear_error(world):
-    mp.spawn(dist_worker.ranks_disagree, args=(world, _port()), nprocs=world, join=True)
+    spawn(dist_worker.ranks_disagree, args=(world, _port()), nprocs=world)
 
 
 FAILING_BACKEND_SCRIPT = '''
@@ -209,12 +208,12 @@ def test_sequence_parallel_steady_calls_do_not_sync_on_gpus():
     import torch
 
     world = min(torch.cuda.device_count(), 4)
-    mp.spawn(dist_worker.steady_calls_do_not_sync, args=(world, _port()), nprocs=world, join=True)
+    spawn(dist_worker.steady_calls_do_not_sync, args=(world, _port()), nprocs=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_document_parallel_attention_matches_float64_per_document(world):
-    mp.spawn(dist_worker.document_parallel, args=(world, _port()), nprocs=world, join=True)
+    spawn(dist_worker.document_parallel, args=(world, _port()), nprocs=world)
 
 
 def test_document_mixes_one_after_another_under_torchrun(tmp_path):
