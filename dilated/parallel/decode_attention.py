@@ -5,7 +5,8 @@ collective.
 Every rank holds the same query tokens and its own rows of the cache. It attends them alone
 (``out_r``, ``lse_r``: one local kernel call over ``S_r`` keys, cut into chunks that fill the GPU
 and merged by lse, as flash-decoding splits them), and one all-gather of the small
-``(out_r, lse_r)`` (``B x Tq x H x (D + 1)`` float32 numbers per rank, whatever the cache's length) gives
+``(out_r, lse_r)`` (``B x Tq x H x (D + 1)`` float32 numbers per rank, float64 for float64
+inputs, whatever the cache's length) gives
 every rank all ``P`` partial results, which it merges exactly: ``out = sum_r exp(lse_r - L) out_r``,
 ``L = logsumexp_r lse_r`` (:func:`dilated.merge.merge_`). The cache never moves, so a step costs
 one local pass over ``S / P`` keys and one collective of a few kilobytes, as Tree Attention and
@@ -98,7 +99,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=No
         q: the query tokens, ``[batch, tokens, heads, head_dim]``, identical on every rank.
         k, v: this rank's rows of the cache, ``[batch, rows, kv_heads, head_dim]``; any number of
             rows, 0 included; ``kv_heads`` divides ``heads`` (GQA).
-        group: the process group the cache is split over (default: the whole world).
+        group: the process group the cache is split over (default: the whole world; without an
+            initialised process group, this process alone holds the whole cache).
         scale: the softmax scale (default ``head_dim ** -0.5``).
         backend: the local kernel (:func:`dilated.attention`'s backends).
         split: chunks this rank's rows are cut into for the local call (default: enough to fill
@@ -109,7 +111,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=No
     ``torch.no_grad()`` or ``torch.inference_mode()`` only (ValueError otherwise)."""
     _check(q, k, v)
     out, lse = local_part(q, k, v, scale, backend, split)
-    world = dist.get_world_size(group)
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     if world == 1:
         return out.to(q.dtype)
     mine = torch.cat([out, lse.unsqueeze(-1)], -1).contiguous()  # [B, Tq, H, D + 1]: one message

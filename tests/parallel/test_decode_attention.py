@@ -52,6 +52,15 @@ def test_decode_over_a_sharded_cache_is_exact(world, seed):
     spawn(cp_worker.decode, args=(world, _port(), seed), nprocs=world)
 
 
+def test_decode_without_a_process_group_is_the_whole_cache_here():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 1, 8, 16, generator=g, dtype=torch.float64) if i == 0 else
+               torch.randn(2, 1024, 2, 16, generator=g, dtype=torch.float64) for i in range(3))
+    with torch.no_grad():
+        out = dilated.decode_attention(q, k, v)  # default split: 1024 rows in chunks of 256
+    torch.testing.assert_close(out, _softmax_attention(q, k, v)[0], rtol=1e-12, atol=1e-12)
+
+
 def test_decode_asks_for_inference_and_matching_shapes():
     q, k = torch.randn(1, 1, 4, 8, requires_grad=True), torch.randn(1, 8, 2, 8)
     with pytest.raises(ValueError, match="no_grad"):
