@@ -114,10 +114,11 @@ def test_an_unused_lse_costs_no_backward_pass(compiler, gen, monkeypatch):
 
 @pytest.mark.parametrize("module", ["improved", "dilated"])
 def test_compiled_dilated_modules(compiler, module, gen):
-    if module == "dilated" and compiler.keywords["backend"] == "inductor":
-        # the readable module's many small ops take inductor half a minute of CI's two cores; it is
-        # traced here eagerly, and the fast module's custom ops go through inductor
-        pytest.skip("the readable module under inductor: traced by the eager backend instead")
+    if module == "dilated" and compiler.keywords["backend"] == "inductor" and not torch.cuda.is_available():
+        # the readable module's many small ops take inductor half a minute of a CPU runner's two
+        # cores: there it is traced by the eager backend (the fast module's custom ops still go
+        # through inductor); GPU runs compile it with inductor too
+        pytest.skip("the readable module under inductor on CPU: traced by the eager backend instead")
     cls = dilated.ImprovedDilatedAttention if module == "improved" else dilated.DilatedAttention
     m = cls(SEGS, DILS, causal=True)
     q, k, v = _qkv(gen, n=30)  # 30: a clipped last segment
