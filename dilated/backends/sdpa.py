@@ -23,8 +23,8 @@ attention uses), and backward calls their private backward ops with the (merged)
   upstream by flash-attention's pull requests 1500 and 2260). cuDNN's backward returns a wrong dq
   once dq has more than 2**31 elements, its forward staying right (cuDNN 9.19 with torch 2.11;
   ``benchmarks/specialized/check_large_backward.py`` checks it, results linked from
-  docs/performance/packed-documents.md). Such calls
-  run in slices of the batch, or of the heads, that stay within it (:func:`backward_slices`).
+  docs/performance/packed-documents.md). Such calls run in slices of the batch, or of the heads
+  in whole GQA groups, that stay within it (:func:`backward_slices`).
 * math: the math kernel returns no lse; it is obtained by a second pass (the logsumexp of the
   scores, computed like the ``manual`` backend) and backward is autograd through math SDPA with
   the rescaled-cotangent rule of :meth:`Backend.backward` (one extra forward).
@@ -223,7 +223,7 @@ class SDPABackend(Backend):
                 dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale)
         elif kern == "flash":
             grads = _sliced_backward(lambda *t: aten._scaled_dot_product_flash_attention_backward(
-                *t[:5], t[5], None, None, nq, nk, 0.0, causal, None, None, scale=scale)[:3],
+                *t, None, None, nq, nk, 0.0, causal, None, None, scale=scale)[:3],
                 FLASH_BACKWARD_MAX, "flash", dot, qt, kt, vt, ot, lse)
         elif kern == "efficient":
             pad = (-nq) % 32
