@@ -12,6 +12,15 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a process group's or a daemon's)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def spawn(fn, args, nprocs: int) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``, the ranks forked from this
     process where it has not started CUDA (a forked child cannot use a CUDA context its parent

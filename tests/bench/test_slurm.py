@@ -6,14 +6,16 @@ the daemons this test starts are stopped, by their PIDs.
 """
 import os
 import shutil
-import signal
 import socket
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from conftest import free_port
 
 from dilated.bench import read_jsonl
 
@@ -67,12 +69,6 @@ def _sbin(name):
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pid(path, timeout=15):
     end = time.time() + timeout
     while time.time() < end:
@@ -110,8 +106,8 @@ def slurm(tmp_path_factory):
     host = socket.gethostname().split(".")[0]
     cpus, mem = _node_resources()
     conf = state / "slurm.conf"
-    conf.write_text(CONF.format(host=host, state=state, cpus=cpus, mem=mem, ctld_port=_free_port(),
-                                d_port=_free_port()))
+    conf.write_text(CONF.format(host=host, state=state, cpus=cpus, mem=mem, ctld_port=free_port(),
+                                d_port=free_port()))
     env["SLURM_CONF"] = str(conf)
     try:
         subprocess.run([_sbin("slurmctld"), "-f", str(conf)], check=True, env=env)
@@ -158,7 +154,7 @@ def _run_job(env, args, out_dir, timeout=600):
 def test_sbatch_script_runs_the_distributed_benchmark(slurm, script, tmp_path):
     env, cpus = slurm
     env = dict(env, PYTHON=sys.executable, NPROC_PER_NODE="2", RUN_DIR=str(tmp_path / "run"),
-               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     # what a user edits in the header, given on the command line for this CPU-only one-node cluster
     args = ["--partition=debug", "--nodes=1", "--gpus-per-node=0", f"--output={tmp_path}/%x-%j.out",
             "--time=00:10:00", "--export=ALL"]

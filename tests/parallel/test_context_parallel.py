@@ -1,7 +1,6 @@
 """Context-parallel strategies beside the ring: Ulysses and the Ulysses x ring hybrid, on real gloo
 process groups, exact against a float64 reference forward and backward."""
 import math
-import socket
 from pathlib import Path
 from unittest import mock
 
@@ -9,37 +8,31 @@ import pytest
 import torch
 
 import cp_worker
-from conftest import spawn
+from conftest import free_port, spawn
 import dilated
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ulysses_is_exact_forward_and_backward(world):
-    spawn(cp_worker.ulysses, args=(world, _port()), nprocs=world)
+    spawn(cp_worker.ulysses, args=(world, free_port()), nprocs=world)
 
 
 @pytest.mark.parametrize("world, grids", [(4, [(2, 2), (4, 1), (1, 4)]), (6, [(2, 3), (3, 2)])])
 def test_hybrid_grids_are_exact_forward_and_backward(world, grids):
-    spawn(cp_worker.hybrid, args=(world, _port(), grids), nprocs=world)
+    spawn(cp_worker.hybrid, args=(world, free_port(), grids), nprocs=world)
 
 
 def test_every_sequence_parallel_module_shards_and_unshards_in_its_layout():
-    spawn(cp_worker.shard_methods, args=(2, _port()), nprocs=2)
+    spawn(cp_worker.shard_methods, args=(2, free_port()), nprocs=2)
 
 
 def test_ulysses_keeps_attention_within_packed_documents():
-    spawn(cp_worker.ulysses_documents, args=(2, _port()), nprocs=2)
+    spawn(cp_worker.ulysses_documents, args=(2, free_port()), nprocs=2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_and_hybrid_keep_attention_within_packed_documents(world):
-    spawn(cp_worker.ring_documents, args=(world, _port()), nprocs=world)
+    spawn(cp_worker.ring_documents, args=(world, free_port()), nprocs=world)
 
 
 @pytest.mark.parametrize("how", ["torch", "small"])
@@ -47,7 +40,7 @@ def test_ring_runs_a_chunks_documents_in_the_kernels_varlen_entry_point(how):
     """With a varlen kernel (a stand-in of torch's ops), ring and zigzag ring run the documents of
     each chunk with itself in it, forward and backward on the merged out and lse: exact. ``small``:
     as the kernel for documents too small for batched calls (``auto`` on cuDNN)."""
-    spawn(cp_worker.ring_documents, args=(2, _port(), how), nprocs=2)
+    spawn(cp_worker.ring_documents, args=(2, free_port(), how), nprocs=2)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -146,7 +139,7 @@ def test_document_workloads_by_hand():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_dilated_takes_any_schedule_and_world_size(world):
-    spawn(cp_worker.dilated_any_schedule, args=(world, _port()), nprocs=world)
+    spawn(cp_worker.dilated_any_schedule, args=(world, free_port()), nprocs=world)
 
 
 @pytest.mark.parametrize("args, says", [(["--head-shapes", "llama3-8b", "--num-heads", "8"], "give the heads one way"),
@@ -209,7 +202,7 @@ def test_yunchang_rows_say_what_its_torch_attention_cannot_do(monkeypatch):
 def test_random_configurations_of_every_sequence_parallel_module(world, configs):
     """Ring, zigzag ring, Ulysses, every hybrid grid and distributed dilated attention on seeded
     random shapes, GQA ratios, documents and schedules (tests/cp_worker.py), exact against float64."""
-    spawn(cp_worker.random_configurations, args=(world, _port(), range(configs)), nprocs=world)
+    spawn(cp_worker.random_configurations, args=(world, free_port(), range(configs)), nprocs=world)
 
 
 def test_pytorchs_per_document_balancer_is_the_torch_cp_row_for_documents(tmp_path):
@@ -246,7 +239,7 @@ def test_pytorchs_per_document_layout_work_by_hand():
 
 @pytest.mark.parametrize("kernel", ["torch", "fa4"])
 def test_document_parallel_attention_in_the_kernels_varlen_entry_points(kernel):
-    spawn(cp_worker.documents_varlen, args=(2, _port(), kernel), nprocs=2)
+    spawn(cp_worker.documents_varlen, args=(2, free_port(), kernel), nprocs=2)
 
 
 def test_hybrid_on_the_document_layout_work_by_hand():

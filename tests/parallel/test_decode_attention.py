@@ -1,20 +1,13 @@
 """decode_attention (dilated.parallel.decode_attention): the local split-key call against float64
 softmax, and the sharded cache over real gloo groups (tests/cp_worker.py)."""
-import socket
 
 import pytest
 import torch
 
 import cp_worker
-from conftest import spawn
+from conftest import free_port, spawn
 import dilated
 from dilated.parallel.decode_attention import MIN_CHUNK, key_chunks, local_part
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _softmax_attention(q, k, v):
@@ -49,7 +42,7 @@ def test_key_chunks_fill_the_gpu_with_chunks_of_at_least_min_chunk_rows():
 
 @pytest.mark.parametrize("world, seed", [(2, 0), (3, 1)])
 def test_decode_over_a_sharded_cache_is_exact(world, seed):
-    spawn(cp_worker.decode, args=(world, _port(), seed), nprocs=world)
+    spawn(cp_worker.decode, args=(world, free_port(), seed), nprocs=world)
 
 
 def test_decode_without_a_process_group_is_the_whole_cache_here():

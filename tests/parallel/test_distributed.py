@@ -1,49 +1,42 @@
 """Ring and distributed dilated attention on real gloo process groups of 2 and 4 ranks."""
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 import dist_worker
-from conftest import cpu_only_env, spawn
+from conftest import cpu_only_env, free_port, spawn
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_and_distributed_dilated_match_single_process(world):
-    spawn(dist_worker.correctness, args=(world, _port()), nprocs=world)
+    spawn(dist_worker.correctness, args=(world, free_port()), nprocs=world)
 
 
 @pytest.mark.parametrize("world,seed", [(3, 0), (4, 1)])
 def test_random_configurations_of_every_strategy(world, seed):
-    spawn(dist_worker.random_strategies, args=(world, _port(), seed, 30), nprocs=world)
+    spawn(dist_worker.random_strategies, args=(world, free_port(), seed, 30), nprocs=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sampled_check_reads_shards_in_place(world):
-    spawn(dist_worker.sharded_check, args=(world, _port()), nprocs=world)
+    spawn(dist_worker.sharded_check, args=(world, free_port()), nprocs=world)
 
 
 def test_time_based_timing_stops_on_every_rank_together():
-    spawn(dist_worker.timing_agrees, args=(2, _port()), nprocs=2)
+    spawn(dist_worker.timing_agrees, args=(2, free_port()), nprocs=2)
 
 
 def test_sequence_not_divisible_by_world_size():
-    spawn(dist_worker.bad_length, args=(2, _port()), nprocs=2)
+    spawn(dist_worker.bad_length, args=(2, free_port()), nprocs=2)
 
 
 def test_a_rank_that_raises_ends_the_job_naming_it():
     t = time.time()
     with pytest.raises(Exception) as e:
-        spawn(dist_worker.dies, args=(2, _port()), nprocs=2)
+        spawn(dist_worker.dies, args=(2, free_port()), nprocs=2)
     assert "process 1" in str(e.value).lower() and "rank 1 failed on purpose" in str(e.value)
     assert time.time() - t < 60
 
@@ -53,7 +46,7 @@ def _torchrun(script, nproc, tmp_path, *args, env=None):
     import sys
 
     out = tmp_path / f"{Path(script).stem}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(free_port()),
            str(ROOT / script), "--output", str(out), "--reps", "2", "--warmup", "1", *args]
     # CPU ranks on gloo on any host (with GPUs visible, NCCL would need one per rank)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
@@ -121,16 +114,16 @@ def test_ring_copy_engine_pulls_match_send_recv_on_gpus():
     import torch
 
     world = min(torch.cuda.device_count(), 4)
-    spawn(dist_worker.copy_engine_matches_p2p, args=(world, _port()), nprocs=world)
+    spawn(dist_worker.copy_engine_matches_p2p, args=(world, free_port()), nprocs=world)
 
 
 def test_ring_and_distributed_dilated_take_strided_shards():
-    spawn(dist_worker.strided_inputs, args=(2, _port()), nprocs=2)
+    spawn(dist_worker.strided_inputs, args=(2, free_port()), nprocs=2)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_disagree_all_get_a_clear_error(world):
-    spawn(dist_worker.ranks_disagree, args=(world, _port()), nprocs=world)
+    spawn(dist_worker.ranks_disagree, args=(world, free_port()), nprocs=world)
 
 
 FAILING_BACKEND_SCRIPT = '''
@@ -166,7 +159,7 @@ def test_a_rank_local_failure_ends_the_row_on_every_rank_and_the_sweep_goes_on(t
     out = tmp_path / "rows.jsonl"
     t = time.time()
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-                          str(_port()), str(script), "--output", str(out), "--reps", "2", "--warmup", "1",
+                          str(free_port()), str(script), "--output", str(out), "--reps", "2", "--warmup", "1",
                           "--seq-lengths", "128", "--implementations", "ring,distributed_dilated", "--mode", "fwd_bwd",
                           "--backend", "fails_on_rank_1,manual", "--timeout", "60", "--no-progress"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=cpu_only_env())
@@ -192,7 +185,7 @@ def test_a_rank_that_stops_ends_the_job_within_the_timeout_naming_it(tmp_path):
         "__import__('time').sleep(3600)"))
     t = time.time()
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-                          str(_port()), str(script), "--output", str(tmp_path / "r.jsonl"), "--reps", "2",
+                          str(free_port()), str(script), "--output", str(tmp_path / "r.jsonl"), "--reps", "2",
                           "--warmup", "1", "--seq-lengths", "128", "--implementations", "ring",
                           "--backend", "fails_on_rank_1", "--timeout", "5", "--no-progress"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=cpu_only_env())
@@ -208,12 +201,12 @@ def test_sequence_parallel_steady_calls_do_not_sync_on_gpus():
     import torch
 
     world = min(torch.cuda.device_count(), 4)
-    spawn(dist_worker.steady_calls_do_not_sync, args=(world, _port()), nprocs=world)
+    spawn(dist_worker.steady_calls_do_not_sync, args=(world, free_port()), nprocs=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_document_parallel_attention_matches_float64_per_document(world):
-    spawn(dist_worker.document_parallel, args=(world, _port()), nprocs=world)
+    spawn(dist_worker.document_parallel, args=(world, free_port()), nprocs=world)
 
 
 def test_document_mixes_one_after_another_under_torchrun(tmp_path):
