@@ -165,7 +165,7 @@ def _runs(sizes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
 SMALL_CALL_FLOPS = 2e11
 
 
-def _split_calls(calls, heads: int, head_dim: int, causal: bool):
+def split_small_calls(calls, heads: int, head_dim: int, causal: bool):
     """``(calls that stay batched, [(start, length), ...] of the documents of the smaller ones)``."""
     big, small = [], []
     for length, docs in calls:
@@ -201,7 +201,7 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
         return attend(q, k, v)
     calls, rest = document_calls(cu, causal), []
     if small is not None:
-        calls, rest = _split_calls(calls, q.shape[2], q.shape[3], causal)
+        calls, rest = split_small_calls(calls, q.shape[2], q.shape[3], causal)
     out = lse = None
     if rest:
         pos, cu_rest = _small_rows(rest, q.device)
@@ -242,7 +242,7 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
     grads = [None, None, None]
     calls, rest = document_calls(cu, causal), []
     if small is not None:
-        calls, rest = _split_calls(calls, q.shape[2], q.shape[3], causal)
+        calls, rest = split_small_calls(calls, q.shape[2], q.shape[3], causal)
     if rest:
         pos, cu_rest = _small_rows(rest, q.device)
         rows = tuple(x.index_select(1, pos) for x in (dout, q, k, v, out)) + (lse.index_select(2, pos),)

@@ -1,9 +1,11 @@
-"""``python -m dilated.bench compare OLD.jsonl NEW.jsonl`` and ``python -m dilated.bench plot RUN.jsonl``."""
+"""``dilated-bench`` (``python -m dilated.bench``): ``compare OLD.jsonl NEW.jsonl``, ``plot RUN.jsonl``,
+``calibrate --out CAL.json`` and ``plan --calibration CAL.json ...``."""
 from __future__ import annotations
 
 import sys
 
 from .cli import BenchParser, nonnegative_float
+from .planner.commands import add_calibrate_parser, add_plan_parser, run_calibrate, run_plan
 from .plots import plot
 from .report import compare
 
@@ -22,7 +24,13 @@ def main(argv=None) -> int:
     pl = sub.add_parser("plot", help="PNG plots of a run")
     pl.add_argument("run")
     pl.add_argument("--out-dir", default=None)
+    add_calibrate_parser(sub)
+    plan = add_plan_parser(sub)
     args = p.parse_args(argv)
+    if args.cmd == "calibrate":
+        return run_calibrate(args)
+    if args.cmd == "plan":
+        return run_plan(args, plan)
     if args.cmd == "compare":
         try:
             text, problems, warnings = compare(args.old, args.new, args.min_noise)

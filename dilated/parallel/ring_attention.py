@@ -175,6 +175,16 @@ def _pulled_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, 
     cur.wait_stream(side)
 
 
+def step_calls(step: int, rank: int, p: int, n: int, causal: bool, layout: str, cu=None):
+    """The kernel calls ``(q slice, kv slice, causal, documents)`` of rank ``rank``'s step ``step``
+    of a ring of ``p`` ranks with shards of ``n`` rows in ``layout`` (``"contiguous"`` or
+    ``"zigzag"``; ``cu``: global cumulative document lengths or None), the block of rank
+    ``(rank - step) % p``; empty where the step is skipped. What the forward and backward run, and
+    what a cost model of the ring counts."""
+    src = (rank - step) % p
+    return _pieces(_plan(src, rank, n, causal, layout), src, rank, p, n, layout, cu)
+
+
 def _blocks(transport: str, ring: RingExchange, k, v, n, causal, layout, overlap):
     fn = _pulled_blocks if transport == "copy_engine" and ring.size > 1 else _ring_blocks
     return fn(ring, k, v, n, causal, layout, overlap)

@@ -1,0 +1,148 @@
+"""Local attention time per call shape, from a calibration's timed calls.
+
+A call's time is its FLOPs over the rate measured for calls like it: the calibration times, per head
+dim, GQA ratio, causal and mode, calls of lengths 128 .. 64K rows, each as one sequence and as
+batches that fill the GPU. The rate of a call is read off those points by its length and by how
+much work it gives the GPU at once (batch x length x heads), each linearly in the logarithm;
+constant beyond the lengths measured and past the most work measured (the GPU is full), and
+falling on below the least work measured at a length (fewer heads), never so far that a call with
+less work takes longer. Documents are timed in the calls the library makes for them
+(:func:`dilated.packed.document_calls`: one batched call per length or causal bucket, the small
+ones together in one varlen call), so the model's calls are the code's, each with what the
+documents path costs beyond its kernel (gathers into the batched calls, launches): read off the
+calibration's timed document mixes as their time less their kernels', per call.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from ...packed import document_calls, split_small_calls
+from .calibration import Calibration, log_interp
+
+
+def call_flops(batch: int, lq: int, lk: int, heads: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs of one call (two matmuls; causal: the visible pairs of bottom-right aligned
+    rows, about half a square)."""
+    pairs = lq * lk - (lq * (lq - 1) / 2 if lq <= lk else lq * lk / 2) if causal else lq * lk
+    return 4.0 * batch * pairs * heads * head_dim
+
+
+class KernelModel:
+    """Milliseconds of local attention calls on the calibrated GPU."""
+
+    def __init__(self, calibration: Calibration):
+        self.calibration = calibration
+        table = defaultdict(lambda: defaultdict(list))  # (d, ratio, causal, mode) -> length -> [(work, rate)]
+        for p in calibration.kernels:
+            rate = call_flops(p.batch, p.length, p.length, p.heads, p.head_dim, p.causal) / p.ms
+            table[(p.head_dim, p.heads // p.kv_heads, p.causal, p.mode)][p.length].append(
+                (p.batch * p.length * p.heads, rate))
+        self._table = {key: {n: sorted(pts) for n, pts in by_len.items()} for key, by_len in table.items()}
+        self._per_call = {}  # (d, ratio, causal, mode) -> ms each documents call costs beyond its kernel
+        for p in calibration.documents:
+            key = (p.head_dim, p.heads // p.kv_heads, p.causal, p.mode)
+            kernels, calls = self._documents(p.cu, 1, p.heads, p.kv_heads, p.head_dim, p.causal, p.mode)
+            self._per_call.setdefault(key, []).append(max(0.0, (p.ms - kernels) / calls))
+        self._per_call = {k: sum(v) / len(v) for k, v in self._per_call.items()}
+
+    def _points(self, head_dim: int, ratio: int, causal: bool, mode: str):
+        key = (head_dim, ratio, causal, mode)
+        if key in self._table:
+            return self._table[key]
+        near = [k for k in self._table if k[0] == head_dim and k[2] == causal and k[3] == mode]
+        if not near:
+            have = sorted({(k[0], k[1]) for k in self._table})
+            raise ValueError(f"the calibration has no {'causal' if causal else 'non-causal'} {mode} calls of head dim "
+                             f"{head_dim} (it has head dim, GQA ratio: {have}); calibrate with --head-shapes "
+                             f"including this head dim")
+        return self._table[min(near, key=lambda k: abs(math.log(k[1] / ratio)))]
+
+    def _rate(self, length: float, work: float, head_dim: int, ratio: int, causal: bool, mode: str) -> float:
+        by_len = self._points(head_dim, ratio, causal, mode)
+        lengths = sorted(by_len)
+
+        def at(n):
+            pts = by_len[n]
+            (w0, r0) = pts[0]
+            if work >= w0:
+                return log_interp(work, [w for w, _ in pts], [r for _, r in pts])
+            # less work than any call measured at this length (fewer heads): the rate falls on, linearly
+            # in the logarithm as between this length's two least-work points (or the nearest length's
+            # that has two), but no call takes longer than the least-work one
+            two = by_len[n] if len(pts) > 1 else by_len[min((m for m in lengths if len(by_len[m]) > 1),
+                                                            key=lambda m: abs(math.log(m / n)), default=n)]
+            if len(two) < 2:
+                return r0
+            (a0, b0), (a1, b1) = two[0], two[1]
+            slope = (b1 - b0) / math.log(a1 / a0)
+            return max(r0 + slope * math.log(work / w0), r0 * work / w0)
+        return log_interp(length, lengths, [at(n) for n in lengths])
+
+    def call_ms(self, lq: int, lk: int, batch: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
+                mode: str) -> float:
+        """One call of ``batch`` x ``lq`` query rows over ``lk`` key rows; ``mode``: ``"fwd"``,
+        ``"fwd_bwd"`` or ``"bwd"`` (the backward alone: fwd_bwd less fwd)."""
+        if lq <= 0 or lk <= 0 or batch <= 0:
+            return 0.0
+        if mode == "bwd":
+            return max(0.0, self.call_ms(lq, lk, batch, heads, kv_heads, head_dim, causal, "fwd_bwd")
+                       - self.call_ms(lq, lk, batch, heads, kv_heads, head_dim, causal, "fwd"))
+        square = lq == lk
+        length = lq if square else math.sqrt(lq * lk)
+        rate = self._rate(length, batch * lq * heads, head_dim, heads // kv_heads, causal and square, mode)
+        return call_flops(batch, lq, lk, heads, head_dim, causal and square) / rate
+
+    def per_call_ms(self, head_dim: int, ratio: int, causal: bool, mode: str) -> float:
+        """What one call of the documents path costs beyond its kernel (gathering the documents into
+        a batched call, scattering its output, launching), from the calibration's document mixes
+        (0 where it has none)."""
+        if mode == "bwd":
+            return max(0.0, self.per_call_ms(head_dim, ratio, causal, "fwd_bwd") - self.per_call_ms(head_dim, ratio,
+                                                                                                   causal, "fwd"))
+        keys = [k for k in self._per_call if k[0] == head_dim and k[2] == causal and k[3] == mode]
+        if not keys:
+            return 0.0
+        return self._per_call[min(keys, key=lambda k: abs(math.log(k[1] / ratio)))]
+
+    def _documents(self, cu, batch, heads, kv_heads, head_dim, causal, mode) -> tuple[float, int]:
+        """``(kernel ms, calls)`` of packed documents ``cu`` in the library's calls."""
+        cu = list(cu)
+        if len(cu) <= 2:
+            n = cu[-1] - cu[0] if cu else 0
+            return self.call_ms(n, n, batch, heads, kv_heads, head_dim, causal, mode), 0
+        big, small = split_small_calls(document_calls(cu, causal), heads, head_dim, causal)
+        ms = sum(self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, causal, mode)
+                 for length, docs in big)
+        if small:  # one varlen call: its FLOPs at the rate of its documents' mean length, all rows at once
+            rows = sum(m for _, m in small)
+            flops = sum(call_flops(batch, m, m, heads, head_dim, causal) for _, m in small)
+            mean = max(1, round(rows / len(small)))
+            one = self.call_ms(mean, mean, batch * len(small), heads, kv_heads, head_dim, causal, mode)
+            ms += flops * one / call_flops(batch * len(small), mean, mean, heads, head_dim, causal)
+        return ms, len(big) + (1 if small else 0)
+
+    def documents_ms(self, cu, batch: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
+                     mode: str) -> float:
+        """Packed documents ``cu`` (cumulative lengths; q and k/v rows coincide) attended alone, in
+        the library's calls (one per length, causal: bucket; the small ones in one varlen call), each
+        with the documents path's calibrated cost beyond its kernel."""
+        ms, calls = self._documents(cu, batch, heads, kv_heads, head_dim, causal, mode)
+        return ms + calls * self.per_call_ms(head_dim, heads // kv_heads, causal, mode)
+
+    def rectangles_ms(self, cu_q, cu_k, batch: int, heads: int, kv_heads: int, head_dim: int, mode: str) -> float:
+        """Rectangles of query rows ``cu_q`` over all-visible key rows ``cu_k`` (crossing documents'
+        queries over the keys other ranks hold): one varlen call where the calibrated backend has a
+        varlen entry point (its FLOPs at the rate of rectangles of their mean size), else one dense
+        call per rectangle (:meth:`dilated.parallel.document_attention.DocumentCall.crossing_forward`)."""
+        sizes = [(b - a, d - c) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]) if b > a and d > c]
+        if not sizes:
+            return 0.0
+        if self.calibration.varlen_kernel is None:
+            return sum(self.call_ms(m, n, batch, heads, kv_heads, head_dim, False, mode) for m, n in sizes)
+        flops = sum(call_flops(batch, m, n, heads, head_dim, False) for m, n in sizes)
+        lq = max(1, round(sum(m for m, _ in sizes) / len(sizes)))
+        lk = max(1, round(sum(n for _, n in sizes) / len(sizes)))
+        one = self.call_ms(lq, lk, batch * len(sizes), heads, kv_heads, head_dim, False, mode)
+        return (flops * one / call_flops(batch * len(sizes), lq, lk, heads, head_dim, False)
+                + self.per_call_ms(head_dim, heads // kv_heads, False, mode))

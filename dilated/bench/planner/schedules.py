@@ -1,0 +1,414 @@
+"""Each strategy's schedule, as the code runs it, turned into per-rank time, exposed communication
+and memory on a calibrated GPU and network.
+
+The model reads the schedule from the library where it can, so that a change to a strategy changes
+its prediction: the ring's kernel calls per step (:func:`dilated.parallel.ring_attention.step_calls`),
+the document layout and each rank's local documents, crossing rows and rectangles
+(:class:`~dilated.DocumentLayout`, :func:`dilated.parallel.document_attention.rank_plan`), Ulysses'
+kv heads (:func:`dilated.parallel.ulysses_attention.kv_heads_for`), the local documents' calls
+(:mod:`dilated.bench.planner.kernel_model`). What it adds is timing:
+
+* ring steps: a rank computes step ``s`` once it has step ``s``'s K/V block; with overlap the block
+  for ``s + 1`` moves meanwhile (copy-engine pulls: issued at the start of step ``s``, independent of
+  the owner's progress; send/recv: once the sender has started the step too); the backward passes
+  each block's dK/dV (float32) on after its step, which the next rank waits for;
+* document strategies: the crossing rows' all-gather (or relay) runs while the local documents
+  compute; the rectangles of crossing documents follow; in backward the gradient rows' reduce-scatter
+  runs while the local documents' backward computes;
+* Ulysses: its all-to-alls are exposed (nothing overlaps them), four each way;
+* the hybrid: Ulysses inside each row of the grid, its ring across rows on the row's heads;
+* decode: each rank's read of its cache shard, then one all-gather of ``B x Tq x H x (D + 1)``
+  float32 numbers.
+
+A collective or a ring makes the slowest rank everyone's time: a prediction is the slowest rank's.
+Host time (launches, the layout's build) and the merge of partial outputs are not modelled.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ...parallel.document_attention import rank_plan
+from ...parallel.document_layout import DocumentLayout
+from ...parallel.ring_attention import step_calls
+from ...parallel.ulysses_attention import kv_heads_for
+from ..documents import attended_pairs, cu_seqlens_of
+from ..flops import MODE_FACTOR
+from .calibration import Curve, log_interp
+from .kernel_model import KernelModel
+from .network import Network
+
+ELEM = 2  # bf16 / fp16 bytes
+ACC = 4  # float32 accumulators and gradient messages
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What to run: ``mode`` ``"fwd"``, ``"fwd_bwd"`` or ``"decode"`` (``seq_len``: cached tokens,
+    ``query_tokens`` per step); ``documents``: a ``--doc-lengths`` spec, or ``cu`` its cumulative
+    lengths."""
+
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = True
+    mode: str = "fwd_bwd"
+    batch: int = 1
+    documents: str | None = None
+    cu: tuple | None = None
+    query_tokens: int = 1
+
+    def cu_seqlens(self) -> tuple:
+        if self.cu is not None:
+            return tuple(self.cu)
+        if self.documents:
+            return cu_seqlens_of(self.documents, self.seq_len)
+        return (0, self.seq_len)
+
+    @property
+    def has_documents(self) -> bool:
+        return len(self.cu_seqlens()) > 2
+
+    def flops(self) -> float:
+        """Useful FLOPs (within documents; backward 2.5x forward), as the harness counts them."""
+        if self.mode == "decode":
+            return 4.0 * self.batch * self.query_tokens * self.seq_len * self.heads * self.head_dim
+        pairs = attended_pairs(self.cu_seqlens(), self.causal)
+        return 4.0 * self.batch * pairs * self.heads * self.head_dim * MODE_FACTOR[self.mode]
+
+    def describe(self) -> str:
+        docs = f", documents {self.documents}" if self.documents else ""
+        what = (f"decode over {self.seq_len} cached tokens, {self.query_tokens} query token(s)" if self.mode == "decode"
+                else f"N={self.seq_len}, {'causal' if self.causal else 'non-causal'} {self.mode}{docs}")
+        return f"{what}; batch {self.batch}, heads {self.heads}/{self.kv_heads}/{self.head_dim}"
+
+
+@dataclass
+class Prediction:
+    """One strategy on one grid: per-rank time (the slowest rank's), its kernels' time, the part of
+    its communication nothing hides, bytes each rank sends, peak memory per rank (an estimate of the
+    tensors the schedule holds, not of the allocator), and why it cannot run, if it cannot."""
+
+    strategy: str
+    ranks: int
+    grid: tuple = ()
+    time_ms: float = math.nan
+    compute_ms: float = math.nan
+    exposed_ms: float = math.nan
+    bytes_sent: float = 0.0
+    memory_gib: float = math.nan
+    flops: float = 0.0
+    reason: str | None = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def supported(self) -> bool:
+        return self.reason is None
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.flops / (self.time_ms * 1e-3) / self.ranks / 1e12 if self.supported and self.time_ms > 0 else math.nan
+
+    @property
+    def exposed_fraction(self) -> float:
+        return self.exposed_ms / self.time_ms if self.supported and self.time_ms > 0 else math.nan
+
+
+@dataclass
+class _Timeline:
+    time: float = 0.0  # slowest rank's wall time (ms)
+    compute: float = 0.0  # the most kernel time of any rank (what no schedule can hide)
+    sent: float = 0.0  # bytes a rank sends
+    extra_mem: float = 0.0  # bytes the schedule holds beyond the shards (per rank)
+
+
+def _gib(nbytes: float) -> float:
+    return nbytes / 2**30
+
+
+class Model:
+    """Predictions on one calibrated GPU type and network."""
+
+    def __init__(self, kernels: KernelModel, network: Network):
+        self.kernels, self.network = kernels, network
+
+    # -- kernel time of one rank's calls --------------------------------------------------------
+    def _calls_ms(self, calls, problem: Problem, heads: int, kv_heads: int, mode: str) -> float:
+        km, b, d = self.kernels, problem.batch, problem.head_dim
+        ms = 0.0
+        for qs, ks, causal, docs in calls:
+            lq, lk = qs.stop - qs.start, ks.stop - ks.start
+            if docs is not None:
+                ms += km.documents_ms(docs, b, heads, kv_heads, d, causal, mode)
+            else:
+                ms += km.call_ms(lq, lk, b, heads, kv_heads, d, causal, mode)
+        return ms
+
+    def single_device(self, problem: Problem) -> Prediction:
+        """The whole problem on one GPU (the distributed rows' baseline)."""
+        modes = ("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)
+        ms = sum(self.kernels.documents_ms(problem.cu_seqlens(), problem.batch, problem.heads, problem.kv_heads,
+                                           problem.head_dim, problem.causal, m) for m in modes)
+        return Prediction("single_device", 1, (), ms, ms, 0.0, 0.0, self._memory(problem, 1, 0.0), problem.flops())
+
+    # -- the ring ---------------------------------------------------------------------------------
+    def _ring(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int, layout: str, overlap: bool,
+              transport: str) -> _Timeline:
+        p, n_all = len(ranks), problem.seq_len
+        n = n_all // p
+        cu = problem.cu_seqlens() if problem.has_documents else None
+        b, d = problem.batch, problem.head_dim
+        row_bytes = b * kv_heads * d * 2 * ELEM  # one row of k and v
+        calls = [[step_calls(s, r, p, n, problem.causal, layout, cu) for s in range(p)] for r in range(p)]
+
+        def kv_rows(r, s):  # rows of the block a step needs moved to it
+            if s == 0:
+                return 0
+            if transport == "p2p":
+                return n
+            cs = calls[r][s]
+            return 0 if not cs else max(c[1].stop for c in cs) - min(c[1].start for c in cs)
+
+        net = self.network
+        move = {m: net.p2p_ms(m * row_bytes, ranks, transport) for m in {kv_rows(r, s) for r in range(p) for s in range(p)}}
+        fwd = [[self._calls_ms(calls[r][s], problem, heads, kv_heads, "fwd") for s in range(p)] for r in range(p)]
+        end_f, compute_f = self._run_steps(fwd, [[move[kv_rows(r, s)] for s in range(p)] for r in range(p)], overlap,
+                                           coupled=transport == "p2p")
+        sent = sum(kv_rows(0, s) for s in range(1, p)) * row_bytes
+        t = _Timeline(max(end_f), max(compute_f), sent, 2 * n * row_bytes)
+        if problem.mode == "fwd_bwd":
+            bwd = [[self._calls_ms(calls[r][s], problem, heads, kv_heads, "bwd") for s in range(p)] for r in range(p)]
+            dkv = net.p2p_ms(n * row_bytes * ACC / ELEM, ranks) if p > 1 else 0.0
+            end_b, compute_b = self._run_backward(bwd, [[move[kv_rows(r, s)] for s in range(p)] for r in range(p)], dkv)
+            t.time += max(end_b)
+            t.compute = max(f + b for f, b in zip(compute_f, compute_b))
+            t.sent += sent + (p * n * row_bytes * ACC / ELEM if p > 1 else 0)
+            t.extra_mem += 2 * n * row_bytes * ACC / ELEM + n * b * heads * d * ACC  # dK/dV in flight, dq accumulator
+        return t
+
+    @staticmethod
+    def _run_steps(compute, move, overlap: bool, coupled: bool):
+        """Per-rank end times of ring steps: step ``s`` starts when step ``s - 1`` ended and its block
+        arrived. ``move[r][s]``: ms to bring rank ``r`` step ``s``'s block; with overlap it is issued at
+        the start of step ``s - 1`` (``coupled``: once the previous rank started that step too, as
+        send/recv needs), else right before step ``s``."""
+        p = len(compute)
+        steps = len(compute[0])
+        start = [0.0] * p
+        end = [compute[r][0] for r in range(p)]
+        for s in range(1, steps):
+            new_start = []
+            for r in range(p):
+                issued = max(start[r], start[(r - 1) % p]) if coupled else start[r]
+                if overlap:
+                    new_start.append(max(end[r], issued + move[r][s]))
+                else:
+                    ready = max(end[r], end[(r - 1) % p]) if coupled else end[r]
+                    new_start.append(ready + move[r][s])
+            start = new_start
+            end = [start[r] + compute[r][s] for r in range(p)]
+        return end, [sum(c) for c in compute]
+
+    @staticmethod
+    def _run_backward(compute, move, dkv: float):
+        """The ring's backward: step ``s`` of rank ``r`` needs its K/V block (as forward) and, to finish,
+        the previous rank's dK/dV of step ``s - 1`` (``dkv`` ms after that rank finished it); the last
+        dK/dV goes to its owner."""
+        p, steps = len(compute), len(compute[0])
+        end = [compute[r][0] for r in range(p)]
+        start = [0.0] * p
+        for s in range(1, steps):
+            arrive = [end[(r - 1) % p] + dkv for r in range(p)]
+            new_start = [max(end[r], start[r] + move[r][s]) for r in range(p)]
+            end = [max(new_start[r] + compute[r][s], arrive[r]) for r in range(p)]
+            start = new_start
+        finish = [max(end[r], end[(r - 1) % p] + dkv) if p > 1 else end[r] for r in range(p)]
+        return finish, [sum(c) for c in compute]
+
+    # -- documents: a layout, local documents, crossing rows -------------------------------------
+    def _documents(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int, transport: str) -> _Timeline:
+        p = len(ranks)
+        layout = DocumentLayout.balance(problem.cu_seqlens(), p, problem.causal)
+        km, b, d, net = self.kernels, problem.batch, problem.head_dim, self.network
+        plans = [rank_plan(layout, r) for r in range(p)]
+        rows = plans[0].rows
+        row_bytes = b * kv_heads * 2 * d * ELEM
+        if transport == "ring":
+            gather = net.relayed_ms(rows * row_bytes, ranks)
+            scatter = net.relayed_ms(rows * row_bytes * ACC / ELEM, ranks)
+        else:
+            gather = net.all_gather_ms(rows * row_bytes, ranks)
+            scatter = net.reduce_scatter_ms(p * rows * row_bytes * ACC / ELEM, ranks)
+        times, computes = [], []
+        for plan in plans:
+            local = km.documents_ms(plan.local_cu, b, heads, kv_heads, d, problem.causal, "fwd")
+            rect = km.rectangles_ms(plan.cu_q, plan.cu_k, b, heads, kv_heads, d, "fwd")
+            t, c = max(local, gather) + rect, local + rect
+            if problem.mode == "fwd_bwd":
+                local_b = km.documents_ms(plan.local_cu, b, heads, kv_heads, d, problem.causal, "bwd")
+                rect_b = km.rectangles_ms(plan.cu_q, plan.cu_k, b, heads, kv_heads, d, "bwd")
+                t += rect_b + max(local_b, scatter)
+                c += local_b + rect_b
+            times.append(t)
+            computes.append(c)
+        sent = rows * row_bytes * (p - 1 if transport == "ring" else 1)
+        extra = p * rows * row_bytes
+        if problem.mode == "fwd_bwd":
+            sent += rows * row_bytes * ACC / ELEM * (p - 1)
+            extra += p * rows * row_bytes * ACC / ELEM
+        return _Timeline(max(times), max(computes), sent, extra)
+
+    # -- Ulysses ----------------------------------------------------------------------------------
+    def _ulysses_a2a(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int) -> tuple[float, float]:
+        """``(ms, bytes sent)`` of the all-to-alls of one call (fwd: q, k, v and out; fwd_bwd: also
+        dout, dq, dk, dv) on shards of ``heads`` q and ``kv_heads`` kv heads."""
+        p = len(ranks)
+        n = problem.seq_len // p
+        qb = problem.batch * n * heads * problem.head_dim * ELEM
+        kvb = problem.batch * n * kv_heads * problem.head_dim * ELEM
+        net = self.network
+        one = 2 * net.all_to_all_ms(qb, ranks) + 2 * net.all_to_all_ms(kvb, ranks)
+        sent = (2 * qb + 2 * kvb) * (p - 1) / p
+        if problem.mode == "fwd_bwd":
+            one, sent = 2 * one, 2 * sent
+        return one, sent
+
+    def _ulysses(self, problem: Problem, ranks: list[int]) -> _Timeline:
+        p = len(ranks)
+        hkv = kv_heads_for(problem.heads, problem.kv_heads, p)
+        a2a, sent = self._ulysses_a2a(problem, ranks, problem.heads, hkv)
+        modes = ("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)
+        ms = sum(self.kernels.documents_ms(problem.cu_seqlens(), problem.batch, problem.heads // p, hkv // p,
+                                           problem.head_dim, problem.causal, m) for m in modes)
+        n = problem.seq_len // p
+        extra = 2 * problem.batch * n * (problem.heads + hkv) * problem.head_dim * ELEM
+        return _Timeline(ms + a2a, ms, sent, extra)
+
+    def _hybrid(self, problem: Problem, u: int, r: int, ring_layout: str) -> _Timeline:
+        row = list(range(u))
+        column = [i * u for i in range(r)]
+        hkv = kv_heads_for(problem.heads, problem.kv_heads, u)
+        a2a, sent = self._ulysses_a2a(problem, row, problem.heads, hkv)
+        if ring_layout == "documents":
+            ring = self._documents(problem, column, problem.heads // u, hkv // u, "ring")
+        else:
+            ring = self._ring(problem, column, problem.heads // u, hkv // u, ring_layout, True, "copy_engine"
+                              if not self.network.spans_nodes(column) else "p2p")
+        return _Timeline(ring.time + a2a, ring.compute, ring.sent + sent, ring.extra_mem)
+
+    # -- decode -----------------------------------------------------------------------------------
+    def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:
+        """The calibrated decode step of the same batch and rows per rank (on one GPU alone for P = 1,
+        else on the calibration's ranks, its all-gather and merge included), the rows per rank and
+        batch interpolated; for another P, the all-gather's difference added."""
+        p = len(ranks)
+        cal = self.network.calibration
+        counts = sorted({d.ranks for d in cal.decode})
+        if not counts:
+            raise ValueError("the calibration has no decode steps: calibrate again")
+        measured_p = 1 if p == 1 else max(counts)
+        if p > 1 and measured_p == 1:
+            raise ValueError("the calibration has decode steps of one GPU only: calibrate under torchrun")
+        per_rank = problem.seq_len / p
+        shape = (problem.heads, problem.kv_heads, problem.head_dim)
+        pts = [d for d in cal.decode if d.ranks == measured_p and (d.heads, d.kv_heads, d.head_dim) == shape]
+        pts = pts or [d for d in cal.decode if d.ranks == measured_p]
+        row_bytes = 2 * problem.kv_heads * problem.head_dim * ELEM  # k and v of one cached row, this problem's heads
+
+        def at_batch(b):  # a curve by the bytes of cache each rank reads (other heads: read at their bytes)
+            mine = [d for d in pts if d.batch == b]
+            read = [x.tokens * b * 2 * x.kv_heads * x.head_dim * ELEM for x in mine]
+            return Curve(read, [x.ms for x in mine], measured_p).time_ms(per_rank * b * row_bytes)
+        batches = sorted({d.batch for d in pts})
+        local = log_interp(problem.batch, batches, [at_batch(b) for b in batches])
+        msg = problem.batch * problem.query_tokens * problem.heads * (problem.head_dim + 1) * ACC
+        if p > 1 and p != measured_p:
+            local += self.network.all_gather_ms(msg, ranks) - self.network.all_gather_ms(msg, ranks[:measured_p])
+        return _Timeline(local, local, msg * (p - 1), p * msg)
+
+    # -- one strategy -----------------------------------------------------------------------------
+    def _memory(self, problem: Problem, p: int, extra: float) -> float:
+        """Per-rank GiB: the shards of q, k, v and out (with gradients and dout for fwd_bwd, and the
+        float32 output accumulator and lse), plus what the schedule holds (``extra``)."""
+        if problem.mode == "decode":
+            return _gib(problem.batch * problem.seq_len / p * problem.kv_heads * problem.head_dim * 2 * ELEM + extra)
+        n = problem.seq_len / p
+        q = problem.batch * n * problem.heads * problem.head_dim * ELEM
+        kv = problem.batch * n * problem.kv_heads * problem.head_dim * ELEM
+        base = 2 * q + 2 * kv + q * ACC / ELEM + problem.batch * n * problem.heads * ACC
+        if problem.mode == "fwd_bwd":
+            base += 2 * q + 2 * kv
+        return _gib(base + extra)
+
+    def predict(self, strategy: str, problem: Problem, world: int, grid: tuple | None = None) -> Prediction:
+        """``strategy`` (a name of :data:`STRATEGIES`) on ``world`` ranks; ``grid``: the hybrid's
+        ``(ulysses, ring)``."""
+        out = Prediction(strategy, world, grid or (), flops=problem.flops())
+        try:
+            t = self._timeline(strategy, problem, world, grid)
+        except (NotImplementedError, ValueError) as e:
+            out.reason = str(e)
+            return out
+        out.time_ms, out.compute_ms, out.bytes_sent = t.time, t.compute, t.sent
+        out.exposed_ms = max(0.0, t.time - t.compute)
+        out.memory_gib = self._memory(problem, world, t.extra_mem)
+        return out
+
+    def _timeline(self, strategy: str, problem: Problem, world: int, grid) -> _Timeline:
+        if strategy not in STRATEGIES:
+            raise NotImplementedError(f"{strategy}: {NOT_MODELLED.get(strategy, 'not a strategy the planner models')}")
+        ranks = list(range(world))
+        if problem.mode == "decode":
+            if strategy != "decode":
+                raise NotImplementedError("decode is planned as the 'decode' strategy (the cache split over the ranks)")
+            return self._decode(problem, ranks)
+        if strategy == "decode":
+            raise NotImplementedError("the decode strategy plans --mode decode only")
+        if problem.seq_len % (2 * world) and strategy != "documents":
+            raise ValueError(f"N={problem.seq_len} is not divisible by 2 x {world} ranks (zigzag chunks)")
+        if strategy in ("documents", "ring_documents"):
+            return self._documents(problem, ranks, problem.heads, problem.kv_heads,
+                                   "all_gather" if strategy == "documents" else "ring")
+        if strategy == "ulysses":
+            if problem.heads % world:
+                raise ValueError(f"Ulysses splits {problem.heads} heads over {world} ranks: not divisible")
+            return self._ulysses(problem, ranks)
+        if strategy in ("hybrid", "hybrid_documents"):
+            u, r = grid or (None, None)
+            if not u or not r or u * r != world or u < 2 or r < 2:
+                raise ValueError(f"the hybrid needs a grid of ulysses x ring = {world} ranks, both at least 2")
+            if problem.heads % u:
+                raise ValueError(f"the hybrid splits {problem.heads} heads over rows of {u}: not divisible")
+            kv_heads_for(problem.heads, problem.kv_heads, u)
+            return self._hybrid(problem, u, r, "documents" if strategy == "hybrid_documents" else "zigzag")
+        layout, overlap, transport = STRATEGIES[strategy]
+        if transport == "copy_engine" and self.network.spans_nodes(ranks):
+            transport = "p2p"  # copy-engine pulls reach the GPUs of one host only
+        return self._ring(problem, ranks, problem.heads, problem.kv_heads, layout, overlap, transport)
+
+
+#: strategies the model follows: ring variants as (layout, overlap, transport); the others by name
+STRATEGIES = {
+    "ring": ("contiguous", True, "copy_engine"),
+    "ring_zigzag": ("zigzag", True, "copy_engine"),
+    "ring_zigzag_p2p": ("zigzag", True, "p2p"),
+    "ring_no_overlap": ("contiguous", False, "copy_engine"),
+    "ring_zigzag_no_overlap": ("zigzag", False, "copy_engine"),
+    "ulysses": None,
+    "hybrid": None,
+    "documents": None,
+    "ring_documents": None,
+    "hybrid_documents": None,
+    "decode": None,
+}
+
+#: benchmark implementations the model does not follow, and why
+NOT_MODELLED = {
+    "torch_cp": "PyTorch's context parallel: other people's schedule, not modelled",
+    "ring_flash_attn": "ring-flash-attn: other people's schedule, not modelled",
+    "ring_flash_attn_zigzag": "ring-flash-attn: other people's schedule, not modelled",
+    "yunchang_usp": "yunchang: other people's schedule, not modelled",
+    "yunchang_ulysses": "yunchang: other people's schedule, not modelled",
+    "distributed_dilated": "dilated attention's sequence parallel: the planner models dense attention and documents",
+}

@@ -1,0 +1,71 @@
+import json
+
+import pytest
+
+from dilated.bench.__main__ import main
+from dilated.bench.planner.kernel_model import KernelModel
+from dilated.bench.planner.network import Network
+from dilated.bench.planner.schedules import Model, Problem
+from synthetic_calibration import calibration
+
+
+@pytest.fixture
+def cal_path(tmp_path):
+    path = tmp_path / "cal.json"
+    calibration().save(str(path))
+    return str(path)
+
+
+def test_plan_ranks_every_strategy_and_recommends_one(cal_path, capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--calibration", cal_path, "--seq-len", "256k", "--gpus-per-node", "4",
+                 "--doc-lengths", "lognormal:8k,1.0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for name in ("ring_zigzag", "ulysses", "documents", "ring_documents", "hybrid 2x2", "hybrid_documents 2x2"):
+        assert f"\n{name} " in text
+    data = json.loads(out.read_text())
+    times = [p["time_ms"] for p in data["predictions"] if p["reason"] is None]
+    assert times == sorted(times) and data["recommended"] == data["predictions"][0]["strategy"]
+    assert "recommended: " + data["recommended"] in text and "assumptions:" in text
+
+
+def test_plan_across_nodes_needs_their_bandwidth(cal_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--calibration", cal_path, "--nodes", "2"])
+    assert e.value.code == 2 and "--inter-node-gbs" in capsys.readouterr().err
+    assert main(["plan", "--calibration", cal_path, "--nodes", "8", "--inter-node-gbs", "50"]) == 0
+    assert "64 GPUs" in capsys.readouterr().out
+
+
+def test_plan_of_a_missing_calibration_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--calibration", str(tmp_path / "none.json")])
+    assert e.value.code == 2 and "dilated-bench calibrate" in capsys.readouterr().err
+
+
+def _row(impl, p, ms, **more):
+    cfg = {"batch": 1, "seq_len": 65536, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "q_len": None,
+           "dtype": "bfloat16", "causal": True, "mode": "fwd_bwd", "documents": "lognormal:8k,1.0"}
+    return {"implementation": impl, "backend": "auto", "status": "ok", "mode": "fwd_bwd", "config": cfg,
+            "world_size": p, "role": "baseline" if p == 1 else "distributed", "check": {"passed": True},
+            "time_ms": {"median": ms, "p10": ms, "p90": ms}, **more}
+
+
+def test_validate_sets_each_modelled_row_beside_its_prediction(cal_path, tmp_path, capsys):
+    cal = calibration()
+    m = Model(KernelModel(cal), Network(cal, 8))
+    prob = Problem(65536, 32, 8, 128, causal=True, mode="fwd_bwd", documents="lognormal:8k,1.0")
+    right = m.predict("documents", prob, 2).time_ms
+    rows = [_row("dense", 1, m.single_device(prob).time_ms), _row("documents", 2, right),
+            _row("ulysses", 2, 2 * m.predict("ulysses", prob, 2).time_ms), _row("torch_cp", 2, 1.0),
+            _row("ring_zigzag", 2, 1.0, check={"passed": False})]
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plan", "--calibration", cal_path, "--validate", str(path)]) == 0
+    text = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in text.splitlines() if ln.split() and ln.split()[0] in ("dense", "documents",
+                                                                                             "ulysses")}
+    assert " 1.00" in lines["documents"] and "OUTSIDE" not in lines["documents"]
+    assert " 0.50" in lines["ulysses"] and "OUTSIDE" in lines["ulysses"]
+    assert "2 of 3 modelled rows within 10%" in text
+    assert "torch_cp" in text and "not modelled" in text and "check failed" in text

@@ -1,0 +1,65 @@
+import pytest
+
+from dilated.bench.flops import dense_flops
+from dilated.bench.planner.calibration import DocumentPoint
+from dilated.bench.planner.kernel_model import KernelModel
+from synthetic_calibration import calibration, true_ms, true_rate
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("n, batch", [(128, 1), (3000, 2), (8192, 8), (24576, 2), (65536, 1)])
+def test_a_call_takes_its_flops_at_the_calibrated_rate(causal, mode, n, batch):
+    km = KernelModel(calibration())
+    assert km.call_ms(n, n, batch, 32, 8, 128, causal, mode) == pytest.approx(
+        true_ms(batch, n, n, 32, 128, causal, mode), rel=1e-9)
+
+
+def test_other_head_counts_of_a_calibrated_ratio_are_read_by_their_work():
+    km = KernelModel(calibration())
+    # 8 q heads over 2 kv heads: the GQA ratio of llama3-8b's 32/8, a quarter of its work per row
+    assert km.call_ms(4096, 4096, 1, 8, 2, 128, True, "fwd") == pytest.approx(true_ms(1, 4096, 4096, 8, 128, True, "fwd"),
+                                                                             rel=1e-9)
+
+
+def test_the_backward_alone_is_the_forward_and_backward_less_the_forward():
+    km = KernelModel(calibration())
+    fwd = km.call_ms(8192, 8192, 1, 32, 8, 128, True, "fwd")
+    assert km.call_ms(8192, 8192, 1, 32, 8, 128, True, "bwd") == pytest.approx(2.5 * fwd, rel=1e-9)
+
+
+def test_longer_calls_than_calibrated_take_the_longest_rate():
+    km = KernelModel(calibration(longest=16384))
+    n = 1 << 18
+    rate_16k_single = true_rate(16384, 16384 * 16 * 4)  # the 16K row's most work: a batch of 4 x 16K rows
+    assert km.call_ms(n, n, 1, 16, 16, 128, False, "fwd") == pytest.approx(
+        dense_flops(1, 16, n, n, 128, False) / rate_16k_single, rel=1e-9)
+
+
+def test_an_uncalibrated_head_dim_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="head dim 64.*--head-shapes"):
+        KernelModel(calibration()).call_ms(1024, 1024, 1, 8, 8, 64, True, "fwd")
+
+
+def test_documents_are_timed_in_the_librarys_calls():
+    km = KernelModel(calibration())
+    cu = [0, 8192, 16384, 24576, 32768, 45056]  # four of 8K (one batched call) and one of 12K
+    want = true_ms(4, 8192, 8192, 32, 128, False, "fwd") + true_ms(1, 12288, 12288, 32, 128, False, "fwd")
+    assert km.documents_ms(cu, 1, 32, 8, 128, False, "fwd") == pytest.approx(want, rel=1e-9)
+
+
+def test_the_documents_paths_cost_per_call_is_read_off_the_calibrated_mixes():
+    cu = (0, 8192, 20480, 36864, 45056, 57344, 73728)  # 8K, 12K, 16K twice: three calls without the mask
+    kernels = sum(true_ms(2, m, m, 32, 128, False, "fwd") for m in (8192, 12288, 16384))
+    cal = calibration(documents=[DocumentPoint(32, 8, 128, False, "fwd", cu, kernels + 3 * 0.4)])
+    km = KernelModel(cal)
+    assert km.per_call_ms(128, 4, False, "fwd") == pytest.approx(0.4, rel=1e-9)
+    assert km.documents_ms(cu, 1, 32, 8, 128, False, "fwd") == pytest.approx(kernels + 1.2, rel=1e-9)
+    assert km.per_call_ms(128, 4, True, "fwd") == 0.0  # no causal mix calibrated
+
+
+def test_crossing_rectangles_are_one_dense_call_each_without_a_varlen_kernel():
+    km = KernelModel(calibration())
+    cu_q, cu_k = (0, 1000, 3000), (0, 5000, 9000)
+    want = true_ms(1, 1000, 5000, 32, 128, False, "fwd") + true_ms(1, 2000, 4000, 32, 128, False, "fwd")
+    assert km.rectangles_ms(cu_q, cu_k, 1, 32, 8, 128, "fwd") == pytest.approx(want, rel=1e-9)

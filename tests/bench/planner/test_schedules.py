@@ -1,0 +1,110 @@
+import pytest
+
+from dilated.bench.planner.kernel_model import KernelModel
+from dilated.bench.planner.network import InterNode, Network
+from dilated.bench.planner.schedules import Model, Problem
+from synthetic_calibration import calibration, decode_ms, link, true_ms
+
+
+def model(links=None, gpus_per_node=8, inter=None):
+    cal = calibration(links)
+    return Model(KernelModel(cal), Network(cal, gpus_per_node, inter))
+
+
+def free_links():
+    return {name: link(latency=1e-9, per_ms=1e30) for name in ("p2p", "copy_engine", "all_to_all", "all_gather",
+                                                               "reduce_scatter")}
+
+
+def test_zigzag_ring_of_two_on_free_links_takes_its_slower_ranks_kernels():
+    m = model(free_links())
+    n = 32768
+    p = m.predict("ring_zigzag", Problem(2 * n, 32, 8, 128, causal=True, mode="fwd"), 2)
+    # step 0: each rank's shard causal on itself; step 1: rank 0 the later half of its queries over the
+    # whole block of rank 1 (all visible), rank 1 all its queries over the first half of rank 0's
+    diag = true_ms(1, n, n, 32, 128, True, "fwd")
+    rank0 = diag + true_ms(1, n // 2, n, 32, 128, False, "fwd")
+    rank1 = diag + true_ms(1, n, n // 2, 32, 128, False, "fwd")
+    assert p.time_ms == pytest.approx(max(rank0, rank1), rel=1e-6)
+    assert p.exposed_ms == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_contiguous_causal_ring_waits_for_its_last_rank():
+    m = model(free_links())
+    n, prob = 16384, Problem(4 * 16384, 32, 8, 128, causal=True, mode="fwd")
+    ring = m.predict("ring", prob, 4)
+    block = true_ms(1, n, n, 32, 128, False, "fwd")
+    assert ring.time_ms == pytest.approx(true_ms(1, n, n, 32, 128, True, "fwd") + 3 * block, rel=1e-6)
+    assert ring.time_ms > 1.4 * m.predict("ring_zigzag", prob, 4).time_ms
+
+
+def test_slow_links_the_overlapped_ring_waits_on_each_block_once():
+    t = 500.0  # ms per block: far longer than any step's kernels
+    m = model({name: link(latency=t, per_ms=1e30) for name in ("p2p", "copy_engine", "all_to_all", "all_gather",
+                                                                  "reduce_scatter")})
+    prob = Problem(4 * 8192, 16, 16, 128, causal=False, mode="fwd")
+    block = true_ms(1, 8192, 8192, 16, 128, False, "fwd")
+    overlapped = m.predict("ring", prob, 4)
+    assert overlapped.time_ms == pytest.approx(3 * t + block, rel=1e-6)  # each pull issued a step ahead
+    assert m.predict("ring_no_overlap", prob, 4).time_ms == pytest.approx(3 * t + 4 * block, rel=1e-6)
+    assert overlapped.exposed_ms == pytest.approx(3 * t - 3 * block, rel=1e-6)
+
+
+def test_ulysses_exposes_four_all_to_alls_each_way():
+    a2a = 3.0
+    links = free_links()
+    links["all_to_all"] = link(latency=a2a, per_ms=1e30)
+    m = model(links)
+    for mode, count in (("fwd", 4), ("fwd_bwd", 8)):
+        prob = Problem(65536, 32, 8, 128, causal=True, mode=mode)
+        p = m.predict("ulysses", prob, 2)
+        kernels = true_ms(1, 65536, 65536, 16, 128, True, "fwd")
+        if mode == "fwd_bwd":
+            kernels = true_ms(1, 65536, 65536, 16, 128, True, "fwd_bwd")
+        assert p.exposed_ms == pytest.approx(count * a2a, rel=1e-6)
+        assert p.time_ms == pytest.approx(kernels + count * a2a, rel=1e-6)
+
+
+def test_documents_that_stay_whole_move_nothing():
+    m = model()
+    p = m.predict("documents", Problem(65536, 32, 8, 128, causal=True, mode="fwd_bwd", documents="fixed:8k"), 2)
+    assert p.bytes_sent == 0.0
+    assert p.time_ms == pytest.approx(true_ms(4, 8192, 8192, 32, 128, True, "fwd_bwd"), rel=1e-6)
+
+
+def test_crossing_documents_wait_for_their_rows_when_the_gather_is_slower_than_the_local_documents():
+    links = free_links()
+    links["all_gather"] = link(latency=400.0, per_ms=1e30)
+    p = model(links).predict("documents", Problem(65536, 32, 8, 128, causal=True, mode="fwd"), 2)  # one document
+    assert p.bytes_sent > 0
+    assert p.time_ms > 400.0 and p.exposed_ms > 0
+
+
+def test_decode_reads_the_calibrated_steps_of_its_rows_per_rank():
+    m = model()
+    row = 8 * 128 * 2 * 2  # k and v bytes of one cached row, llama3-8b heads
+    one = m.predict("decode", Problem(1 << 17, 32, 8, 128, mode="decode"), 1)
+    two = m.predict("decode", Problem(1 << 18, 32, 8, 128, mode="decode"), 2)
+    assert one.time_ms == pytest.approx(decode_ms(1, (1 << 17) * row), rel=1e-9)
+    assert two.time_ms == pytest.approx(decode_ms(2, (1 << 17) * row), rel=1e-9)
+
+
+@pytest.mark.parametrize("strategy, world, grid, words", [
+    ("ulysses", 3, None, "not divisible"),
+    ("hybrid", 4, None, "grid"),
+    ("hybrid", 4, (3, 1), "grid"),
+    ("torch_cp", 2, None, "not modelled"),
+    ("decode", 2, None, "decode only"),
+])
+def test_what_cannot_run_says_why(strategy, world, grid, words):
+    p = model().predict(strategy, Problem(3 * 65536, 32, 8, 128), world, grid)
+    assert not p.supported and words in p.reason
+
+
+def test_across_nodes_the_link_between_them_is_needed_and_used():
+    prob = Problem(16 * 65536, 32, 8, 128, causal=True, mode="fwd_bwd")
+    without = model(gpus_per_node=8).predict("ring_zigzag", prob, 16)
+    assert not without.supported and "--inter-node-gbs" in without.reason
+    slow = model(gpus_per_node=8, inter=InterNode(1.0)).predict("ring_zigzag", prob, 16)
+    fast = model(gpus_per_node=8, inter=InterNode(1000.0)).predict("ring_zigzag", prob, 16)
+    assert slow.time_ms > fast.time_ms and slow.exposed_ms > fast.exposed_ms
