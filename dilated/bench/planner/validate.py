@@ -3,8 +3,8 @@ row of a run it can model (distributed rows, their single-GPU baselines, decode 
 each is within the tolerance.
 
 Only rows that vouch for a time count: status ok, check passed, timed warm
-(:func:`dilated.bench.results.trusted`). A row the model does not follow (other people's code,
-dilated attention) is listed with why.
+(:func:`dilated.bench.results.trusted`), on the calibration's GPU, backend and flash-attn 4. A row
+the model does not follow (other people's code, dilated attention) is listed with why.
 """
 from __future__ import annotations
 
@@ -51,6 +51,21 @@ def _grid(row: dict) -> tuple | None:
     return None if u is None else (u, p // u)
 
 
+def unlike(row: dict, calibration) -> str | None:
+    """Why ``row`` was measured on something other than what ``calibration`` timed, or None: another
+    GPU, another backend, another flash-attn 4 (which ``auto`` takes for documents)."""
+    env = row.get("env") or {}
+    gpu = env.get("gpu")
+    if gpu and gpu != calibration.device:
+        return f"measured on {gpu}; the calibration is of {calibration.device}"
+    if row.get("backend") != calibration.backend:
+        return f"measured on backend {row.get('backend')}; the calibration timed {calibration.backend}"
+    fa4, cal_fa4 = env.get("flash_attn_4"), calibration.software.get("flash_attn_4")
+    if "env" in row and fa4 != cal_fa4:
+        return f"measured with flash-attn 4 {fa4 or 'absent'}; the calibration's {cal_fa4 or 'absent'}"
+    return None
+
+
 def check_rows(model: Model, rows: list[dict]) -> list[Check]:
     out = []
     for row in rows:
@@ -58,6 +73,10 @@ def check_rows(model: Model, rows: list[dict]) -> list[Check]:
         measured = (row.get("time_ms") or {}).get("median", math.nan)
         if why:
             out.append(Check(row, None, measured, f"not a trusted time ({why})"))
+            continue
+        other = unlike(row, model.network.calibration)
+        if other:
+            out.append(Check(row, None, measured, other))
             continue
         impl, p = row["implementation"], row.get("world_size", 1)
         if row.get("role") == "baseline" or (impl == "dense" and p == 1):
@@ -112,4 +131,9 @@ def validate(model: Model, paths: list[str], calibration: str) -> tuple[str, lis
         mine = check_rows(model, read_results(path))
         checks += mine
         texts.append(format_checks(mine, path, calibration))
+    modelled = [c for c in checks if c.skipped is None]
+    if len(paths) > 1 and modelled:
+        errs = sorted(abs(c.ratio - 1) for c in modelled)
+        texts.append(f"all {len(paths)} files: {sum(c.within for c in modelled)} of {len(modelled)} modelled rows within "
+                     f"{TOLERANCE:.0%}; median |error| {100 * errs[len(errs) // 2]:.1f}%, largest {100 * errs[-1]:.1f}%")
     return "\n\n".join(texts), checks

@@ -69,3 +69,15 @@ def test_validate_sets_each_modelled_row_beside_its_prediction(cal_path, tmp_pat
     assert " 0.50" in lines["ulysses"] and "OUTSIDE" in lines["ulysses"]
     assert "2 of 3 modelled rows within 10%" in text
     assert "torch_cp" in text and "not modelled" in text and "check failed" in text
+
+
+def test_validate_leaves_out_rows_measured_on_other_gpus_or_kernels(cal_path, tmp_path, capsys):
+    rows = [_row("dense", 1, 5.0, env={"gpu": "NVIDIA H100 80GB HBM3"}),
+            _row("dense", 1, 5.0, backend="sdpa"),
+            _row("dense", 1, 5.0, env={"gpu": "Synthetic GPU", "flash_attn_4": "4.0.0b36"})]
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plan", "--calibration", cal_path, "--validate", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "0 of 0 modelled rows" in text
+    assert "measured on NVIDIA H100" in text and "backend sdpa" in text and "flash-attn 4 4.0.0b36" in text
