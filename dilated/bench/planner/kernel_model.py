@@ -33,6 +33,7 @@ class KernelModel:
 
     def __init__(self, calibration: Calibration):
         self.calibration = calibration
+        self.extrapolated_ms = self.total_ms = 0.0  # kernel time predicted (below a length's least-work point), since reset
         table = defaultdict(lambda: defaultdict(list))  # (d, ratio, causal, mode) -> length -> [(work, rate)]
         for p in calibration.kernels:
             rate = call_flops(p.batch, p.length, p.length, p.heads, p.head_dim, p.causal) / p.ms
@@ -90,8 +91,21 @@ class KernelModel:
                        - self.call_ms(lq, lk, batch, heads, kv_heads, head_dim, causal, "fwd"))
         square = lq == lk
         length = lq if square else math.sqrt(lq * lk)
-        rate = self._rate(length, batch * lq * heads, head_dim, heads // kv_heads, causal and square, mode)
-        return call_flops(batch, lq, lk, heads, head_dim, causal and square) / rate
+        work = batch * lq * heads
+        rate = self._rate(length, work, head_dim, heads // kv_heads, causal and square, mode)
+        ms = call_flops(batch, lq, lk, heads, head_dim, causal and square) / rate
+        self.total_ms += ms
+        if work < self._least_work(length, head_dim, heads // kv_heads, causal and square, mode):
+            self.extrapolated_ms += ms
+        return ms
+
+    def _least_work(self, length, head_dim, ratio, causal, mode) -> float:
+        """The least work measured at the calibrated lengths around ``length`` (the nearer ones on each side)."""
+        by_len = self._points(head_dim, ratio, causal, mode)
+        below = [n for n in by_len if n <= length]
+        above = [n for n in by_len if n >= length]
+        sides = ([max(below)] if below else []) + ([min(above)] if above else [])
+        return min(by_len[n][0][0] for n in sides)
 
     def per_call_ms(self, head_dim: int, ratio: int, causal: bool, mode: str) -> float:
         """What one call of the documents path costs beyond its kernel (gathering the documents into

@@ -78,7 +78,10 @@ def format_plan(preds: list[Prediction], problem: Problem, world: int, best: Pre
             lines.append(f"{label(p):<24} cannot run: {p.reason}")
             continue
         lines.append(f"{label(p):<24} {p.time_ms:>9.2f} {p.tflops_per_gpu:>11.0f} {100 * p.exposed_fraction:>7.0f}% "
-                     f"{p.memory_gib:>8.1f} {p.bytes_sent / 1e9:>8.2f}")
+                     f"{p.memory_gib:>8.1f} {p.bytes_sent / 1e9:>8.2f}{'  *' if p.notes else ''}")
+    noted = [p for p in preds if p.notes]
+    if noted:
+        lines += [""] + [f"* {label(p)}: {'; '.join(p.notes)}" for p in noted]
     lines += ["", f"recommended: {label(best) if best else 'none'}", f"why: {why}", "", "assumptions:"]
     lines += [f"- {a}" for a in assumptions]
     return "\n".join(lines)

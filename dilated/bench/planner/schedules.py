@@ -345,12 +345,17 @@ class Model:
         """``strategy`` (a name of :data:`STRATEGIES`) on ``world`` ranks; ``grid``: the hybrid's
         ``(ulysses, ring)``."""
         out = Prediction(strategy, world, grid or (), flops=problem.flops())
+        self.kernels.extrapolated_ms = self.kernels.total_ms = 0.0
         try:
             t = self._timeline(strategy, problem, world, grid)
         except (NotImplementedError, ValueError) as e:
             out.reason = str(e)
             return out
         out.time_ms, out.compute_ms, out.bytes_sent = t.time, t.compute, t.sent
+        share = self.kernels.extrapolated_ms / self.kernels.total_ms if self.kernels.total_ms else 0.0
+        if share > 0.1:
+            out.notes.append(f"{100 * share:.0f}% of the kernel time is in calls with less work than any calibrated "
+                             "call of their length (few query rows or heads): extrapolated")
         out.exposed_ms = max(0.0, t.time - t.compute)
         out.memory_gib = self._memory(problem, world, t.extra_mem)
         return out

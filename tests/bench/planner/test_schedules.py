@@ -108,3 +108,10 @@ def test_across_nodes_the_link_between_them_is_needed_and_used():
     slow = model(gpus_per_node=8, inter=InterNode(1.0)).predict("ring_zigzag", prob, 16)
     fast = model(gpus_per_node=8, inter=InterNode(1000.0)).predict("ring_zigzag", prob, 16)
     assert slow.time_ms > fast.time_ms and slow.exposed_ms > fast.exposed_ms
+
+
+def test_a_prediction_says_where_it_extrapolates_below_the_calibrated_work():
+    m = model()
+    few = m.predict("ulysses", Problem(8 * 2048, 32, 8, 128, causal=True, mode="fwd"), 8)  # 4 heads of 16K rows
+    assert few.notes and "extrapolated" in few.notes[0]
+    assert not m.predict("ring_zigzag", Problem(2 * 65536, 32, 8, 128, causal=True, mode="fwd"), 2).notes
