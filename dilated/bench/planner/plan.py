@@ -30,8 +30,15 @@ def grids(world: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
 def candidates(model: Model, problem: Problem, world: int) -> list[Prediction]:
     """Every strategy (and hybrid grid) predicted on ``world`` ranks, fastest first; those that
     cannot run last, with why."""
-    if problem.mode == "decode":
-        return [model.predict("decode", problem, world)]
+    if problem.mode == "decode":  # the cache split over 1, 2, 4, ... of the GPUs (the others idle or serving more)
+        out = []
+        p = 1
+        while p <= world:
+            pred = model.predict("decode", problem, p)
+            pred.strategy = f"decode over {p} GPU{'s' if p > 1 else ''}"
+            out.append(pred)
+            p *= 2
+        return sorted(out, key=lambda x: (not x.supported, x.time_ms if x.supported else math.inf))
     names = DOCUMENTS if problem.has_documents else DENSE
     out = []
     for name in names:

@@ -81,3 +81,10 @@ def test_validate_leaves_out_rows_measured_on_other_gpus_or_kernels(cal_path, tm
     text = capsys.readouterr().out
     assert "0 of 0 modelled rows" in text
     assert "measured on NVIDIA H100" in text and "backend sdpa" in text and "flash-attn 4 4.0.0b36" in text
+
+
+def test_a_decode_plan_weighs_splitting_the_cache_over_more_gpus(cal_path, capsys):
+    assert main(["plan", "--calibration", cal_path, "--mode", "decode", "--seq-len", "512k", "--gpus-per-node", "4"]) == 0
+    text = capsys.readouterr().out
+    for p in ("1 GPU ", "2 GPUs", "4 GPUs"):
+        assert f"decode over {p}" in text
