@@ -46,6 +46,20 @@ def merge_(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: tor
     acc_lse.copy_(ref + torch.log(total))  # log(0) = -inf where neither covers the row
 
 
+def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact merge of ``P`` partial results stacked on dim 0: ``outs`` ``[P, ..., D]`` and their
+    ``lses`` ``[P, ...]`` give ``(out [..., D], lse [...])`` in ``lses``' dtype, in a few kernels
+    whatever ``P`` (not one :func:`merge_` per part). A part with ``lse = -inf`` (it saw no keys)
+    weighs nothing; rows no part covers are 0 with ``lse = -inf``."""
+    top = lses.amax(0)
+    ref = torch.where(top == float("-inf"), 0.0, top)
+    w = torch.exp(lses - ref)  # [P, ...]
+    total = w.sum(0)
+    out = torch.einsum("p...,p...d->...d", w, outs.to(w.dtype))
+    out = out * torch.where(total == 0, 0.0, 1.0 / total).unsqueeze(-1)
+    return out, ref + torch.log(total)
+
+
 def empty_accumulators(b: int, n: int, h: int, d: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``acc`` ``[B, N, H, D]`` zeros and ``acc_lse`` ``[B, N, H]`` at ``-inf``, both ``dtype``."""
     acc = torch.zeros(b, n, h, d, device=device, dtype=dtype)

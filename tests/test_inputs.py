@@ -125,6 +125,34 @@ def test_merge_weights_sum_to_one_at_any_scale():
     assert acc_lse.item() == pytest.approx(math.log(math.exp(0.5) + math.exp(-1.0)), abs=1e-15)
 
 
+def test_stacked_parts_merge_to_softmax_over_all_their_keys(gen):
+    """merge_stacked: parts of attention over disjoint key sets (one part empty: lse -inf; one row no
+    part covers) against float64 softmax over the union, at large logits too."""
+    from dilated.merge import merge_stacked
+
+    q = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64) * 30
+    keys = [torch.randn(m, 4, generator=gen, dtype=torch.float64) for m in (5, 0, 7, 1)]
+    vals = [torch.randn(m, 6, generator=gen, dtype=torch.float64) for m in (5, 0, 7, 1)]
+    outs, lses = [], []
+    for k, v in zip(keys, vals):
+        s = torch.einsum("bqd,kd->bqk", q, k)
+        lse = torch.logsumexp(s, -1) if k.shape[0] else torch.full(q.shape[:2], float("-inf"), dtype=q.dtype)
+        outs.append(torch.einsum("bqk,kd->bqd", torch.exp(s - lse.unsqueeze(-1)), v) if k.shape[0]
+                    else torch.zeros(*q.shape[:2], 6, dtype=q.dtype))
+        lses.append(lse)
+    outs, lses = torch.stack(outs), torch.stack(lses)
+    lses[:, 1, 2] = float("-inf")  # a row no part covers
+    outs[:, 1, 2] = 0
+    out, lse = merge_stacked(outs, lses)
+    s = torch.einsum("bqd,kd->bqk", q, torch.cat(keys))
+    ref = torch.einsum("bqk,kd->bqd", torch.softmax(s, -1), torch.cat(vals))
+    ref[1, 2] = 0
+    ref_lse = torch.logsumexp(s, -1)
+    ref_lse[1, 2] = float("-inf")
+    assert torch.allclose(out, ref, atol=1e-12) and torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert torch.allclose(lse[torch.isfinite(lse)], ref_lse[torch.isfinite(ref_lse)], atol=1e-12)
+
+
 ROW_PIECES = {  # row ranges of the pieces, in order (each piece sees its own fifth of the keys)
     "whole rows first": [(0, 24), (5, 15), (10, 24)],
     "overlapping parts, a gap left": [(0, 8), (4, 16), (12, 20)],

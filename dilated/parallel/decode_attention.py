@@ -8,7 +8,7 @@ and merged by lse, as flash-decoding splits them), and one all-gather of the sma
 ``(out_r, lse_r)`` (``B x Tq x H x (D + 1)`` float32 numbers per rank, float64 for float64
 inputs, whatever the cache's length) gives
 every rank all ``P`` partial results, which it merges exactly: ``out = sum_r exp(lse_r - L) out_r``,
-``L = logsumexp_r lse_r`` (:func:`dilated.merge.merge_`). The cache never moves, so a step costs
+``L = logsumexp_r lse_r`` (:func:`dilated.merge.merge_stacked`: a few kernels whatever ``P``). The cache never moves, so a step costs
 one local pass over ``S / P`` keys and one collective of a few kilobytes, as Tree Attention and
 pass-Q decoding do. A rank with no rows of the cache (``S_r = 0``) contributes ``lse = -inf``.
 
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from .._checks import acc_dtype
 from ..functional import attention
-from ..merge import empty_accumulators, merge_
-from .sharding import CommStats
+from ..merge import empty_accumulators, merge_stacked
+from .sharding import CommStats, all_gather_into
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -79,14 +79,10 @@ def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float |
     qc = rows.expand(b, c, tq * g, hkv, d).reshape(b * c, tq * g, hkv, d)
     kc, vc = (x.reshape(b * c, s // c, hkv, d) for x in (k, v))  # views where k, v are contiguous
     out, lse = attention(qc, kc, vc, scale=scale, backend=backend, return_lse=True)
-    out, lse = out.to(dtype).view(b, c, tq * g, hkv, d), lse.to(dtype).view(b, c, hkv, tq * g)
-    top = lse.amax(1, keepdim=True)
-    w = torch.exp(lse - top)  # [B, C, Hkv, Tq g]
-    total = w.sum(1)
-    out = torch.einsum("bchr,bcrhd->brhd", w, out) / total.transpose(1, 2).unsqueeze(-1)
-    lse = top.squeeze(1) + torch.log(total)  # [B, Hkv, Tq g]
+    out, lse = out.view(b, c, tq * g, hkv, d), lse.to(dtype).view(b, c, hkv, tq * g)
+    out, lse = merge_stacked(out.transpose(0, 1), lse.permute(1, 0, 3, 2))  # the chunks: [B, Tq g, Hkv(, D)]
     out = out.view(b, tq, g, hkv, d).transpose(2, 3).reshape(b, tq, h, d)
-    return out, lse.view(b, hkv, tq, g).permute(0, 2, 1, 3).reshape(b, tq, h)
+    return out, lse.view(b, tq, g, hkv).transpose(2, 3).reshape(b, tq, h)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
@@ -115,12 +111,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=No
     if world == 1:
         return out.to(q.dtype)
     mine = torch.cat([out, lse.unsqueeze(-1)], -1).contiguous()  # [B, Tq, H, D + 1]: one message
-    parts = [torch.empty_like(mine) for _ in range(world)]
+    parts = mine.new_empty(world * mine.shape[0], *mine.shape[1:])  # rank-major
     stats = CommStats() if stats is None else stats
     with stats.waiting(q.device):
-        dist.all_gather(parts, mine, group=group)
+        all_gather_into(parts, mine, group=group)
     stats.sent(mine.numel() * mine.element_size() * (world - 1), collective=True)
-    acc, acc_lse = empty_accumulators(*q.shape, q.device, mine.dtype)
-    for part in parts:
-        merge_(acc, acc_lse, part[..., :-1], part[..., -1])
-    return acc.to(q.dtype)
+    parts = parts.view(world, *mine.shape)
+    return merge_stacked(parts[..., :-1], parts[..., -1])[0].to(q.dtype)

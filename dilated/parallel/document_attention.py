@@ -35,7 +35,7 @@ from .._transfer import host_values_on
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from ..backends import get_backend
 from ..backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel, varlen_kernel
-from .sharding import CommStats
+from .sharding import CommStats, all_gather_into, reduce_scatter_from
 from .document_layout import DocumentLayout, given_or_last, ranges_to_positions
 from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
 from ..merge import merge_
@@ -239,9 +239,6 @@ class DocumentParts:
                             self.small, rank, transport)
 
 
-#: one all-gather into one tensor (torch renamed all_gather_into_tensor to all_gather_single)
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def crossing_rows(k, v, send, rows: int):
@@ -287,7 +284,7 @@ def _gather_kv(call: DocumentCall, k, v, send):
     if call.transport == "ring":
         return RingExchange(call.group, call.stats).all_gather(mine)
     gathered = k.new_empty(p * k.shape[0], *mine.shape[1:])  # rank-major, as every backend takes it
-    work = _ALL_GATHER(gathered, mine, group=call.group, async_op=True)
+    work = all_gather_into(gathered, mine, group=call.group, async_op=True)
     call.stats.sent(mine.numel() * mine.element_size(), collective=True)
     return _Collective(work, gathered.view(p, *mine.shape), call.stats)
 
@@ -300,7 +297,7 @@ def _reduce_grads(call: DocumentCall, blocks):
         return RingExchange(call.group, call.stats).reduce_scatter(blocks)
     p, b = blocks.shape[:2]
     mine = torch.empty(blocks.shape[1:], dtype=blocks.dtype, device=blocks.device)
-    work = _REDUCE_SCATTER(mine, blocks.view(p * b, *blocks.shape[2:]), group=call.group, async_op=True)
+    work = reduce_scatter_from(mine, blocks.view(p * b, *blocks.shape[2:]), group=call.group, async_op=True)
     call.stats.sent(blocks.numel() * blocks.element_size() * (p - 1) // p, collective=True)
     return _Collective(work, mine, call.stats)
 

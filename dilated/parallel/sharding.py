@@ -27,6 +27,10 @@ from .document_layout import DocumentLayout
 
 LAYOUTS = ("contiguous", "zigzag")
 
+#: one all-gather into one tensor and one reduce-scatter from one (torch renamed them ``*_single``)
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommStats:
     """What a rank's attention module communicated: point-to-point messages, collectives, bytes

@@ -5,7 +5,8 @@ and P, beside the single-GPU decode of the whole cache where it fits.
 Each rank of the first P holds ``S / P`` rows of the cache; the query tokens are the same on every
 rank. A step is the local attention over the rank's rows and the one all-gather that merges them;
 it is timed with CUDA events after warm-up, the L2 cache flushed before each step (in a model the
-cache is read after other layers' work). Every row's output is checked once against float64
+cache is read after other layers' work); with ``--cuda-graph`` replays of the step captured in a
+CUDA graph are timed instead, as serving engines run decode. Every row's output is checked once against float64
 softmax over the whole cache (batch row 0, streamed over key blocks). A configuration that does
 not fit is an ``oom`` row and the sweep goes on.
 """
@@ -56,7 +57,7 @@ def _row(args, p, s, b, shape, group, rank, device, dtype) -> dict:
     case = Case(batch=b, seq_len=s, num_heads=h, num_kv_heads=hkv, head_dim=d, q_len=args.query_tokens,
                 dtype=args.dtype, causal=False, mode="decode")  # seq_len: the cached tokens
     row = {"implementation": "decode", "backend": args.backend, "mode": "decode", "config": case.config(),
-           "world_size": p}
+           "world_size": p, "cuda_graph": args.cuda_graph}
     rows = s // p
     try:
         q = torch.randn(b, args.query_tokens, h, d, generator=torch.Generator(device).manual_seed(7), device=device,
@@ -65,7 +66,7 @@ def _row(args, p, s, b, shape, group, rank, device, dtype) -> dict:
         with torch.inference_mode():
             step = lambda: decode_attention(q, k, v, group, backend=args.backend)  # noqa: E731
             out = step()
-            samples = measure(step, device, warmup=args.warmup, reps=args.reps)
+            samples = measure(step, device, warmup=args.warmup, reps=args.reps, cuda_graph=args.cuda_graph)
     except torch.OutOfMemoryError as e:
         return {**row, "status": "oom", "reason": str(e).splitlines()[0]}
     medians = [torch.zeros(1, device=device) for _ in range(p)] if p > 1 else None
@@ -92,8 +93,13 @@ def decode_main(argv=None) -> int:
     p.add_argument("--backend", default="auto")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time replays of the step captured in a CUDA graph, as serving engines run decode (the "
+                        "host's launches leave the step; every rank captures its collective)")
     p.add_argument("--output", required=True, help="results file (JSONL; refused if it exists)")
     args = p.parse_args(argv)
+    if args.cuda_graph and not torch.cuda.is_available():
+        p.error("--cuda-graph: CUDA graphs need a GPU")
     rank, world, device = init_distributed()
     sizes = [int(x) for x in (args.world_sizes or f"1,{world}").split(",")]
     bad = [x for x in sizes if not 1 <= x <= world]
