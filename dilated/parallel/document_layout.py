@@ -87,9 +87,11 @@ def _least_loaded_with_room(load: list, room: list, length: int) -> int:
     return best
 
 
-def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[list[list[Piece]], list[int]]:
-    """Every rank's pieces and work: the documents in ``cut`` head-tail, the others whole by work
-    (largest first, to the least-loaded rank with room), the rest cut at the ranks' remaining room."""
+def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[tuple, list[int]]:
+    """Every rank's documents and work: the documents in ``cut`` head-tail, the others whole by work
+    (largest first, to the least-loaded rank with room), the rest cut at the ranks' remaining room.
+    Returns ``((whole, pieces), work)``: the documents each rank holds whole (indices) and its other
+    :class:`Piece` s; :func:`_pieces` makes them one list per rank (once, for the layout kept)."""
     room, load = [cu[-1] // p] * p, [0] * p
     pieces = [[] for _ in range(p)]
     turn = 0
@@ -101,34 +103,32 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[list[list[Piece]
                 room[r] -= piece.length
                 load[r] += piece.work(causal)
         turn = (turn + (b - a) % p) % p
-    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    lengths = list(map(operator.sub, cu[1:], cu))
     # longest first, ties in document order (a stable sort keeps it, reversed too)
     whole = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
     left, mine = [], [[] for _ in range(p)]  # documents each rank takes whole
     ranks = [(load[r], r) for r in range(p) if room[r]]  # a heap of (work, rank) of the ranks with room
     heapq.heapify(ranks)
-    for d in whole:
-        if d in cut:
-            continue
+    heappop, heapreplace, heappush = heapq.heappop, heapq.heapreplace, heapq.heappush
+    for d in whole if not cut else [d for d in whole if d not in cut]:
         m = lengths[d]
-        skipped = []  # ranks of less work without room for this document (a shorter one may fit)
+        skipped = None  # ranks of less work without room for this document (a shorter one may fit)
         while ranks and room[ranks[0][1]] < m:
-            skipped.append(heapq.heappop(ranks))
+            skipped = skipped or []
+            skipped.append(heappop(ranks))
         if ranks:  # the rank of least work (the lowest such rank) with room for it
             w, r = ranks[0]
             mine[r].append(d)
             room[r] -= m
             load[r] = w + (m * (m + 1) // 2 if causal else m * m)
             if room[r]:
-                heapq.heapreplace(ranks, (load[r], r))
+                heapreplace(ranks, (load[r], r))
             else:
-                heapq.heappop(ranks)
+                heappop(ranks)
         else:
             left.append(d)
-        for entry in skipped:
-            heapq.heappush(ranks, entry)
-    for r, docs in enumerate(mine):
-        pieces[r].extend(Piece(d, cu[d], lengths[d], cu[d], cu[d + 1]) for d in docs)
+        for entry in skipped or ():
+            heappush(ranks, entry)
     for d in sorted(left):
         a, b = cu[d], cu[d + 1]
         at = a
@@ -139,7 +139,18 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[list[list[Piece]
             room[r] -= piece.length
             load[r] += piece.work(causal)
             at += piece.length
-    return [sorted(mine, key=operator.itemgetter(1)) for mine in pieces], load  # by start
+    return (mine, pieces), load
+
+
+def _pieces(cu: tuple, assigned: tuple) -> list[list[Piece]]:
+    """Every rank's :class:`Piece` s in sequence order, from :func:`_assign`'s documents and pieces."""
+    make = tuple.__new__  # a Piece without its keyword-checking constructor: thousands per layout
+    out = []
+    for docs, extra in zip(*assigned):
+        docs.sort()  # document order is sequence order
+        mine = [make(Piece, (d, cu[d], cu[d + 1] - cu[d], cu[d], cu[d + 1])) for d in docs]
+        out.append(sorted(mine + extra, key=operator.itemgetter(1)) if extra else mine)  # by start
+    return out
 
 
 def _imbalance(work: list[int]) -> float:
@@ -211,7 +222,7 @@ class DocumentLayout:
 
 
 def _search(cu: tuple, p: int, causal: bool, min_piece: int):
-    """``(imbalance, pieces)``: cutting the k heaviest documents of at least 2P x ``min_piece``
+    """``(imbalance, assignment)``: cutting the k heaviest documents of at least 2P x ``min_piece``
     positions head-tail, k = 0, 1, 2, 4, ...: the first within :data:`TARGET_IMBALANCE`, else the best."""
     best, k, cuttable = None, 0, None
     while True:
@@ -240,7 +251,7 @@ def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout
         found = _search(cu, p, causal, min_piece)
         if found[0] < best[0] - 1e-9:
             best = found
-    return DocumentLayout(cu, p, causal, tuple(tuple(m) for m in best[1]))
+    return DocumentLayout(cu, p, causal, tuple(tuple(m) for m in _pieces(cu, best[1])))
 
 
 def given_or_last(layout: "DocumentLayout | None", last: "DocumentLayout | None") -> "DocumentLayout":
