@@ -101,9 +101,8 @@ def run_plan(args, parser) -> int:
         cal = Calibration.load(args.calibration)
     except ValueError as e:
         parser.error(str(e))
-    if args.validate:
-        # the run's own GPUs: every rank on one node of the calibrated kind
-        args.gpus_per_node = max(args.gpus_per_node, 64)
+    if args.validate:  # runs of one node: its ranks share the calibrated links (validate leaves out the others)
+        args.gpus_per_node = 1 << 30
         text, checks = validate(_model(args, cal), args.validate, args.calibration)
         print(f"calibration: {cal.describe()}\n")
         print(text)
@@ -113,7 +112,9 @@ def run_plan(args, parser) -> int:
                                 "predicted_ms": c.prediction.time_ms if c.prediction else None,
                                 "skipped": c.skipped} for c in checks])
         return 0
-    (h, hkv, d), = args.heads if len(args.heads) == 1 else parser.error("--heads: one shape")
+    if len(args.heads) != 1:
+        parser.error("--heads: one shape for a plan")
+    h, hkv, d = args.heads[0]
     doc = args.doc_lengths[0] if args.doc_lengths else None
     if args.doc_lengths and len(args.doc_lengths) > 1:
         parser.error("--doc-lengths: one spec for a plan")

@@ -52,9 +52,11 @@ def _grid(row: dict) -> tuple | None:
 
 
 def unlike(row: dict, calibration) -> str | None:
-    """Why ``row`` was measured on something other than what ``calibration`` timed, or None: another
-    GPU, another backend, another flash-attn 4 (which ``auto`` takes for documents)."""
+    """Why ``row`` was measured on something other than what ``calibration`` timed, or None: across
+    nodes, on another GPU, another backend, another flash-attn 4 (which ``auto`` takes for documents)."""
     env = row.get("env") or {}
+    if isinstance(env.get("gpu_count"), int) and row.get("world_size", 1) > env["gpu_count"]:
+        return f"ran on {row['world_size']} ranks of nodes of {env['gpu_count']} GPUs: only runs of one node are validated"
     gpu = env.get("gpu")
     if gpu and gpu != calibration.device:
         return f"measured on {gpu}; the calibration is of {calibration.device}"

@@ -88,3 +88,10 @@ def test_a_decode_plan_weighs_splitting_the_cache_over_more_gpus(cal_path, capsy
     text = capsys.readouterr().out
     for p in ("1 GPU ", "2 GPUs", "4 GPUs"):
         assert f"decode over {p}" in text
+
+
+def test_validate_leaves_out_runs_across_nodes(cal_path, tmp_path, capsys):
+    path = tmp_path / "run.jsonl"
+    path.write_text(json.dumps(_row("documents", 4, 5.0, env={"gpu": "Synthetic GPU", "gpu_count": 2})) + "\n")
+    assert main(["plan", "--calibration", cal_path, "--validate", str(path)]) == 0
+    assert "only runs of one node" in capsys.readouterr().out
