@@ -6,11 +6,11 @@ Every rank holds the same query tokens and its own rows of the cache. It attends
 (``out_r``, ``lse_r``: one local kernel call over ``S_r`` keys, cut into chunks that fill the GPU
 and merged by lse, as flash-decoding splits them), and one all-gather of the small
 ``(out_r, lse_r)`` (``B x Tq x H x (D + 1)`` float32 numbers per rank, float64 for float64
-inputs, whatever the cache's length) gives
-every rank all ``P`` partial results, which it merges exactly: ``out = sum_r exp(lse_r - L) out_r``,
-``L = logsumexp_r lse_r`` (:func:`dilated.merge.merge_stacked`: a few kernels whatever ``P``). The cache never moves, so a step costs
-one local pass over ``S / P`` keys and one collective of a few kilobytes, as Tree Attention and
-pass-Q decoding do. A rank with no rows of the cache (``S_r = 0``) contributes ``lse = -inf``.
+inputs, whatever the cache's length) gives every rank all ``P`` partial results, which it merges
+exactly: ``out = sum_r exp(lse_r - L) out_r``, ``L = logsumexp_r lse_r``
+(:func:`dilated.merge.merge_stacked`: a few kernels whatever ``P``). The cache never moves, so a
+step costs one local pass over ``S / P`` keys and one collective of a few kilobytes, as Tree
+Attention and pass-Q decoding do. A rank with no rows of the cache (``S_r = 0``) contributes ``lse = -inf``.
 
 The query tokens attend every cached row: the keys and values of the tokens being decoded belong
 in the cache (on any one rank) before the call. Inference only: no autograd across the ranks.

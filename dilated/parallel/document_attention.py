@@ -239,8 +239,6 @@ class DocumentParts:
                             self.small, rank, transport)
 
 
-
-
 def crossing_rows(k, v, send, rows: int):
     """This rank's K/V rows ``send`` of crossing documents as one buffer ``[B, rows, Hkv, Dk + Dv]``
     (zero-padded to the ``rows`` every rank sends)."""

@@ -123,8 +123,8 @@ class DecodePoint:
 class Calibration:
     """A GPU type's measurements. ``links``: pattern -> :class:`Curve` among the GPUs of one node;
     ``memory_gib``: one GPU's memory; ``varlen_kernel``: the varlen entry point the backend runs packed
-    documents' rectangles on (None: each rectangle is its own dense call); ``documents``: calls on packed documents; ``decode``: decode
-    steps."""
+    documents' rectangles on (None: each rectangle is its own dense call); ``documents``: calls on
+    packed documents; ``decode``: decode steps."""
 
     device: str
     gpus: int
@@ -176,7 +176,8 @@ class Calibration:
         cache = f"; {len(self.decode)} decode steps" if self.decode else ""
         sw = ", ".join(f"{k} {v}" for k, v in self.software.items() if v)
         return (f"{self.device} x{self.gpus} ({self.memory_gib:.0f} GiB each; {sw}); kernels: {len(self.kernels)} "
-                f"timed call shapes and {len(self.documents)} document mixes on backend {self.backend}; links within a node: {links or 'none measured'}{cache}")
+                f"timed call shapes and {len(self.documents)} document mixes on backend {self.backend}; "
+                f"links within a node: {links or 'none measured'}{cache}")
 
 
 def log_interp(x: float, xs: list[float], ys: list[float]) -> float:

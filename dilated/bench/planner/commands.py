@@ -144,7 +144,8 @@ def run_plan(args, parser) -> int:
     if args.json:
         _write(args.json, {"problem": problem.__dict__, "world": world, "recommended": label(best) if best else None,
                            "why": why, "assumptions": assumptions,
-                           "predictions": [{"strategy": label(p), "time_ms": p.time_ms, "tflops_per_gpu": p.tflops_per_gpu,
+                           "predictions": [{"strategy": label(p), "time_ms": p.time_ms,
+                                            "tflops_per_gpu": p.tflops_per_gpu,
                                             "exposed_fraction": p.exposed_fraction, "memory_gib": p.memory_gib,
                                             "bytes_sent": p.bytes_sent, "reason": p.reason} for p in preds]})
     return 0

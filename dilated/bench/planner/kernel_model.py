@@ -33,7 +33,8 @@ class KernelModel:
 
     def __init__(self, calibration: Calibration):
         self.calibration = calibration
-        self.extrapolated_ms = self.total_ms = 0.0  # kernel time predicted (below a length's least-work point), since reset
+        # kernel time predicted since the last reset, and the part of it below a length's least-work point
+        self.extrapolated_ms = self.total_ms = 0.0
         table = defaultdict(lambda: defaultdict(list))  # (d, ratio, causal, mode) -> length -> [(work, rate)]
         for p in calibration.kernels:
             rate = call_flops(p.batch, p.length, p.length, p.heads, p.head_dim, p.causal) / p.ms

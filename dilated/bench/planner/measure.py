@@ -121,7 +121,8 @@ def _pattern_step(name: str, nbytes: int, device, group=None):
         nxt, prv = (r + 1) % p, (r - 1) % p
 
         def step():
-            for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, y, prv, group)]):
+            ops = [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, y, prv, group)]
+            for req in dist.batch_isend_irecv(ops):
                 req.wait()
         return step, nbytes
     if name == "copy_engine":
@@ -269,7 +270,8 @@ def calibrate(shapes, longest: int, device, backend: str = "auto", command: str 
     h, hkv, d = shapes[0]
     probe = [torch.empty(1, 128, x, d, device=device, dtype=torch.bfloat16) for x in (h, hkv, hkv)]
     varlen = varlen_kernel(*probe, backend, True)
-    return Calibration(device=torch.cuda.get_device_name(device), gpus=dist.get_world_size() if dist.is_initialized() else 1,
+    gpus = dist.get_world_size() if dist.is_initialized() else 1
+    return Calibration(device=torch.cuda.get_device_name(device), gpus=gpus,
                        memory_gib=props.total_memory / 2**30, software=software, kernels=kernels, links=links,
                        documents=documents, decode=decode, backend=backend,
                        varlen_kernel=None if varlen is None else varlen.name, command=command,

@@ -48,8 +48,8 @@ class Network:
 
     def _cross(self, ranks: list[int]) -> InterNode:
         if self.inter is None:
-            raise ValueError(f"ranks {ranks[0]}..{ranks[-1]} span nodes of {self.gpus_per_node} GPUs: give the bandwidth "
-                             "between nodes (--inter-node-gbs, per GPU) to plan across nodes")
+            raise ValueError(f"ranks {ranks[0]}..{ranks[-1]} span nodes of {self.gpus_per_node} GPUs: give the "
+                             "bandwidth between nodes (--inter-node-gbs, per GPU) to plan across nodes")
         return self.inter
 
     def p2p_ms(self, nbytes: float, ranks: list[int], pattern: str = "p2p") -> float:
@@ -97,6 +97,7 @@ class Network:
         return (len(ranks) - 1) * self.p2p_ms(nbytes, ranks)
 
     def describe(self) -> str:
-        inter = (f"between nodes {self.inter.gbs:.0f} GB/s per GPU + {self.inter.latency_us:.0f} us ({self.inter.source})"
-                 if self.inter else "no links between nodes given")
+        inter = "no links between nodes given"
+        if self.inter:
+            inter = f"between nodes {self.inter.gbs:.0f} GB/s per GPU + {self.inter.latency_us:.0f} us ({self.inter.source})"
         return f"{self.gpus_per_node} GPUs per node; {inter}"

@@ -108,7 +108,9 @@ class Prediction:
 
     @property
     def tflops_per_gpu(self) -> float:
-        return self.flops / (self.time_ms * 1e-3) / self.ranks / 1e12 if self.supported and self.time_ms > 0 else math.nan
+        if not self.supported or self.time_ms <= 0:
+            return math.nan
+        return self.flops / (self.time_ms * 1e-3) / self.ranks / 1e12
 
     @property
     def exposed_fraction(self) -> float:
