@@ -122,6 +122,7 @@ class DecodePoint:
 @dataclass
 class Calibration:
     """A GPU type's measurements. ``links``: pattern -> :class:`Curve` among the GPUs of one node;
+    ``nodes``: the hosts the ranks ran on (links measured across nodes where more than one);
     ``memory_gib``: one GPU's memory; ``varlen_kernel``: the varlen entry point the backend runs packed
     documents' rectangles on (None: each rectangle is its own dense call); ``documents``: calls on
     packed documents; ``decode``: decode steps."""
@@ -136,6 +137,7 @@ class Calibration:
     decode: list[DecodePoint] = field(default_factory=list)
     backend: str = "auto"
     varlen_kernel: str | None = None
+    nodes: int = 1
     command: str = ""
     created: str = ""
 
@@ -175,9 +177,10 @@ class Calibration:
         links = "; ".join(f"{name} {c.latency_us:.0f} us + {c.bandwidth_gbs:.0f} GB/s" for name, c in self.links.items())
         cache = f"; {len(self.decode)} decode steps" if self.decode else ""
         sw = ", ".join(f"{k} {v}" for k, v in self.software.items() if v)
-        return (f"{self.device} x{self.gpus} ({self.memory_gib:.0f} GiB each; {sw}); kernels: {len(self.kernels)} "
+        where = f" on {self.nodes} nodes" if self.nodes > 1 else ""
+        return (f"{self.device} x{self.gpus}{where} ({self.memory_gib:.0f} GiB each; {sw}); kernels: {len(self.kernels)} "
                 f"timed call shapes and {len(self.documents)} document mixes on backend {self.backend}; "
-                f"links within a node: {links or 'none measured'}{cache}")
+                f"links {'between nodes' if self.nodes > 1 else 'within a node'}: {links or 'none measured'}{cache}")
 
 
 def log_interp(x: float, xs: list[float], ys: list[float]) -> float:

@@ -52,6 +52,9 @@ def add_plan_parser(sub):
                    help="bandwidth between nodes per GPU, GB/s one way (e.g. 50 for 400 Gb/s InfiniBand per GPU); "
                         "needed for more than one node")
     p.add_argument("--inter-node-latency-us", type=nonnegative_float, default=10.0)
+    p.add_argument("--inter-node-calibration", default=None, metavar="CAL.json",
+                   help="links between nodes as measured: a calibration run with one GPU on each of two or more nodes "
+                        "(instead of --inter-node-gbs)")
     p.add_argument("--validate", nargs="+", default=None, metavar="RESULTS.jsonl",
                    help="print predicted beside measured for every row of these runs the model covers")
     p.add_argument("--json", default=None, help="also write the predictions to this file")
@@ -89,10 +92,17 @@ def run_calibrate(args) -> int:
     return 0
 
 
-def _model(args, cal: Calibration) -> Model:
+def _model(args, cal: Calibration, parser) -> Model:
     inter = None
+    if args.inter_node_gbs is not None and args.inter_node_calibration:
+        parser.error("--inter-node-gbs and --inter-node-calibration: give the links between nodes one way")
     if args.inter_node_gbs is not None:
         inter = InterNode(args.inter_node_gbs, args.inter_node_latency_us)
+    elif args.inter_node_calibration:
+        try:
+            inter = InterNode.measured(Calibration.load(args.inter_node_calibration), args.inter_node_calibration)
+        except ValueError as e:
+            parser.error(str(e))
     return Model(KernelModel(cal), Network(cal, args.gpus_per_node, inter))
 
 
@@ -103,7 +113,7 @@ def run_plan(args, parser) -> int:
         parser.error(str(e))
     if args.validate:  # runs of one node: its ranks share the calibrated links (validate leaves out the others)
         args.gpus_per_node = 1 << 30
-        text, checks = validate(_model(args, cal), args.validate, args.calibration)
+        text, checks = validate(_model(args, cal, parser), args.validate, args.calibration)
         print(f"calibration: {cal.describe()}\n")
         print(text)
         if args.json:
@@ -121,11 +131,12 @@ def run_plan(args, parser) -> int:
     if args.mode == "decode" and doc:
         parser.error("--doc-lengths: decode reads one cache per sequence; leave it out")
     world = args.gpus_per_node * args.nodes
-    if args.nodes > 1 and args.inter_node_gbs is None:
-        parser.error(f"--nodes {args.nodes}: give --inter-node-gbs (per-GPU bandwidth between nodes, GB/s)")
+    if args.nodes > 1 and args.inter_node_gbs is None and not args.inter_node_calibration:
+        parser.error(f"--nodes {args.nodes}: give --inter-node-gbs (per-GPU bandwidth between nodes, GB/s) or "
+                     "--inter-node-calibration")
     problem = Problem(args.seq_len, h, hkv, d, causal=not args.non_causal, mode=args.mode, batch=args.batch,
                       documents=doc, query_tokens=args.query_tokens)
-    model = _model(args, cal)
+    model = _model(args, cal, parser)
     preds = candidates(model, problem, world)
     best, why = recommend(preds, cal.memory_gib)
     one = model.single_device(problem) if args.mode != "decode" else None

@@ -5,7 +5,8 @@ holds, taken on the GPUs at hand.
   and not, forward and forward + backward, lengths 128 .. ``--longest`` rows, as one sequence and
   as batches that fill the GPU. Every rank times the same calls at once (as in a parallel run, all
   GPUs draw power together); each point is the mean of the ranks' medians.
-* Communication among the launched ranks (one node): send/recv round the ring, copy-engine pulls
+* Communication among the launched ranks (one node; or one GPU on each of several nodes, for the
+  links between nodes that ``plan --inter-node-calibration`` reads): send/recv round the ring, copy-engine pulls
   from the previous rank's memory where symmetric memory works, all-to-all, all-gather and
   reduce-scatter, 64 KiB .. 1 GiB per rank; each point is the slowest rank's median.
 * Local calls on packed documents (a mix of 512 .. 16K-row documents, each length its own call):
@@ -271,8 +272,13 @@ def calibrate(shapes, longest: int, device, backend: str = "auto", command: str 
     probe = [torch.empty(1, 128, x, d, device=device, dtype=torch.bfloat16) for x in (h, hkv, hkv)]
     varlen = varlen_kernel(*probe, backend, True)
     gpus = dist.get_world_size() if dist.is_initialized() else 1
+    hosts = [None] * gpus
+    if gpus > 1:
+        import socket
+
+        dist.all_gather_object(hosts, socket.gethostname())
     return Calibration(device=torch.cuda.get_device_name(device), gpus=gpus,
                        memory_gib=props.total_memory / 2**30, software=software, kernels=kernels, links=links,
                        documents=documents, decode=decode, backend=backend,
-                       varlen_kernel=None if varlen is None else varlen.name, command=command,
+                       varlen_kernel=None if varlen is None else varlen.name, nodes=len(set(hosts)), command=command,
                        created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))

@@ -6,7 +6,8 @@ of ranks all on one node moves at the calibrated curves, read at the bytes each 
 curves were measured on the calibration's GPUs of one node: a larger group within a node is
 assumed to move each rank's bytes at the same per-GPU bandwidth, as on NVSwitch). A group that
 spans nodes is limited by the links between nodes: each GPU's share of its node's inter-node
-bandwidth, for the bytes that leave the node.
+bandwidth, for the bytes that leave the node, stated by the user or measured by a calibration
+whose ranks were on different nodes.
 """
 from __future__ import annotations
 
@@ -17,14 +18,31 @@ from .calibration import Calibration
 
 @dataclass(frozen=True)
 class InterNode:
-    """Per-GPU bandwidth between nodes (GB/s, one direction) and one message's latency (us)."""
+    """The links between nodes: stated per-GPU bandwidth (GB/s, one direction) and one message's
+    latency (us), or measured ``curves`` (pattern -> :class:`Curve`, from a calibration whose ranks
+    were on different nodes), which then decide the patterns they hold."""
 
     gbs: float
     latency_us: float = 10.0
     source: str = "stated"
+    curves: dict | None = None
 
-    def time_ms(self, nbytes: float) -> float:
-        return 0.0 if nbytes <= 0 else self.latency_us * 1e-3 + nbytes / (self.gbs * 1e9) * 1e3
+    @classmethod
+    def measured(cls, calibration: Calibration, source: str) -> "InterNode":
+        """The links of ``calibration``, measured among ranks on different nodes."""
+        if calibration.nodes < 2 or "p2p" not in calibration.links:
+            raise ValueError(f"{source}: its links were measured within one node ({calibration.nodes} node): "
+                             "calibrate with the ranks on two or more nodes (one GPU per node) for the links between them")
+        lat, per_ms = calibration.links["p2p"].fit()
+        return cls(per_ms * 1e3 / 1e9, lat * 1e3, f"measured: {source}", dict(calibration.links))
+
+    def time_ms(self, nbytes: float, pattern: str = "p2p") -> float:
+        """Milliseconds for ``nbytes`` each GPU moves across nodes in ``pattern``."""
+        if nbytes <= 0:
+            return 0.0
+        if self.curves and pattern in self.curves:
+            return self.curves[pattern].time_ms(nbytes)
+        return self.latency_us * 1e-3 + nbytes / (self.gbs * 1e9) * 1e3
 
 
 @dataclass
@@ -72,7 +90,7 @@ class Network:
             return self._intra("all_to_all", moved)
         here = sum(1 for r in ranks if r // self.gpus_per_node == ranks[0] // self.gpus_per_node)
         leaving = nbytes * (p - here) / p
-        return max(self._intra("all_to_all", nbytes * (here - 1) / p), self._cross(ranks).time_ms(leaving))
+        return max(self._intra("all_to_all", nbytes * (here - 1) / p), self._cross(ranks).time_ms(leaving, "all_to_all"))
 
     def all_gather_ms(self, nbytes: float, ranks: list[int]) -> float:
         """all_gather of ``nbytes`` from each rank (each receives ``(P - 1) x nbytes``)."""
@@ -81,7 +99,7 @@ class Network:
             return 0.0
         if not self.spans_nodes(ranks):
             return self._intra("all_gather", nbytes * (p - 1))
-        return self._cross(ranks).time_ms(nbytes * (p - 1))  # a ring over the nodes: every hop carries it all
+        return self._cross(ranks).time_ms(nbytes * (p - 1), "all_gather")  # over the nodes every GPU receives it all
 
     def reduce_scatter_ms(self, nbytes: float, ranks: list[int]) -> float:
         """reduce_scatter of a buffer of ``nbytes`` per rank (``(P - 1)/P`` of it leaves each rank)."""
@@ -90,7 +108,7 @@ class Network:
             return 0.0
         if not self.spans_nodes(ranks):
             return self._intra("reduce_scatter", nbytes * (p - 1) / p)
-        return self._cross(ranks).time_ms(nbytes * (p - 1) / p)
+        return self._cross(ranks).time_ms(nbytes * (p - 1) / p, "reduce_scatter")
 
     def relayed_ms(self, nbytes: float, ranks: list[int]) -> float:
         """An all-gather or reduce-scatter relayed round the ring: ``P - 1`` hops of ``nbytes``."""
@@ -99,5 +117,6 @@ class Network:
     def describe(self) -> str:
         inter = "no links between nodes given"
         if self.inter:
-            inter = f"between nodes {self.inter.gbs:.0f} GB/s per GPU + {self.inter.latency_us:.0f} us ({self.inter.source})"
+            inter = (f"between nodes {self.inter.gbs:.0f} GB/s per GPU + {self.inter.latency_us:.0f} us "
+                     f"({self.inter.source})")
         return f"{self.gpus_per_node} GPUs per node; {inter}"

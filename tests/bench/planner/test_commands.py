@@ -95,3 +95,16 @@ def test_validate_leaves_out_runs_across_nodes(cal_path, tmp_path, capsys):
     path.write_text(json.dumps(_row("documents", 4, 5.0, env={"gpu": "Synthetic GPU", "gpu_count": 2})) + "\n")
     assert main(["plan", "--calibration", cal_path, "--validate", str(path)]) == 0
     assert "only runs of one node" in capsys.readouterr().out
+
+
+def test_plan_takes_the_links_between_nodes_from_a_calibration_across_nodes(cal_path, tmp_path, capsys):
+    across = tmp_path / "across.json"
+    calibration(nodes=2).save(str(across))
+    assert main(["plan", "--calibration", cal_path, "--nodes", "2", "--inter-node-calibration", str(across)]) == 0
+    assert "measured: " + str(across) in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--calibration", cal_path, "--nodes", "2", "--inter-node-calibration", cal_path])
+    assert e.value.code == 2 and "two or more nodes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--calibration", cal_path, "--nodes", "2", "--inter-node-calibration", str(across),
+              "--inter-node-gbs", "50"])

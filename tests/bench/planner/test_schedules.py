@@ -115,3 +115,15 @@ def test_a_prediction_says_where_it_extrapolates_below_the_calibrated_work():
     few = m.predict("ulysses", Problem(8 * 2048, 32, 8, 128, causal=True, mode="fwd"), 8)  # 4 heads of 16K rows
     assert few.notes and "extrapolated" in few.notes[0]
     assert not m.predict("ring_zigzag", Problem(2 * 65536, 32, 8, 128, causal=True, mode="fwd"), 2).notes
+
+
+def test_links_between_nodes_can_be_a_calibration_measured_across_nodes():
+    slow = {name: link(latency=50.0 if name == "p2p" else 70.0, per_ms=1e30)
+            for name in ("p2p", "all_to_all", "all_gather", "reduce_scatter")}
+    across = calibration(slow, nodes=2)
+    net = Network(calibration(), 8, InterNode.measured(across, "across.json"))
+    assert net.p2p_ms(1e6, [0, 8]) == pytest.approx(50.0)  # a hop between nodes: the measured send/recv
+    assert net.all_to_all_ms(1e6, list(range(16))) == pytest.approx(70.0)  # its bytes leaving the node
+    assert net.p2p_ms(1e6, [0, 1]) < 1.0  # within a node: the node's own links
+    with pytest.raises(ValueError, match="within one node.*two or more nodes"):
+        InterNode.measured(calibration(), "one-node.json")
