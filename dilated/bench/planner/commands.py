@@ -131,6 +131,9 @@ def run_plan(args, parser) -> int:
     if args.mode == "decode" and doc:
         parser.error("--doc-lengths: decode reads one cache per sequence; leave it out")
     world = args.gpus_per_node * args.nodes
+    if world > 1 and not cal.links:
+        parser.error(f"--calibration {args.calibration}: it holds no link times (calibrated on one GPU), so it plans "
+                     "one GPU only: calibrate under torchrun with 2 or more GPUs of one node to plan for more")
     if args.nodes > 1 and args.inter_node_gbs is None and not args.inter_node_calibration:
         parser.error(f"--nodes {args.nodes}: give --inter-node-gbs (per-GPU bandwidth between nodes, GB/s) or "
                      "--inter-node-calibration")

@@ -78,7 +78,7 @@ def label(p: Prediction) -> str:
 
 def format_plan(preds: list[Prediction], problem: Problem, world: int, best: Prediction | None, why: str,
                 assumptions: list[str]) -> str:
-    lines = [f"plan: {problem.describe()}; {world} GPUs", ""]
+    lines = [f"plan: {problem.describe()}; {world} GPU{'s' if world > 1 else ''}", ""]
     lines.append(f"{'strategy':<24} {'ms/call':>9} {'TFLOP/s/GPU':>11} {'exposed':>8} {'GiB/GPU':>8} {'GB sent':>8}")
     for p in preds:
         if not p.supported:

@@ -108,3 +108,13 @@ def test_plan_takes_the_links_between_nodes_from_a_calibration_across_nodes(cal_
     with pytest.raises(SystemExit):
         main(["plan", "--calibration", cal_path, "--nodes", "2", "--inter-node-calibration", str(across),
               "--inter-node-gbs", "50"])
+
+
+def test_a_calibration_of_one_gpu_plans_one_gpu_only(tmp_path, capsys):
+    path = tmp_path / "one.json"
+    calibration(links={}).save(str(path))
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--calibration", str(path), "--gpus-per-node", "4"])
+    assert e.value.code == 2 and "no link times" in capsys.readouterr().err
+    assert main(["plan", "--calibration", str(path), "--gpus-per-node", "1", "--mode", "decode"]) == 0
+    assert "decode over 1 GPU " in capsys.readouterr().out
