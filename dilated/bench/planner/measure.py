@@ -51,20 +51,21 @@ def kernel_batches(length: int) -> list[int]:
     return sorted({1, max(1, 8192 // length), max(1, FILLING_ROWS // length)})
 
 
-def _mean_over_ranks(x: float) -> float:
+def _over_ranks(x: float, op: str) -> float:
+    """``x`` of every launched rank: their ``"mean"`` or their ``"max"`` (``x`` itself on one rank)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return x
     t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return float(t) if op == "max" else float(t) / dist.get_world_size()
+
+
+def _mean_over_ranks(x: float) -> float:
+    return _over_ranks(x, "mean")
 
 
 def _max_over_ranks(x: float) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return _over_ranks(x, "max")
 
 
 def _median(step, device, reps: int) -> float:

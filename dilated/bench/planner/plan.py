@@ -38,7 +38,7 @@ def candidates(model: Model, problem: Problem, world: int) -> list[Prediction]:
             pred.strategy = f"decode over {p} GPU{'s' if p > 1 else ''}"
             out.append(pred)
             p *= 2
-        return sorted(out, key=lambda x: (not x.supported, x.time_ms if x.supported else math.inf))
+        return sorted(out, key=_fastest_first)
     names = DOCUMENTS if problem.has_documents else DENSE
     out = []
     for name in names:
@@ -51,7 +51,11 @@ def candidates(model: Model, problem: Problem, world: int) -> list[Prediction]:
                 out.append(p)
         else:
             out.append(model.predict(name, problem, world))
-    return sorted(out, key=lambda p: (not p.supported, p.time_ms if p.supported else math.inf))
+    return sorted(out, key=_fastest_first)
+
+
+def _fastest_first(p: Prediction):
+    return not p.supported, p.time_ms if p.supported else math.inf
 
 
 def recommend(preds: list[Prediction], memory_gib: float) -> tuple[Prediction | None, str]:

@@ -103,6 +103,11 @@ def _what(row: dict) -> str:
     return f"{c['seq_len'] // 1024}K {docs} {causal} {c['mode']} {c['num_heads']}/{hk}/{c['head_dim']} B{c['batch']}"
 
 
+def _errors(modelled: list[Check]) -> str:
+    errs = sorted(abs(c.ratio - 1) for c in modelled)
+    return f"median |error| {100 * errs[len(errs) // 2]:.1f}%, largest {100 * errs[-1]:.1f}%"
+
+
 def format_checks(checks: list[Check], source: str, calibration: str) -> str:
     lines = [f"validation: {source} against the model on {calibration} (within {TOLERANCE:.0%} counts)", "",
              f"{'implementation':<22} {'P':>2} {'problem':<44} {'measured':>9} {'predicted':>9} {'ratio':>6} "
@@ -118,8 +123,7 @@ def format_checks(checks: list[Check], source: str, calibration: str) -> str:
     inside = sum(c.within for c in modelled)
     lines += ["", f"{inside} of {len(modelled)} modelled rows within {TOLERANCE:.0%}"]
     if modelled:
-        errs = sorted(abs(c.ratio - 1) for c in modelled)
-        lines.append(f"median |error| {100 * errs[len(errs) // 2]:.1f}%, largest {100 * errs[-1]:.1f}%")
+        lines.append(_errors(modelled))
     skipped = [c for c in checks if c.skipped is not None]
     if skipped:
         lines += ["", "not modelled:"]
@@ -135,7 +139,6 @@ def validate(model: Model, paths: list[str], calibration: str) -> tuple[str, lis
         texts.append(format_checks(mine, path, calibration))
     modelled = [c for c in checks if c.skipped is None]
     if len(paths) > 1 and modelled:
-        errs = sorted(abs(c.ratio - 1) for c in modelled)
         texts.append(f"all {len(paths)} files: {sum(c.within for c in modelled)} of {len(modelled)} modelled rows within "
-                     f"{TOLERANCE:.0%}; median |error| {100 * errs[len(errs) // 2]:.1f}%, largest {100 * errs[-1]:.1f}%")
+                     f"{TOLERANCE:.0%}; {_errors(modelled)}")
     return "\n\n".join(texts), checks
