@@ -243,7 +243,7 @@ def crossing_rows(k, v, send, rows: int):
     """This rank's K/V rows ``send`` of crossing documents as one buffer ``[B, rows, Hkv, Dk + Dv]``
     (zero-padded to the ``rows`` every rank sends)."""
     mine = k.new_zeros(k.shape[0], rows, k.shape[2], k.shape[3] + v.shape[3])
-    mine[:, :send.numel()] = torch.cat([k[:, send], v[:, send]], -1)
+    mine[:, :send.numel()] = torch.cat([k.index_select(1, send), v.index_select(1, send)], -1)
     return mine
 
 
@@ -252,13 +252,19 @@ def split_kv(rows, dk: int):
     return rows[..., :dk], rows[..., dk:]
 
 
+def add_rows_(grad, rows, part):
+    """``grad[:, rows] += part`` in ``part``'s dtype (the float32 accumulator), rounded once to
+    ``grad``'s: only those rows are converted, not the whole gradient."""
+    grad.index_copy_(1, rows, (grad.index_select(1, rows).to(part.dtype) + part).to(grad.dtype))
+
+
 def add_crossing_grads(dk, dv, got, send):
-    """Add the gradient rows ``got`` (``[B, rows, Hkv, Dk + Dv]``, this rank's crossing rows first)
-    to ``dk``/``dv`` at the local rows ``send``."""
+    """Add the gradient rows ``got`` (``[B, rows, Hkv, Dk + Dv]`` float32, this rank's crossing rows
+    first) to ``dk``/``dv`` at the local rows ``send`` (in float32, rounded once)."""
     if send.numel():
         got = got[:, :send.numel()]
-        dk[:, send] += got[..., :dk.shape[3]]
-        dv[:, send] += got[..., dk.shape[3]:]
+        add_rows_(dk, send, got[..., :dk.shape[3]])
+        add_rows_(dv, send, got[..., dk.shape[3]:])
 
 
 class _Collective:
@@ -323,12 +329,12 @@ class _DocumentFunction(torch.autograd.Function):
             raise failure
         if q_rows.numel():
             kr, vr = _crossing_kv(gathered, k_slots, k.shape[3])
-            o_r, lse_r = call.crossing_forward(q[:, q_rows], kr, vr, plan.cu_q, plan.cu_k)
-            acc = out[:, q_rows].to(acc_dtype(q.dtype))
-            acc_lse = lse[:, :, q_rows].transpose(1, 2).contiguous()
+            o_r, lse_r = call.crossing_forward(q.index_select(1, q_rows), kr, vr, plan.cu_q, plan.cu_k)
+            acc = out.index_select(1, q_rows).to(acc_dtype(q.dtype))
+            acc_lse = lse.index_select(2, q_rows).transpose(1, 2).contiguous()
             merge_(acc, acc_lse, o_r, lse_r.transpose(1, 2))
-            out[:, q_rows] = acc.to(out.dtype)
-            lse[:, :, q_rows] = acc_lse.transpose(1, 2)
+            out.index_copy_(1, q_rows, acc.to(out.dtype))
+            lse.index_copy_(2, q_rows, acc_lse.transpose(1, 2))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *(() if gathered is None else (gathered,)))
         ctx.call = call
@@ -349,8 +355,9 @@ class _DocumentFunction(torch.autograd.Function):
             if q_rows.numel():
                 try:
                     kr, vr = _crossing_kv(rest[0], k_slots, dk_all)
-                    d_rows = call.crossing_backward(dout[:, q_rows], q[:, q_rows], kr, vr, out[:, q_rows],
-                                                    lse[:, :, q_rows].contiguous(), plan.cu_q, plan.cu_k)
+                    d_rows = call.crossing_backward(*(x.index_select(1, q_rows) for x in (dout, q)), kr, vr,
+                                                    out.index_select(1, q_rows), lse.index_select(2, q_rows),
+                                                    plan.cu_q, plan.cu_k)
                     d_full.index_add_(1, k_slots, torch.cat([d_rows[1], d_rows[2]], -1).to(acc))
                 except Exception as e:  # noqa: BLE001 - raised once this rank has joined the reduce-scatter
                     failure = e
@@ -363,9 +370,8 @@ class _DocumentFunction(torch.autograd.Function):
         got = pending.wait() if pending is not None else None
         if failure is not None:
             raise failure
-        dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
         if d_rows is not None:
-            dq[:, q_rows] += d_rows[0].to(acc)
+            add_rows_(dq, q_rows, d_rows[0].to(acc))
         if got is not None:
             add_crossing_grads(dk, dv, got, send)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
