@@ -140,7 +140,9 @@ def add_common_args(p: argparse.ArgumentParser, *, seq_lengths="8192", batch=2, 
                         "then spans a power-capped GPU's clock swings, so that repeats of a config agree)")
     t.add_argument("--time-budget", type=positive_float, default=None,
                    help="at most about this many seconds per row: warm-up and timed calls stop once it is spent "
-                        "(at least one timed call)")
+                        "(at least one timed call; where calls exceed it, the row's warm-up calls are still made "
+                        "and its one sample is the last of them, so a first call that compiles is never a "
+                        "row's only sample unless --warmup is below 2 on a CPU)")
     t.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
     t.add_argument("--check-determinism", action="store_true",
                    help="run each configuration twice more on the same inputs and record whether its output and "

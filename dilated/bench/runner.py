@@ -236,24 +236,31 @@ class _RowRun:
         self.ranks.settle(done)
         return self.impl.reduce_max([(time.perf_counter() - t0) * 1e3])[0]
 
-    def second_call(self, first_ms: float) -> bool:
+    def second_call(self, first_ms: float) -> tuple[int, float]:
         """The second call, timed alone as the first was (``second_call_ms``): where a kernel builds
         what a shape needs when the shape comes back (cuDNN's graphs, :mod:`dilated.backends.graph_shapes`),
         this is the call that pays. It is the second warm-up call; taken where there are two or more
-        (:func:`warmup_calls`) and the first call was within the time budget. Returns whether it ran."""
-        opts = self.opts
-        over_budget = opts.budget_s is not None and first_ms > 1e3 * opts.budget_s
-        if not warmup_calls(self.device, opts.warmup, 1) or over_budget:
-            return False
+        (:func:`warmup_calls`). While a call exceeds the time budget, the next warm-up call is made
+        too (up to the row's warm-up calls): a first call that compiles, or a second that builds a
+        graph, over the budget is then not the row's only sample. Returns ``(calls made, the last
+        one's ms)``, the same on every rank."""
+        opts, made, last = self.opts, 1, first_ms
+        if not warmup_calls(self.device, opts.warmup, made):
+            return made, last
         with record_kernels() as ran:
-            self.row["second_call_ms"] = self._timed_call("second call done")
+            last = self.row["second_call_ms"] = self._timed_call("second call done")
         self.row["second_call_kernels"] = sorted(ran) or None
-        return True
+        made += 1
+        while opts.budget_s is not None and last > 1e3 * opts.budget_s and warmup_calls(self.device, opts.warmup, made):
+            last = self._timed_call("warm-up call done")
+            made += 1
+        return made, last
 
-    def time_calls(self, first_ms: float, warmed: int = 1) -> tuple[list[list[float]], bool]:
-        """The timed calls (with ``--floor``, in turns with each floor). Returns the samples of
-        each timed step and whether the output and gradients the last call left are the step's
-        own (then the check reads them: the result checked is the one timed)."""
+    def time_calls(self, last_ms: float, warmed: int = 1) -> tuple[list[list[float]], bool]:
+        """The timed calls (with ``--floor``, in turns with each floor) after ``warmed`` calls, the
+        last of which took ``last_ms``. Returns the samples of each timed step and whether the
+        output and gradients the last call left are the step's own (then the check reads them: the
+        result checked is the one timed)."""
         opts, device, impl, ranks = self.opts, self.device, self.impl, self.ranks
         timed_setup = ranks.guard(self.setup)
         if self.spread:  # ranks start each call together (a rank that failed still joins the barrier)
@@ -291,11 +298,15 @@ class _RowRun:
                                         agree=agree if self.collective else None, cuda_graph=graphed)
 
         self.row["first_call_only"] = False
-        if opts.budget_s is not None and first_ms > 1e3 * opts.budget_s and floor is None and not graphed:
-            runs = [[first_ms]]  # one call took longer than the row's budget: it is the row's one sample
-            self.row["first_call_only"] = True  # no steady figure: left out of every derived number
-            self.row["time_note"] = (f"one call ({first_ms / 1e3:.1f} s, its first) exceeded --time-budget "
-                                     f"{opts.budget_s:g} s: the only sample, not warmed up")
+        if opts.budget_s is not None and last_ms > 1e3 * opts.budget_s and floor is None and not graphed:
+            runs = [[last_ms]]  # the last warm-up call took longer than the row's budget: the row's one sample
+            if warmed == 1:  # no steady figure: left out of every derived number
+                self.row["first_call_only"] = True
+                self.row["time_note"] = (f"one call ({last_ms / 1e3:.1f} s, its first) exceeded --time-budget "
+                                         f"{opts.budget_s:g} s: the only sample, not warmed up")
+            else:
+                self.row["time_note"] = (f"call {warmed} ({last_ms / 1e3:.1f} s) still exceeded --time-budget "
+                                         f"{opts.budget_s:g} s: the only sample, after {warmed - 1} warm-up calls")
         elif floor_backend is None:
             runs = in_turns(timed)
         else:  # [step, kernel floor (None where the problem has none), step, one-call floor]
@@ -483,10 +494,10 @@ def run_case(impl: Implementation, case: Case, backend: str, opts: RunOptions, e
     try:
         run.prepare(captured)
         first_ms = run.first_call()
-        warmed = 1 + run.second_call(first_ms)
+        warmed, last_ms = run.second_call(first_ms)
         if same_as is not None:
             _same_as_earlier(run, same_as)
-        runs, reuse = run.time_calls(first_ms, warmed)
+        runs, reuse = run.time_calls(last_ms, warmed)
         run.record_comm(run.record_speed(runs))
         if opts.check:
             run.check(reuse)

@@ -49,10 +49,21 @@ def _slow_first_call(seconds):
 
 
 # -- first calls ---------------------------------------------------------------------------------
+def test_a_first_call_over_the_budget_is_followed_by_warm_calls():
+    """A compile longer than --time-budget does not leave the row with its first call as one sample."""
+    cold = Implementation("compiles_for_test", "dense", _slow_first_call(0.3))
+    with registered(cold) as (impl,):
+        row, = run_sweep([(impl, CASE, "manual")], RunOptions(warmup=3, reps=5, budget_s=0.1, device="cpu"), None,
+                         "t", progress=False)
+    assert row["first_call_ms"] >= 300 and row["second_call_ms"] < 300
+    assert not row["first_call_only"] and row["time_ms"]["n"] > 1 and row["time_ms"]["median"] < 300
+    assert trusted(row)
+
+
 def test_a_row_timed_by_its_first_call_only_is_marked_and_derives_nothing():
     cold = Implementation("compiles_for_test", "dense", _slow_first_call(0.3))
     with registered(cold) as (impl,):
-        opts = RunOptions(warmup=3, reps=5, budget_s=0.1, device="cpu")
+        opts = RunOptions(warmup=1, reps=5, budget_s=0.1, device="cpu")  # no warm-up call: the first is all
         rows = run_sweep([(impl, CASE, "manual"), (IMPLEMENTATIONS["dense"], CASE, "manual")], opts, None, "t",
                          progress=False)
     slow, warm = rows
@@ -75,7 +86,8 @@ def test_a_first_call_only_row_is_left_out_of_the_extreme_fit(tmp_path, capsys):
     out = tmp_path / "x.jsonl"
     with registered(cold):
         extreme_main(["--implementation", "compiles_for_test", "--min-seq-length", "64", "--max-seq-length", "256",
-                      "--time-budget", "0.2", "--device", "cpu", "--no-plot", "--no-progress", "--output", str(out),
+                      "--time-budget", "0.2", "--warmup", "1", "--device", "cpu", "--no-plot", "--no-progress",
+                      "--output", str(out),
                       "--backend", "manual"])
     text = capsys.readouterr().out
     rows = read_jsonl(str(out))
