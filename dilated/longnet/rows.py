@@ -28,12 +28,11 @@ Elsewhere (CPU, GQA kv rows, which select or scatter-add kv heads, no Triton,
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from .._checks import acc_dtype
-from .._triton.launch import LAUNCH, blocks
+from .._triton.launch import LAUNCH, blocks, triton_enabled
 from .branch_combine import MAX_PERIOD, combine_branches, layout_of
 from .memory_pool import MemoryPool
 from ..merge import merge_
@@ -44,13 +43,6 @@ try:  # Triton ships with CUDA builds of PyTorch; it is optional here.
     from .._triton.combine import combine_kernel, gather_kernel
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
-
-
-def triton_enabled(device: torch.device) -> bool:
-    """Whether gather and combine run Triton kernels on ``device`` (``DILATED_TRITON=0``: never)."""
-    if triton is None or os.environ.get("DILATED_TRITON", "1") == "0":
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def branch_view(x: torch.Tensor, c: KernelCall, heads: bool = True) -> torch.Tensor:

@@ -38,7 +38,7 @@ from ..backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel, 
 from .sharding import CommStats, all_gather_into, reduce_scatter_from
 from .document_layout import DocumentLayout, given_or_last, ranges_to_positions
 from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
-from ..merge import merge_
+from ..indexed_rows import add_rows_, add_to_slots_, merge_rows_
 from .document_calls import block_documents_backward, block_documents_forward
 from .ring_exchange import RingExchange
 
@@ -252,12 +252,6 @@ def split_kv(rows, dk: int):
     return rows[..., :dk], rows[..., dk:]
 
 
-def add_rows_(grad, rows, part):
-    """``grad[:, rows] += part`` in ``part``'s dtype (the float32 accumulator), rounded once to
-    ``grad``'s: only those rows are converted, not the whole gradient."""
-    grad.index_copy_(1, rows, (grad.index_select(1, rows).to(part.dtype) + part).to(grad.dtype))
-
-
 def add_crossing_grads(dk, dv, got, send):
     """Add the gradient rows ``got`` (``[B, rows, Hkv, Dk + Dv]`` float32, this rank's crossing rows
     first) to ``dk``/``dv`` at the local rows ``send`` (in float32, rounded once)."""
@@ -330,11 +324,7 @@ class _DocumentFunction(torch.autograd.Function):
         if q_rows.numel():
             kr, vr = _crossing_kv(gathered, k_slots, k.shape[3])
             o_r, lse_r = call.crossing_forward(q.index_select(1, q_rows), kr, vr, plan.cu_q, plan.cu_k)
-            acc = out.index_select(1, q_rows).to(acc_dtype(q.dtype))
-            acc_lse = lse.index_select(2, q_rows).transpose(1, 2).contiguous()
-            merge_(acc, acc_lse, o_r, lse_r.transpose(1, 2))
-            out.index_copy_(1, q_rows, acc.to(out.dtype))
-            lse.index_copy_(2, q_rows, acc_lse.transpose(1, 2))
+            merge_rows_(out, lse, q_rows, o_r, lse_r)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *(() if gathered is None else (gathered,)))
         ctx.call = call
@@ -358,7 +348,8 @@ class _DocumentFunction(torch.autograd.Function):
                     d_rows = call.crossing_backward(*(x.index_select(1, q_rows) for x in (dout, q)), kr, vr,
                                                     out.index_select(1, q_rows), lse.index_select(2, q_rows),
                                                     plan.cu_q, plan.cu_k)
-                    d_full.index_add_(1, k_slots, torch.cat([d_rows[1], d_rows[2]], -1).to(acc))
+                    add_to_slots_(d_full[..., :dk_all], k_slots, d_rows[1])
+                    add_to_slots_(d_full[..., dk_all:], k_slots, d_rows[2])
                 except Exception as e:  # noqa: BLE001 - raised once this rank has joined the reduce-scatter
                     failure = e
             pending = _reduce_grads(call, d_full.view(b, p, plan.rows, *d_full.shape[2:]).transpose(0, 1).contiguous())
@@ -371,7 +362,7 @@ class _DocumentFunction(torch.autograd.Function):
         if failure is not None:
             raise failure
         if d_rows is not None:
-            add_rows_(dq, q_rows, d_rows[0].to(acc))
+            add_rows_(dq, q_rows, d_rows[0])
         if got is not None:
             add_crossing_grads(dk, dv, got, send)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
