@@ -10,7 +10,9 @@ less work takes longer. Documents are timed in the calls the library makes for t
 (:func:`dilated.packed.document_calls`: one batched call per length or causal bucket, the small
 ones together in one varlen call), so the model's calls are the code's, each with what the
 documents path costs beyond its kernel (gathers into the batched calls, launches): read off the
-calibration's timed document mixes as their time less their kernels', per call.
+calibration's timed document mixes as their time less their kernels', per call. Where the
+documents path runs a varlen kernel (flash-attn 4's, with ``auto``), a block's documents are one
+call of it (:meth:`KernelModel.varlen_ms`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,12 @@ class KernelModel:
 
     def __init__(self, calibration: Calibration):
         self.calibration = calibration
+        # whether the documents path runs a block's documents in one call of the calibrated varlen
+        # kernel: auto takes flash-attn 4's wherever it runs; torch's only where auto's dense pick for
+        # the shard is torch's flash kernel, which calibrations before the probe at long rows recorded
+        # from a 128-row probe, so an auto calibration naming it is read as batched calls
+        self.varlen_documents = calibration.varlen_kernel is not None and (
+            calibration.backend != "auto" or calibration.varlen_kernel == "flash_attn_4_varlen")
         # kernel time predicted since the last reset, and the part of it below a length's least-work point
         self.extrapolated_ms = self.total_ms = 0.0
         table = defaultdict(lambda: defaultdict(list))  # (d, ratio, causal, mode) -> length -> [(work, rate)]
@@ -120,12 +128,38 @@ class KernelModel:
             return 0.0
         return self._per_call[min(keys, key=lambda k: abs(math.log(k[1] / ratio)))]
 
+    def varlen_ms(self, lengths, batch: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
+                  mode: str) -> float:
+        """One varlen call over documents of ``lengths`` in each of ``batch`` rows: each document's
+        FLOPs at the rate of a call of its length given the whole call's work (every document's rows
+        go to the GPU at once, as a batch of such calls would)."""
+        if mode == "bwd":
+            return max(0.0, self.varlen_ms(lengths, batch, heads, kv_heads, head_dim, causal, "fwd_bwd")
+                       - self.varlen_ms(lengths, batch, heads, kv_heads, head_dim, causal, "fwd"))
+        counts = defaultdict(int)
+        for m in lengths:
+            if m > 0:
+                counts[m] += 1
+        work = batch * sum(m * c for m, c in counts.items()) * heads
+        ratio = heads // kv_heads
+        ms = 0.0
+        for m, c in counts.items():
+            one = call_flops(batch * c, m, m, heads, head_dim, causal) / self._rate(m, work, head_dim, ratio, causal, mode)
+            ms += one
+            if work < self._least_work(m, head_dim, ratio, causal, mode):
+                self.extrapolated_ms += one
+        self.total_ms += ms
+        return ms
+
     def _documents(self, cu, batch, heads, kv_heads, head_dim, causal, mode) -> tuple[float, int]:
         """``(kernel ms, calls)`` of packed documents ``cu`` in the library's calls."""
         cu = list(cu)
         if len(cu) <= 2:
             n = cu[-1] - cu[0] if cu else 0
             return self.call_ms(n, n, batch, heads, kv_heads, head_dim, causal, mode), 0
+        if self.varlen_documents:  # one call of the varlen kernel (dilated.parallel.document_calls)
+            return self.varlen_ms([b - a for a, b in zip(cu, cu[1:])], batch, heads, kv_heads, head_dim, causal,
+                                  mode), 1
         big, small = split_small_calls(document_calls(cu, causal), heads, head_dim, causal)
         ms = sum(self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, causal, mode)
                  for length, docs in big)

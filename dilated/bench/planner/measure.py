@@ -269,8 +269,8 @@ def calibrate(shapes, longest: int, device, backend: str = "auto", command: str 
     props = torch.cuda.get_device_properties(device)
     from ...backends.varlen import varlen_kernel
 
-    h, hkv, d = shapes[0]
-    probe = [torch.empty(1, 128, x, d, device=device, dtype=torch.bfloat16) for x in (h, hkv, hkv)]
+    h, hkv, d = shapes[0]  # the varlen kernel the documents path takes for a long shard (auto's pick is by shape)
+    probe = [torch.randn(1, longest, x, d, device=device, dtype=torch.bfloat16) for x in (h, hkv, hkv)]
     varlen = varlen_kernel(*probe, backend, True)
     gpus = dist.get_world_size() if dist.is_initialized() else 1
     hosts = [None] * gpus

@@ -63,3 +63,36 @@ def test_crossing_rectangles_are_one_dense_call_each_without_a_varlen_kernel():
     cu_q, cu_k = (0, 1000, 3000), (0, 5000, 9000)
     want = true_ms(1, 1000, 5000, 32, 128, False, "fwd") + true_ms(1, 2000, 4000, 32, 128, False, "fwd")
     assert km.rectangles_ms(cu_q, cu_k, 1, 32, 8, 128, "fwd") == pytest.approx(want, rel=1e-9)
+
+
+def _varlen_want(lengths, heads, causal, mode):
+    """One varlen call: each document's FLOPs at the rate of its length given every document's rows."""
+    work = sum(lengths) * heads
+    return sum(dense_flops(1, heads, m, m, 128, causal, mode) / true_rate(m, work) for m in lengths)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_documents_on_flash_attn_4_are_one_varlen_call(causal):
+    cu = [0, 8192, 16384, 24576, 32768, 45056, 45556]  # 8K four times, 12K, 500
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    km = KernelModel(calibration(backend="auto", varlen_kernel="flash_attn_4_varlen"))
+    for mode in ("fwd", "fwd_bwd"):
+        want = _varlen_want(lengths, 32, causal, mode)
+        assert km.documents_ms(cu, 1, 32, 8, 128, causal, mode) == pytest.approx(want, rel=1e-9)
+    bwd = _varlen_want(lengths, 32, causal, "fwd_bwd") - _varlen_want(lengths, 32, causal, "fwd")
+    assert km.documents_ms(cu, 1, 32, 8, 128, causal, "bwd") == pytest.approx(bwd, rel=1e-9)
+    # more work in the call than any of its calls alone would give: faster than those calls one by one
+    batched = KernelModel(calibration()).documents_ms(cu, 1, 32, 8, 128, causal, "fwd")
+    assert km.documents_ms(cu, 1, 32, 8, 128, causal, "fwd") < batched
+
+
+def test_torchs_varlen_kernel_named_by_an_auto_calibration_leaves_documents_in_batched_calls():
+    """auto runs torch's varlen kernel only where its dense pick for the shard is torch's flash kernel."""
+    cu = [0, 8192, 16384, 24576, 32768, 45056]
+    auto = KernelModel(calibration(backend="auto", varlen_kernel="torch_varlen"))
+    assert auto.documents_ms(cu, 1, 32, 8, 128, False, "fwd") == pytest.approx(
+        KernelModel(calibration()).documents_ms(cu, 1, 32, 8, 128, False, "fwd"), rel=1e-12)
+    named = KernelModel(calibration(backend="sdpa_flash", varlen_kernel="torch_varlen"))
+    want = _varlen_want([b - a for a, b in zip(cu, cu[1:])], 32, False, "fwd")
+    assert named.documents_ms(cu, 1, 32, 8, 128, False, "fwd") == pytest.approx(want, rel=1e-9)
+
