@@ -23,7 +23,8 @@ that small waste a kernel's tiles; halving the smallest piece allowed until one 
 Each rank holds its pieces in sequence order. :meth:`DocumentLayout.positions` is a rank's
 global positions (what :func:`dilated.shard` takes); a document with pieces on several ranks is
 *crossing*, and only its rows travel between ranks (:class:`dilated.DocumentParallelAttention`).
-Computed on the host from the lengths alone.
+Computed on the host from the lengths alone; a layout pickles, so a data loader's worker can build
+it beside its batch.
 """
 from __future__ import annotations
 

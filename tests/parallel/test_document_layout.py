@@ -94,3 +94,21 @@ def test_shards_without_a_layout_before_any_call_say_how_to_get_one():
     assert given_or_last(one, two) is one and given_or_last(None, two) is two
     with pytest.raises(ValueError, match=r"pass layout=module.document_layout\(cu_seqlens\)"):
         given_or_last(None, None)
+
+
+def test_a_layout_built_in_another_process_gives_the_same_shards_and_plans():
+    """A layout pickles (a DataLoader worker can build it beside its batch): the copy holds the same
+    positions and gives every rank the same plan of crossing rows and rectangles."""
+    import pickle
+
+    from dilated.parallel.document_attention import rank_plan
+
+    cu = cu_seqlens_of("lognormal:8k,1.0", 1 << 18)
+    layout = DocumentLayout.balance(cu, 4, True)
+    copy = pickle.loads(pickle.dumps(layout))
+    assert copy is not layout and copy.pieces == layout.pieces and copy.crossing() == layout.crossing()
+    for r in range(4):
+        assert torch.equal(copy.positions(r), layout.positions(r))
+        a, b = rank_plan(copy, r), rank_plan(layout, r)
+        assert a.local_cu == b.local_cu and a.cu_q == b.cu_q and a.cu_k == b.cu_k and a.rows == b.rows
+        assert torch.equal(a.k_slots, b.k_slots) and torch.equal(a.q_rows, b.q_rows)
