@@ -24,6 +24,7 @@ from collections import defaultdict
 
 import torch
 
+from .indexed_rows import place_rows_
 from ._transfer import host_values_on
 from .backends import get_backend
 from .backends.kernel_log import note_kernel
@@ -207,18 +208,17 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
         pos, cu_rest = _small_rows(rest, q.device)
         o, l = varlen_forward(small[0], *(x.index_select(1, pos) for x in (q, k, v)), cu_rest, causal, small[1])
         out, lse = o.new_empty(b, n, *o.shape[2:]), l.new_empty(b, l.shape[1], n)
-        out.index_copy_(1, pos, o)  # index_copy_, not out[:, pos] = o: a faster kernel for rows of [B, N, H, D]
+        place_rows_(out, pos, o)
         lse[:, :, pos] = l
     for length, count, pos, pad, real, at in _document_rows(calls, q.device):
         qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
         o, l = attend(qg, kg, vg)
         h = l.shape[1]
-        o = _real(o.reshape(b, count * length, *o.shape[2:]), real, pad)
         l = _real(l.reshape(b, count, h, length).transpose(1, 2).reshape(b, h, count * length), real, pad, 2)
         if out is None:  # every position is in one call: all of it is written
             out = o.new_empty(b, n, *o.shape[2:])
             lse = l.new_empty(b, h, n)
-        out.index_copy_(1, at, o)
+        place_rows_(out, at, o, None if pad is None else real)  # the call's real rows, read where they lie
         lse[:, :, at] = l
     return out, lse
 
@@ -249,7 +249,7 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
         for i, (x, gi) in enumerate(zip((q, k, v), varlen_backward(
                 small[0], rows, cu_rest, causal, small[1], None if dlse is None else dlse.index_select(2, pos)))):
             grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
-            grads[i].index_copy_(1, pos, gi)
+            place_rows_(grads[i], pos, gi)
     for length, count, pos, pad, real, at in _document_rows(calls, q.device):
         dg, qg, kg, vg, og = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:])
                               for x in (dout, q, k, v, out))
@@ -259,7 +259,7 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
         for i, (x, gi) in enumerate(zip((q, k, v), call_grads)):
             if grads[i] is None:  # every position is in one call: all of it is written
                 grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
-            grads[i].index_copy_(1, at, _real(gi.reshape(b, count * length, *gi.shape[2:]), real, pad))
+            place_rows_(grads[i], at, gi, None if pad is None else real)
     return tuple(grads)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dilated import indexed_rows
-from dilated.indexed_rows import add_rows_, add_to_slots_, merge_rows_
+from dilated.indexed_rows import add_rows_, add_to_slots_, merge_rows_, place_rows_
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -90,10 +90,34 @@ def check_slots(device, gen):
     torch.testing.assert_close(buf.double().cpu(), expect, atol=1e-5, rtol=1e-5)
 
 
+def check_place(device, dtype, gen):
+    """Rows placed from a part, or from some of its rows (a padded call's real rows); others untouched."""
+    b, n, h, d, t = 2, 31, 3, 40, 12
+    rows = torch.randperm(n, generator=gen)[:t]
+    dst = torch.randn(b, n, h, d, generator=gen).to(device, dtype)
+    src = torch.randn(b, t, h, d, generator=gen).to(device, dtype)
+    expect = dst.cpu().clone()
+    expect[:, rows] = src.cpu()
+    place_rows_(dst, rows.to(device), src)
+    assert torch.equal(dst.cpu(), expect)
+    padded = torch.randn(b, 2 * t, h, d, generator=gen).to(device, dtype)
+    real = torch.randperm(2 * t, generator=gen)[:t]
+    expect[:, rows] = padded.cpu()[:, real]
+    place_rows_(dst, rows.to(device), padded, real.to(device))
+    assert torch.equal(dst.cpu(), expect)
+    # a batched call's output [B * C, L, H, D] laid out [B * C, H, L, D] (as kernels return it): C * L rows each
+    calls = torch.randn(b * 3, h, 8, d, generator=gen).to(device, dtype).transpose(1, 2)
+    real = torch.randperm(24, generator=gen)[:t]
+    expect[:, rows] = calls.cpu().reshape(b, 24, h, d)[:, real]
+    place_rows_(dst, rows.to(device), calls, real.to(device))
+    assert torch.equal(dst.cpu(), expect)
+
+
 def check_all(device="cpu"):
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         check_merge(device, dtype, gen)
+        check_place(device, dtype, gen)
         for part_dtype in (dtype, torch.float32):
             check_add(device, dtype, gen, part_dtype)
     check_slots(device, gen)
@@ -120,6 +144,20 @@ def test_triton_kernels_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_packed_and_document_parallel_attention_on_the_kernels_in_the_interpreter():
+    """The callers against float64 with the kernels in Triton's interpreter: packed documents (batched
+    calls' rows placed, padded and not, forward and gradients) and document-parallel attention on
+    two gloo ranks (the crossing rows merged, added and summed)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_packed.py",
+                          "tests/parallel/test_distributed.py", "tests/parallel/test_context_parallel.py", "-k",
+                          "match_each_document_alone and manual or document_parallel_attention_matches_float64 "
+                          "or document_parallel_attention_in_the_kernels_varlen_entry_points"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

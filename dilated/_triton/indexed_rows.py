@@ -1,6 +1,7 @@
 """Kernels on the rows ``rows[t]`` (dim 1) of ``[B, N, H, D]`` tensors, reading a part ``[B, T, H, D]``
 computed on those rows gathered (:mod:`dilated.indexed_rows` launches them): merge the part into
-them by log-sum-exp, or add it (in float32, rounded once; atomically where rows repeat). One
+them by log-sum-exp, place it there, or add it (in float32, rounded once; atomically where rows
+repeat). One
 program takes ``BLOCK`` of the ``B * T * H`` (batch, row, head) triples, head_dim on the lanes.
 Needs Triton."""
 import triton
@@ -47,18 +48,25 @@ def merge_rows_kernel(out_ptr, lse_ptr, part_ptr, part_lse_ptr, rows_ptr, R, T, 
 
 
 @triton.jit
-def add_rows_kernel(dst_ptr, src_ptr, rows_ptr, R, T, H, D, s_db, s_dn, s_dh, s_sb, s_st, s_sh,
-                    ATOMIC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``dst[b, rows[t], h] += src[b, t, h]`` in float32, rounded once to dst's dtype; ``ATOMIC``
-    (a float32 dst): rows may repeat, their parts summed by atomic adds."""
+def rows_kernel(dst_ptr, src_ptr, rows_ptr, src_rows_ptr, R, T, H, D, L, C, s_db, s_dn, s_dh, s_s0, s_s1, s_s2,
+                OP: tl.constexpr, SRC_ROWS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``dst[b, rows[t], h]`` from row ``s`` (``src_rows[t]`` with ``SRC_ROWS``, else ``t``) of batch
+    row ``b`` of ``src``, ``[B * C, L, H, D]`` (a batched call's ``C`` calls of ``L`` rows per batch
+    row, any strides: row ``s`` is ``src[b * C + s // L, s % L, h]``): ``OP`` 0 places it (cast to
+    dst's dtype), 1 adds it in float32 rounded once to dst's dtype (rows distinct), 2 adds it by
+    atomic adds (a float32 dst; rows may repeat)."""
     b, t, h, r, pmask = _triples(T, H, R, rows_ptr, BLOCK)
     d = tl.arange(0, BLOCK_D)
     both = pmask[:, None] & (d < D)[None, :]
     at = dst_ptr + (b * s_db + r * s_dn + h * s_dh)[:, None] + d[None, :]
-    x = tl.load(src_ptr + (b * s_sb + t * s_st + h * s_sh)[:, None] + d[None, :], mask=both,
-                other=0.0).to(tl.float32)
-    if ATOMIC:
-        tl.atomic_add(at, x, mask=both)
-    else:
+    if SRC_ROWS:
+        t = tl.load(src_rows_ptr + t, mask=pmask, other=0).to(tl.int64)
+    src_at = (b * C + t // L) * s_s0 + (t % L) * s_s1 + h * s_s2
+    x = tl.load(src_ptr + src_at[:, None] + d[None, :], mask=both, other=0.0)
+    if OP == 0:
+        tl.store(at, x.to(dst_ptr.dtype.element_ty), mask=both)
+    elif OP == 1:
         y = tl.load(at, mask=both, other=0.0).to(tl.float32)
-        tl.store(at, (y + x).to(dst_ptr.dtype.element_ty), mask=both)
+        tl.store(at, (y + x.to(tl.float32)).to(dst_ptr.dtype.element_ty), mask=both)
+    else:
+        tl.atomic_add(at, x.to(tl.float32), mask=both)
