@@ -144,7 +144,8 @@ class KernelModel:
         ratio = heads // kv_heads
         ms = 0.0
         for m, c in counts.items():
-            one = call_flops(batch * c, m, m, heads, head_dim, causal) / self._rate(m, work, head_dim, ratio, causal, mode)
+            rate = self._rate(m, work, head_dim, ratio, causal, mode)
+            one = call_flops(batch * c, m, m, heads, head_dim, causal) / rate
             ms += one
             if work < self._least_work(m, head_dim, ratio, causal, mode):
                 self.extrapolated_ms += one

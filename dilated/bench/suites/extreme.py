@@ -101,7 +101,7 @@ def _parse(argv):
     if args.plot and args.no_plot:
         usage_error(p, "--plot and --no-plot: choose one")
     if args.time_budget is None and gpu:
-        args.time_budget = 5.0  # seconds per row (dense at 1M: ~15 s a call: its first call is its one sample)
+        args.time_budget = 5.0  # seconds per row (dense at 1M, ~15 s a call: its warm-up calls, the last its sample)
     if not gpu:
         args.default_schedule = (CPU_SEGMENTS, CPU_DILATIONS)  # where --segment-lengths is not given
     args.plot = not args.no_plot and _have_matplotlib()
