@@ -4,11 +4,11 @@ rest of a rank's host work for the batch: its positions (``layout.positions``, w
 takes) and its plan of crossing rows and rectangles (``rank_plan``, what a call runs).
 
     python benchmarks/specialized/time_document_layout.py
-    python benchmarks/specialized/time_document_layout.py --against COMMIT   # that commit's layout, in turns
+    python benchmarks/specialized/time_document_layout.py --against COMMIT   # that commit's code, in turns
 
-``--against`` loads ``dilated/parallel/document_layout.py`` as it was at ``COMMIT`` (``git show``) and
-times both on each mix in turns (so the host's drift falls on both alike), and checks that they give
-the same layouts.
+``--against`` loads the ``dilated`` package as it was at ``COMMIT`` (``git archive``, imported under
+another name) and times both on each mix in turns (so the host's drift falls on both alike), and
+checks that they give the same layouts and rank plans.
 """
 import argparse
 import importlib.util
@@ -20,65 +20,76 @@ import sys
 import tempfile
 import time
 
+import torch
+
 from dilated.bench.documents import cu_seqlens_of
 from dilated.parallel import document_layout
 from dilated.parallel.document_attention import rank_plan
 
-PATH = "dilated/parallel/document_layout.py"
-
 
 def _at_commit(commit: str):
-    """The layout module as it was at ``commit``."""
+    """``(DocumentLayout, rank_plan)`` of the package as it was at ``commit``."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    text = subprocess.run(["git", "-C", root, "show", f"{commit}:{PATH}"], check=True, capture_output=True,
-                          text=True).stdout
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(text)
-    name = f"dilated.parallel.document_layout_{commit}"
-    spec = importlib.util.spec_from_file_location(name, f.name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    where = tempfile.mkdtemp(prefix=f"dilated-{commit}-")
+    archive = subprocess.run(["git", "-C", root, "archive", commit, "dilated"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", where], input=archive, check=True)
+    name = f"dilated_at_{commit}"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(where, "dilated", "__init__.py"),
+                                                  submodule_search_locations=[os.path.join(where, "dilated")])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    layout = importlib.import_module(f"{name}.parallel.document_layout")
+    attention = importlib.import_module(f"{name}.parallel.document_attention")
+    return layout.DocumentLayout, attention.rank_plan
+
+
+def _same(a, b) -> bool:
+    """Whether two ``(layout, positions, plan)`` agree (pieces compare as tuples, tensors by value)."""
+    (la, pa, ra), (lb, pb, rb) = a, b
+    return (la.pieces == lb.pieces and torch.equal(pa, pb)
+            and all(getattr(ra, f) == getattr(rb, f) for f in ("local_cu", "rows", "cu_q", "cu_k"))
+            and all(torch.equal(getattr(ra, f), getattr(rb, f)) for f in ("send", "q_rows", "k_slots")))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--against", default=None, metavar="COMMIT", help="also time the layout of this commit, in turns")
+    p.add_argument("--against", default=None, metavar="COMMIT", help="also time the code of this commit, in turns")
     args = p.parse_args()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if platform.system() == "Linux" else platform.processor()
     print(cpu)
-    versions = [("this", document_layout)] + ([(args.against, _at_commit(args.against))] if args.against else [])
+    versions = [("this", document_layout.DocumentLayout, rank_plan)]
+    if args.against:
+        versions.append((args.against, *_at_commit(args.against)))
     for spec in ("lognormal:1k,1.0", "lognormal:8k,1.0"):
         for p_ in (4, 8):
             mixes = [cu_seqlens_of(f"{spec}#{i}", 1 << 20) for i in range(1, 201)]  # draws #1..#200
-            times = {name: [] for name, _ in versions}
-            rest = []  # this tree's positions and rank plan of rank 0, per mix
+            layout_ms = {name: [] for name, *_ in versions}
+            rest_ms = {name: [] for name, *_ in versions}
             same = True
-            for cu in mixes:
+            for i, cu in enumerate(mixes):
                 built = []
-                for name, module in versions:
+                for name, layout_cls, plan_of in (versions if i % 2 == 0 else versions[::-1]):
                     start = time.perf_counter()
-                    layout = module.DocumentLayout.balance(cu, p_)
-                    times[name].append((time.perf_counter() - start) * 1e3)
-                    built.append(tuple(tuple(map(tuple, mine)) for mine in layout.pieces))
-                    if module is document_layout:
-                        start = time.perf_counter()
-                        layout.positions(0)
-                        rank_plan(layout, 0)
-                        rest.append((time.perf_counter() - start) * 1e3)
-                same = same and all(b == built[0] for b in built)
+                    layout = layout_cls.balance(cu, p_)
+                    layout_ms[name].append((time.perf_counter() - start) * 1e3)
+                    start = time.perf_counter()
+                    positions, plan = layout.positions(0), plan_of(layout, 0)
+                    rest_ms[name].append((time.perf_counter() - start) * 1e3)
+                    built.append((layout, positions, plan))
+                same = same and all(_same(b, built[0]) for b in built[1:])
             docs = statistics.median(len(cu) - 1 for cu in mixes)
-            for name, ts in times.items():
+            for name, *_ in versions:
                 label = "" if len(versions) == 1 else f" [{name}]"
-                print(f"{spec}: median {docs:.0f} documents, P={p_}{label}: median {statistics.median(ts):.3f} ms, "
-                      f"min {min(ts):.3f} ms, max {max(ts):.3f} ms")
-            print(f"{spec}, P={p_}: rank 0's positions and rank plan after the layout: median "
-                  f"{statistics.median(rest):.3f} ms, max {max(rest):.3f} ms")
+                ts, rs = layout_ms[name], rest_ms[name]
+                print(f"{spec}: median {docs:.0f} documents, P={p_}{label}: layout median {statistics.median(ts):.3f} "
+                      f"ms (min {min(ts):.3f}, max {max(ts):.3f}); rank 0's positions and rank plan median "
+                      f"{statistics.median(rs):.3f} ms (max {max(rs):.3f})")
             if len(versions) > 1:
-                print(f"{spec}, P={p_}: the same layouts from both: {same}")
+                print(f"{spec}, P={p_}: the same layouts, positions and rank plans from both: {same}")
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)
     main()

@@ -23,7 +23,8 @@ rectangle (crossing).
 """
 from __future__ import annotations
 
-import functools
+import itertools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -69,51 +70,55 @@ class RankPlan:
         return self._on[key]
 
 
-def _local_offsets(pieces) -> list[int]:
-    offsets, at = [], 0
-    for x in pieces:
-        offsets.append(at)
-        at += x.length
-    return offsets
-
-
-@functools.lru_cache(maxsize=128)
 def rank_plan(layout: DocumentLayout, rank: int) -> RankPlan:
-    """The :class:`RankPlan` of ``rank`` (cached per layout and rank)."""
-    crossing = layout.crossing()
+    """The :class:`RankPlan` of ``rank`` (computed once per layout and rank, kept with the layout)."""
+    return layout.derived(("rank_plan", rank), lambda: _rank_plan(layout, rank))
+
+
+def _slot_runs(pieces, a: int, b: int) -> list[tuple[int, int]]:
+    """``[(slot, count), ...]``: where positions ``a .. b - 1`` of a document lie in the gathered
+    buffer, given the document's ``pieces`` as ``(start, length, slot)`` in sequence order."""
+    runs = []
+    for start, length, slot in pieces:
+        lo, hi = max(a, start), min(b, start + length)
+        if lo < hi:
+            runs.append((slot + lo - start, hi - lo))
+    return runs
+
+
+def _rank_plan(layout: DocumentLayout, rank: int) -> RankPlan:
     p = layout.world_size
-    sent = [[(x, off) for x, off in zip(mine, _local_offsets(mine)) if x.doc in crossing] for mine in layout.pieces]
+    layout.crossing_pieces(rank)  # a ValueError for a rank the layout does not have
+    sent = [layout.crossing_pieces(r) for r in range(p)]
     rows = max(sum(x.length for x, _ in s) for s in sent)
-    starts, slots, lengths = [], [], []
-    for o, s in enumerate(sent):  # where each crossing position lands in the gathered buffer
+    by_doc = {}  # crossing document -> its pieces (start, length, slot in the gathered [P * rows] buffer)
+    for o, s in enumerate(sent):
         at = o * rows
         for x, _ in s:
-            starts.append(x.start)
-            slots.append(at)
-            lengths.append(x.length)
+            by_doc.setdefault(x.doc, []).append((x.start, x.length, at))
             at += x.length
-    slot_of = torch.full((layout.seq_len,), -1, dtype=torch.int64)
-    slot_of[ranges_to_positions(starts, lengths)] = ranges_to_positions(slots, lengths)
+    for pieces in by_doc.values():
+        pieces.sort()
     q_starts, q_lengths, k_starts, k_lengths, cu_q, cu_k = [], [], [], [], [0], [0]
     for x, off in sent[rank]:
-        keys = [(x.doc_start, x.start - x.doc_start)]
+        keys = [(x.doc_start, x.start)]  # the keys its queries see beyond its own: before it (causal) ...
         if not layout.causal:
-            keys.append((x.start + x.length, x.doc_end - x.start - x.length))
-        keys = [(a, m) for a, m in keys if m > 0]
-        if not keys:
+            keys.append((x.start + x.length, x.doc_end))  # ... and after it
+        runs = [run for a, b in keys if a < b for run in _slot_runs(by_doc[x.doc], a, b)]
+        if not runs:
             continue
         q_starts.append(off)
         q_lengths.append(x.length)
         cu_q.append(cu_q[-1] + x.length)
-        for a, m in keys:
-            k_starts.append(a)
-            k_lengths.append(m)
-        cu_k.append(cu_k[-1] + sum(m for _, m in keys))
+        for slot, count in runs:
+            k_starts.append(slot)
+            k_lengths.append(count)
+        cu_k.append(cu_k[-1] + sum(count for _, count in runs))
     mine = layout.pieces[rank]
-    local_cu = tuple([0] + [off + x.length for x, off in zip(mine, _local_offsets(mine))])
+    local_cu = tuple(itertools.accumulate(map(operator.itemgetter(2), mine), initial=0))
     send = ranges_to_positions([off for _, off in sent[rank]], [x.length for x, _ in sent[rank]])
     return RankPlan(local_cu, send, rows if p > 1 else 0, ranges_to_positions(q_starts, q_lengths),
-                    slot_of[ranges_to_positions(k_starts, k_lengths)], tuple(cu_q), tuple(cu_k))
+                    ranges_to_positions(k_starts, k_lengths), tuple(cu_q), tuple(cu_k))
 
 
 def _batched_call(cu_q, cu_k, b: int, tq: int, tk: int, causal: bool, scale: float, device) -> VarlenCall:

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -179,12 +180,18 @@ def _check(cu_seqlens, world_size: int) -> tuple:
 class DocumentLayout:
     """The positions of ``cu_seqlens``'s packed documents that each of ``world_size`` ranks holds,
     balancing their attention work (causal or not); see the module docstring. Build it with
-    :meth:`balance`. ``pieces[r]``: rank r's :class:`Piece` s in sequence order."""
+    :meth:`balance`. ``pieces[r]``: rank r's :class:`Piece` s in sequence order. What is derived
+    from it (positions, crossing documents, a rank's plan) is kept with it (:meth:`derived`), so
+    it lives and goes with the layout."""
 
     cu_seqlens: tuple
     world_size: int
     causal: bool
     pieces: tuple
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __getstate__(self):  # a pickled layout carries no derived values (device tensors among them)
+        return {**self.__dict__, "_derived": {}}
 
     @classmethod
     def balance(cls, cu_seqlens, world_size: int, causal: bool = True, min_piece: int = MIN_PIECE) -> "DocumentLayout":
@@ -209,13 +216,28 @@ class DocumentLayout:
         """The slowest rank's work over the mean (1.0: balanced)."""
         return _imbalance(self.work_per_rank())
 
+    def derived(self, key, make):
+        """``make()``, computed once for this layout and ``key`` and kept with it."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
     def crossing(self) -> frozenset:
         """The documents with pieces on more than one rank."""
-        return _crossing(self)
+        return self.derived("crossing", lambda: _crossing(self.pieces))
+
+    def crossing_pieces(self, rank: int) -> tuple:
+        """``((piece, local offset), ...)``: rank ``rank``'s pieces of crossing documents in its local
+        order, each with the row at which it starts in the rank's shard."""
+        _check_rank(self, rank)
+        return self.derived(("crossing_pieces", rank), lambda: _crossing_pieces(self.pieces[rank], self.crossing()))
 
     def positions(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s global positions in its local order (int64, ``N / P`` of them)."""
-        return _positions(self, rank)
+        _check_rank(self, rank)
+        mine = self.pieces[rank]
+        return self.derived(("positions", rank), lambda: ranges_to_positions([x.start for x in mine],
+                                                                             [x.length for x in mine]))
 
     def order(self) -> torch.Tensor:
         """Every rank's positions, rank after rank: ``x[:, order()]`` is the ranks' shards concatenated."""
@@ -241,7 +263,7 @@ def _search(cu: tuple, p: int, causal: bool, min_piece: int):
         k = min(len(cuttable), max(1, 2 * k))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout:
     # a document too short for pieces of min_piece that still dominates a rank's work (the rest
     # of the batch is shorter still) is cut into smaller pieces: an uneven rank costs more than
@@ -264,14 +286,27 @@ def given_or_last(layout: "DocumentLayout | None", last: "DocumentLayout | None"
     return layout
 
 
-@functools.lru_cache(maxsize=64)
-def _crossing(layout: DocumentLayout) -> frozenset:
+def _crossing(pieces) -> frozenset:
+    """The documents of ``pieces`` (every rank's) on more than one rank: only pieces short of their
+    document can be."""
     seen, crossing = {}, set()
-    for r, mine in enumerate(layout.pieces):
+    for r, mine in enumerate(pieces):
         for x in mine:
-            if seen.setdefault(x.doc, r) != r:
+            if x.length != x.doc_end - x.doc_start and seen.setdefault(x.doc, r) != r:
                 crossing.add(x.doc)
     return frozenset(crossing)
+
+
+def _crossing_pieces(mine, crossing: frozenset) -> tuple:
+    if not crossing:
+        return ()
+    offsets = itertools.accumulate(map(operator.itemgetter(2), mine), initial=0)
+    return tuple((x, off) for x, off in zip(mine, offsets) if x.doc in crossing)
+
+
+def _check_rank(layout: DocumentLayout, rank: int) -> None:
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank must be in [0, {layout.world_size}), got {rank}")
 
 
 def ranges_to_positions(starts, lengths) -> torch.Tensor:
@@ -283,11 +318,3 @@ def ranges_to_positions(starts, lengths) -> torch.Tensor:
     offsets = torch.cumsum(lengths, 0) - lengths  # where each range begins in the output
     total = int(lengths.sum())
     return torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(starts - offsets, lengths)
-
-
-@functools.lru_cache(maxsize=256)
-def _positions(layout: DocumentLayout, rank: int) -> torch.Tensor:
-    if not 0 <= rank < layout.world_size:
-        raise ValueError(f"rank must be in [0, {layout.world_size}), got {rank}")
-    mine = layout.pieces[rank]
-    return ranges_to_positions([x.start for x in mine], [x.length for x in mine])

@@ -105,6 +105,9 @@ def test_a_layout_built_in_another_process_gives_the_same_shards_and_plans():
 
     cu = cu_seqlens_of("lognormal:8k,1.0", 1 << 18)
     layout = DocumentLayout.balance(cu, 4, True)
+    size = len(pickle.dumps(layout))
+    layout.positions(0), rank_plan(layout, 0)  # derived values stay behind: the pickle is the same size
+    assert len(pickle.dumps(layout)) == size
     copy = pickle.loads(pickle.dumps(layout))
     assert copy is not layout and copy.pieces == layout.pieces and copy.crossing() == layout.crossing()
     for r in range(4):
@@ -112,3 +115,15 @@ def test_a_layout_built_in_another_process_gives_the_same_shards_and_plans():
         a, b = rank_plan(copy, r), rank_plan(layout, r)
         assert a.local_cu == b.local_cu and a.cu_q == b.cu_q and a.cu_k == b.cu_k and a.rows == b.rows
         assert torch.equal(a.k_slots, b.k_slots) and torch.equal(a.q_rows, b.q_rows)
+
+
+def test_a_rank_the_layout_does_not_have_is_refused():
+    from dilated.parallel.document_attention import rank_plan
+
+    layout = DocumentLayout.balance([0, 100, 256], 2, True)
+    for bad in (-1, 2):
+        with pytest.raises(ValueError, match="rank must be in"):
+            layout.positions(bad)
+        with pytest.raises(ValueError, match="rank must be in"):
+            rank_plan(layout, bad)
+
