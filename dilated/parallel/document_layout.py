@@ -188,7 +188,7 @@ class DocumentLayout:
     world_size: int
     causal: bool
     pieces: tuple
-    _derived: dict = field(default_factory=dict, repr=False, compare=False)
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __getstate__(self):  # a pickled layout carries no derived values (device tensors among them)
         return {**self.__dict__, "_derived": {}}
