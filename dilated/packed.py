@@ -64,14 +64,22 @@ def _bucket(length: int) -> int:
 
 def document_calls(cu: list[int], causal: bool) -> list[tuple[int, list[tuple[int, int]]]]:
     """``(call length, [(start, length), ...])`` per kernel call: documents of one length, or
-    (causal) of one bucket length, together; the longest call first, so the GPU starts on the
+    (causal) of one bucket length, together, in calls of a power-of-two count each (the binary
+    digits of the group's count, largest first); the longest call first, so the GPU starts on the
     largest work while the host launches the small calls (which take it longer than they take
-    the GPU)."""
+    the GPU). A kernel that builds a plan per call shape (cuDNN's graphs: the batch is in the key)
+    thus meets the same few shapes at every new document mix, not a new batch per mix."""
     groups = defaultdict(list)
     for start, end in zip(cu, cu[1:]):
         length = end - start
         groups[_bucket(length) if causal else length].append((start, length))
-    return sorted(groups.items(), reverse=True)
+    calls = []
+    for length, docs in sorted(groups.items(), reverse=True):
+        while docs:
+            count = 1 << (len(docs).bit_length() - 1)
+            calls.append((length, docs[:count]))
+            docs = docs[count:]
+    return calls
 
 
 def packed_attention(q, k, v, cu: list[int], backend: str, causal: bool, scale: float):

@@ -49,10 +49,16 @@ def test_packed_documents_match_each_document_alone(docs, causal, backend, gen):
 
 def test_documents_share_kernel_calls():
     cu = [0] + torch.tensor([8] * 50 + [9, 10, 11, 12, 13, 14, 15, 16] * 3).cumsum(0).tolist()
-    assert len(document_calls(cu, causal=False)) == 9  # one call per distinct length
+    calls = document_calls(cu, causal=False)  # per distinct length, in power-of-two batches
+    assert [(length, len(docs)) for length, docs in calls] == [
+        (16, 2), (16, 1), (15, 2), (15, 1), (14, 2), (14, 1), (13, 2), (13, 1), (12, 2), (12, 1), (11, 2), (11, 1),
+        (10, 2), (10, 1), (9, 2), (9, 1), (8, 32), (8, 16), (8, 2)]
     causal_calls = document_calls(cu, causal=True)  # padded to four buckets per octave
-    assert [length for length, _ in causal_calls] == [16, 14, 12, 10, 8]  # the longest first
+    assert [(length, len(docs)) for length, docs in causal_calls] == [
+        (16, 4), (16, 2), (14, 4), (14, 2), (12, 4), (12, 2), (10, 4), (10, 2), (8, 32), (8, 16), (8, 2)]
     assert all(length <= 1.25 * min(l for _, l in docs) + 1 for length, docs in causal_calls)
+    for c in (calls, causal_calls):  # every document in exactly one call, each by its own length
+        assert sorted(d for _, docs in c for d in docs) == list(zip(cu, (b - a for a, b in zip(cu, cu[1:]))))
     assert [_bucket(n) for n in (1000, 1025, 1300, 1600, 1800)] == [1024, 1280, 1536, 1792, 2048]
 
 
