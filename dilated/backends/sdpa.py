@@ -45,6 +45,8 @@ the mask applied by ``masked_fill`` instead.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -71,6 +73,19 @@ def _back(x):  # [B, H, N, D] -> [B, N, H, D] view
 
 CUDNN_LONGEST_CAUSAL_BLOCK = 65536
 
+#: torch's opt-in to cuDNN graphs keyed on lengths rounded up to powers of two (ragged offsets on
+#: contiguous BSHD calls): its backward returned gradients off by orders of magnitude, then an illegal
+#: memory access, on packed documents' batched calls (torch 2.11, cuDNN 9.19; docs/performance-log.md)
+CUDNN_RAGGED_ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+
+
+def cudnn_ragged_reason() -> str | None:
+    """Why cuDNN is not taken while :data:`CUDNN_RAGGED_ENV` is on (None where it is off)."""
+    if os.environ.get(CUDNN_RAGGED_ENV, "").strip().lower() not in ("1", "true", "on", "yes", "y"):
+        return None
+    return (f"{CUDNN_RAGGED_ENV} is set: torch's cuDNN attention then runs ragged graphs whose backward "
+            "returned wrong gradients; unset it (this library bounds cuDNN's graphs itself)")
+
 
 class SDPABackend(Backend):
     native_gqa = False
@@ -84,6 +99,8 @@ class SDPABackend(Backend):
 
     # -- availability -------------------------------------------------------------------
     def unavailable_reason(self, device):
+        if self.kernel == "cudnn" and cudnn_ragged_reason():
+            return cudnn_ragged_reason()
         if self.kernel in ("efficient", "cudnn") and device.type != "cuda":
             return f"{self.name} needs a CUDA device (this is {device.type})"
         if self.kernel == "cudnn" and not torch.backends.cudnn.is_available():
@@ -121,6 +138,8 @@ class SDPABackend(Backend):
             if value == choice:
                 if name != "math" and q.device.type == "cuda" and q.element_size() == 2 and q.shape[-1] % 8:
                     return "math"  # torch chose it for its public call, which pads the head dim first
+                if name == "cudnn" and cudnn_ragged_reason():
+                    return "flash"
                 return name
         return None
 

@@ -139,6 +139,25 @@ def test_availability_report_gives_reasons():
         assert isinstance(report[name], str) and report[name]
 
 
+@pytest.mark.parametrize("value, refused", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_cudnn_is_not_taken_under_torchs_ragged_graphs_env(value, refused, monkeypatch, gen):
+    """TORCH_CUDNN_SDPA_AVOID_RECOMPILE on: sdpa_cudnn is unavailable naming it, and ``sdpa`` takes
+    flash where PyTorch would choose cuDNN."""
+    from torch.nn.attention import SDPBackend
+
+    from dilated.backends.sdpa import SDPABackend
+
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", value)
+    reason = SDPABackend("cudnn").unavailable_reason(torch.device("cpu"))
+    if refused:
+        assert "TORCH_CUDNN_SDPA_AVOID_RECOMPILE" in reason and "unset it" in reason
+    else:
+        assert "CUDA" in reason and "TORCH_CUDNN_SDPA_AVOID_RECOMPILE" not in reason
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: SDPBackend.CUDNN_ATTENTION.value)
+    q = rand(1, 4, 2, 16, gen=gen)
+    assert SDPABackend(None)._resolve(q, q, True) == ("flash" if refused else "cudnn")
+
+
 def test_unavailable_backend_raises_with_reason_and_alternatives(gen):
     q = rand(1, 4, 2, 16, gen=gen)
     with pytest.raises(BackendUnavailableError) as e:
