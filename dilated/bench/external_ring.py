@@ -158,7 +158,9 @@ class TorchContextParallelDocuments(nn.Module):
             inside = doc[q_idx] == doc[kv_idx]
             return inside & (q_idx >= kv_idx) if causal else inside
 
-        mask = create_block_mask(same_document, B=1, H=1, Q_LEN=case.seq_len, KV_LEN=case.seq_len, device=device)
+        # compiled on CUDA (its ``_compile``): eager, it materializes the N x N mask, a terabyte at 1M
+        mask = create_block_mask(same_document, B=1, H=1, Q_LEN=case.seq_len, KV_LEN=case.seq_len, device=device,
+                                 _compile=device.type == "cuda")
         (self.block_mask,) = _context_parallel_shard(self.mesh, [mask], [2], load_balancer=self.balancer)
         attend = torch.compile(flex_attention) if device.type == "cuda" else flex_attention
 
