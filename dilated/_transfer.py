@@ -29,6 +29,14 @@ def host_values_on(values, dtype: torch.dtype, device) -> tuple[torch.Tensor, to
     return host.to(device, non_blocking=True), host
 
 
+def host_tensor_on(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``: from pinned memory without waiting on CUDA (as :func:`host_values_on`)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def made_for_a_cache(make, device):
     """``make()``, with the device memory it allocates taken from the device's ordinary pool: for
     tensors a cache keeps beyond the call (a combine's table, a plan's kv-head index).

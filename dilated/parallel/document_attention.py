@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
-from .._transfer import host_values_on
+from .._transfer import host_tensor_on, host_values_on
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from ..backends import get_backend
 from ..backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel, varlen_kernel
@@ -63,10 +63,10 @@ class RankPlan:
     _on: dict = field(default_factory=dict, repr=False)
 
     def on(self, device) -> tuple:
-        """``(send, q_rows, k_slots)`` on ``device``."""
+        """``(send, q_rows, k_slots)`` on ``device`` (copied without waiting for it)."""
         key = str(device)
         if key not in self._on:
-            self._on[key] = tuple(t.to(device) for t in (self.send, self.q_rows, self.k_slots))
+            self._on[key] = tuple(host_tensor_on(t, device) for t in (self.send, self.q_rows, self.k_slots))
         return self._on[key]
 
 

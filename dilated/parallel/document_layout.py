@@ -37,6 +37,8 @@ from typing import NamedTuple
 
 import torch
 
+from .._transfer import host_values_on
+
 #: the slowest rank's work over the mean that a layout stops at
 TARGET_IMBALANCE = 1.01
 #: documents are cut head-tail only into pieces of at least this many positions ...
@@ -232,16 +234,18 @@ class DocumentLayout:
         _check_rank(self, rank)
         return self.derived(("crossing_pieces", rank), lambda: _crossing_pieces(self.pieces[rank], self.crossing()))
 
-    def positions(self, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s global positions in its local order (int64, ``N / P`` of them)."""
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """Rank ``rank``'s global positions in its local order (int64, ``N / P`` of them), on ``device``
+        (default: the host), made there from the pieces' ranges without waiting for it."""
         _check_rank(self, rank)
+        device = torch.device("cpu" if device is None else device)
         mine = self.pieces[rank]
-        return self.derived(("positions", rank), lambda: ranges_to_positions([x.start for x in mine],
-                                                                             [x.length for x in mine]))
+        return self.derived(("positions", rank, str(device)), lambda: ranges_to_positions(
+            [x.start for x in mine], [x.length for x in mine], device))
 
-    def order(self) -> torch.Tensor:
+    def order(self, device=None) -> torch.Tensor:
         """Every rank's positions, rank after rank: ``x[:, order()]`` is the ranks' shards concatenated."""
-        return torch.cat([self.positions(r) for r in range(self.world_size)])
+        return torch.cat([self.positions(r, device) for r in range(self.world_size)])
 
 
 def _search(cu: tuple, p: int, causal: bool, min_piece: int):
@@ -309,12 +313,16 @@ def _check_rank(layout: DocumentLayout, rank: int) -> None:
         raise ValueError(f"rank must be in [0, {layout.world_size}), got {rank}")
 
 
-def ranges_to_positions(starts, lengths) -> torch.Tensor:
-    """The positions ``start .. start + length - 1`` of each range, concatenated (int64)."""
-    lengths = torch.as_tensor(lengths, dtype=torch.int64)
-    starts = torch.as_tensor(starts, dtype=torch.int64)
-    if lengths.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64)
+def ranges_to_positions(starts, lengths, device=None) -> torch.Tensor:
+    """The positions ``start .. start + length - 1`` of each range (lists of ints), concatenated (int64),
+    on ``device`` (default: the host): only the ranges are copied there (from pinned memory, without
+    waiting), the positions are made on it."""
+    device = torch.device("cpu" if device is None else device)
+    total = sum(lengths)
+    if not total:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    ranges = host_values_on([list(starts), list(lengths)], torch.int64, device)[0]
+    starts, lengths = ranges.unbind(0)
     offsets = torch.cumsum(lengths, 0) - lengths  # where each range begins in the output
-    total = int(lengths.sum())
-    return torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(starts - offsets, lengths)
+    return torch.arange(total, dtype=torch.int64, device=device) + torch.repeat_interleave(
+        starts - offsets, lengths, output_size=total)

@@ -153,7 +153,7 @@ def shard(x: torch.Tensor, group=None, layout: str | DocumentLayout = "contiguou
     rank, p = _world(group)
     if isinstance(layout, DocumentLayout):
         _check_document_layout(layout, x.shape[dim], p)
-        return x.index_select(dim, layout.positions(rank).to(x.device)).contiguous()
+        return x.index_select(dim, layout.positions(rank, x.device)).contiguous()
     _check_layout(layout, x.shape[dim], p)
     if layout == "contiguous":
         return x.chunk(p, dim)[rank].contiguous()
@@ -196,7 +196,7 @@ def unshard(x_local: torch.Tensor, group=None, layout: str | DocumentLayout = "c
             parts = [torch.empty_like(x_local) for _ in range(p)]
             dist.all_gather(parts, x_local.contiguous(), group=group)
             whole = torch.cat(parts, dim)
-        return torch.empty_like(whole).index_copy_(dim, layout.order().to(whole.device), whole)
+        return torch.empty_like(whole).index_copy_(dim, layout.order(whole.device), whole)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if p == 1:

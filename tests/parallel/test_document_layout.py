@@ -127,3 +127,32 @@ def test_a_rank_the_layout_does_not_have_is_refused():
         with pytest.raises(ValueError, match="rank must be in"):
             rank_plan(layout, bad)
 
+
+
+def test_ranges_to_positions_against_the_ranges_written_out():
+    from dilated.parallel.document_layout import ranges_to_positions
+
+    starts, lengths = [40, 3, 100, 7], [5, 1, 0, 4]
+    want = [p for s, n in zip(starts, lengths) for p in range(s, s + n)]
+    assert ranges_to_positions(starts, lengths).tolist() == want
+    assert ranges_to_positions(starts, lengths, "cpu").dtype == torch.int64
+    assert ranges_to_positions([], []).numel() == 0 and ranges_to_positions([5], [0]).numel() == 0
+
+
+def test_positions_on_a_device_are_the_hosts():
+    cu = cu_seqlens_of("lognormal:1k,1.0", 1 << 14)
+    layout = DocumentLayout.balance(cu, 4, True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # made there without the host waiting for the GPU
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        on = [layout.positions(r, device) for r in range(4)]
+        order = layout.order(device)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    for r in range(4):
+        assert on[r].device.type == device and torch.equal(on[r].cpu(), layout.positions(r))
+        assert layout.positions(r, device) is on[r]  # kept with the layout, per device
+    assert torch.equal(order.cpu(), layout.order())
