@@ -29,12 +29,14 @@ def host_values_on(values, dtype: torch.dtype, device) -> tuple[torch.Tensor, to
     return host.to(device, non_blocking=True), host
 
 
-def host_tensor_on(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on ``device``: from pinned memory without waiting on CUDA (as :func:`host_values_on`)."""
+def host_tensor_on(t: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A host tensor on ``device`` and its pinned source (None off CUDA), copied as :func:`host_values_on`
+    copies (and kept as it says)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device), None
+    host = t.pin_memory()
+    return host.to(device, non_blocking=True), host
 
 
 def made_for_a_cache(make, device):

@@ -66,8 +66,9 @@ class RankPlan:
         """``(send, q_rows, k_slots)`` on ``device`` (copied without waiting for it)."""
         key = str(device)
         if key not in self._on:
+            # with their pinned sources: a CUDA graph captured here replays the copies from them
             self._on[key] = tuple(host_tensor_on(t, device) for t in (self.send, self.q_rows, self.k_slots))
-        return self._on[key]
+        return tuple(t for t, _ in self._on[key])
 
 
 def rank_plan(layout: DocumentLayout, rank: int) -> RankPlan:

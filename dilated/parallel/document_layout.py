@@ -240,8 +240,9 @@ class DocumentLayout:
         _check_rank(self, rank)
         device = torch.device("cpu" if device is None else device)
         mine = self.pieces[rank]
-        return self.derived(("positions", rank, str(device)), lambda: ranges_to_positions(
-            [x.start for x in mine], [x.length for x in mine], device))
+        # the ranges' pinned source is kept too: a CUDA graph captured here replays the copy from it
+        return self.derived(("positions", rank, str(device)), lambda: positions_of_ranges(
+            [x.start for x in mine], [x.length for x in mine], device))[0]
 
     def order(self, device=None) -> torch.Tensor:
         """Every rank's positions, rank after rank: ``x[:, order()]`` is the ranks' shards concatenated."""
@@ -317,12 +318,18 @@ def ranges_to_positions(starts, lengths, device=None) -> torch.Tensor:
     """The positions ``start .. start + length - 1`` of each range (lists of ints), concatenated (int64),
     on ``device`` (default: the host): only the ranges are copied there (from pinned memory, without
     waiting), the positions are made on it."""
+    return positions_of_ranges(starts, lengths, device)[0]
+
+
+def positions_of_ranges(starts, lengths, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(positions, the ranges' pinned source or None)``: :func:`ranges_to_positions`, and what a
+    caller that keeps the positions for a CUDA graph must keep with them."""
     device = torch.device("cpu" if device is None else device)
     total = sum(lengths)
     if not total:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    ranges = host_values_on([list(starts), list(lengths)], torch.int64, device)[0]
+        return torch.zeros(0, dtype=torch.int64, device=device), None
+    ranges, source = host_values_on([list(starts), list(lengths)], torch.int64, device)
     starts, lengths = ranges.unbind(0)
     offsets = torch.cumsum(lengths, 0) - lengths  # where each range begins in the output
     return torch.arange(total, dtype=torch.int64, device=device) + torch.repeat_interleave(
-        starts - offsets, lengths, output_size=total)
+        starts - offsets, lengths, output_size=total), source
