@@ -5,6 +5,7 @@ takes) and its plan of crossing rows and rectangles (``rank_plan``, what a call 
 
     python benchmarks/specialized/time_document_layout.py
     python benchmarks/specialized/time_document_layout.py --against COMMIT   # that commit's code, in turns
+    python benchmarks/specialized/time_document_layout.py --device cuda       # positions and plan put on a GPU
 
 ``--against`` loads the ``dilated`` package as it was at ``COMMIT`` (``git archive``, imported under
 another name) and times both on each mix in turns (so the host's drift falls on both alike), and
@@ -52,10 +53,26 @@ def _same(a, b) -> bool:
             and all(torch.equal(getattr(ra, f), getattr(rb, f)) for f in ("send", "q_rows", "k_slots")))
 
 
+def _put_on(layout, plan, device):
+    """Rank 0's positions and plan on ``device`` (the host's time is what is timed): ``positions(rank,
+    device)`` where the code has it, else the host's positions copied there."""
+    if device.type == "cpu":
+        return layout.positions(0), plan
+    try:
+        positions = layout.positions(0, device)
+    except TypeError:  # a commit whose positions are made on the host only
+        positions = layout.positions(0).to(device)
+    plan.on(device)
+    return positions, plan
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", default=None, metavar="COMMIT", help="also time the code of this commit, in turns")
+    p.add_argument("--device", default="cpu", help="where rank 0's positions and plan are put (cuda: the host's time "
+                                                   "to build them and put them there)")
     args = p.parse_args()
+    device = torch.device(args.device)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if platform.system() == "Linux" else platform.processor()
     print(cpu)
@@ -75,17 +92,19 @@ def main() -> None:
                     layout = layout_cls.balance(cu, p_)
                     layout_ms[name].append((time.perf_counter() - start) * 1e3)
                     start = time.perf_counter()
-                    positions, plan = layout.positions(0), plan_of(layout, 0)
+                    positions, plan = _put_on(layout, plan_of(layout, 0), device)
                     rest_ms[name].append((time.perf_counter() - start) * 1e3)
-                    built.append((layout, positions, plan))
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # untimed: the next build starts from an idle GPU
+                    built.append((layout, positions.cpu(), plan))
                 same = same and all(_same(b, built[0]) for b in built[1:])
             docs = statistics.median(len(cu) - 1 for cu in mixes)
             for name, *_ in versions:
                 label = "" if len(versions) == 1 else f" [{name}]"
                 ts, rs = layout_ms[name], rest_ms[name]
                 print(f"{spec}: median {docs:.0f} documents, P={p_}{label}: layout median {statistics.median(ts):.3f} "
-                      f"ms (min {min(ts):.3f}, max {max(ts):.3f}); rank 0's positions and rank plan median "
-                      f"{statistics.median(rs):.3f} ms (max {max(rs):.3f})")
+                      f"ms (min {min(ts):.3f}, max {max(ts):.3f}); rank 0's positions and rank plan "
+                      f"({device.type}) median {statistics.median(rs):.3f} ms (max {max(rs):.3f})")
             if len(versions) > 1:
                 print(f"{spec}, P={p_}: the same layouts, positions and rank plans from both: {same}")
 
