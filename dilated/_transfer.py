@@ -18,20 +18,16 @@ _CACHE_STREAMS: dict = {}  # device index -> the stream on which what caches kee
 
 
 def host_values_on(values, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``values`` as a ``dtype`` tensor on ``device`` and its pinned source (None off CUDA).
-
-    Under CUDA-graph capture the copy becomes a node of the graph, which replays it from the
-    pinned source: a caller whose tensor a graph reads must keep both."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device), None
-    host = torch.tensor(values, dtype=dtype).pin_memory()
-    return host.to(device, non_blocking=True), host
+    """``values`` as a ``dtype`` tensor on ``device`` and its pinned source (None off CUDA): :func:`host_tensor_on`."""
+    return host_tensor_on(torch.tensor(values, dtype=dtype), device)
 
 
 def host_tensor_on(t: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A host tensor on ``device`` and its pinned source (None off CUDA), copied as :func:`host_values_on`
-    copies (and kept as it says)."""
+    """A host tensor on ``device`` and its pinned source (None off CUDA): on CUDA copied from pinned memory
+    without waiting.
+
+    Under CUDA-graph capture the copy becomes a node of the graph, which replays it from the
+    pinned source: a caller whose tensor a graph reads must keep both."""
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device), None
