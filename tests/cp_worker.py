@@ -1,5 +1,6 @@
 """Workers for tests/parallel/test_context_parallel.py: Ulysses and the Ulysses x ring hybrid on real gloo
 process groups, against a float64 dense reference of the whole sequence."""
+import math
 import os
 import random
 import sys
@@ -62,12 +63,27 @@ def ulysses(rank, world):
     h = 12  # divisible by 2, 3 and 4
     for causal in (False, True):
         for hkv in (12, 4, 2, 1):  # split (12, 4 on 2 and 4), replicated (4 on 3; 2 and 1 mostly)
-            q, k, v = _full(7 + hkv, 6 * world, h, hkv)
-            module = dilated.UlyssesAttention(causal=causal, backend="manual")
-            check_module(module, q, k, v, causal, f"ulysses P={world} causal={causal} H={h}/{hkv}")
-            module.stats.reset()
-            module(*(module.shard(t) for t in (q, k, v)))
-            assert module.stats.collectives == 4, module.stats.as_dict()  # q, k, v in, out back
+            for head_groups in (1, "auto"):
+                q, k, v = _full(7 + hkv, 6 * world, h, hkv)
+                module = dilated.UlyssesAttention(causal=causal, backend="manual", head_groups=head_groups)
+                check_module(module, q, k, v, causal,
+                             f"ulysses P={world} causal={causal} H={h}/{hkv} head_groups={head_groups}")
+                module.stats.reset()
+                module(*(module.shard(t) for t in (q, k, v)))
+                # per group: its q in and its output back; per kv group, k and v in together
+                kv_local = max(hkv, math.lcm(hkv, world)) // world
+                groups = 1 if head_groups == 1 else max(g for g in (1, 2, 3, 4) if (h // world) % g == 0
+                                                         and (kv_local % g == 0 or g % kv_local == 0))
+                assert module.stats.collectives == 2 * groups + min(groups, kv_local), (groups, module.stats.as_dict())
+    # head groups that do not divide a rank's heads: a clear error naming the argument
+    q, k, v = _full(1, 4 * world, 12, 12)
+    try:
+        dilated.UlyssesAttention(backend="manual", head_groups=5)(*(dilated.UlyssesAttention().shard(t)
+                                                                     for t in (q, k, v)))
+    except ValueError as e:
+        assert "head_groups must be a positive integer dividing the" in str(e), str(e)
+    else:
+        raise AssertionError("5 head groups of 12/P heads ran")
     # heads not divisible by the ranks: a clear error on every rank, naming the fix
     q, k, v = _full(1, 4 * world, 5 if world != 5 else 7, 1)
     module = dilated.UlyssesAttention(backend="manual")

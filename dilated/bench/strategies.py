@@ -28,8 +28,8 @@ def _make(name, problem, layout, factory, description, documents=True, splits_he
                                      takes_documents=documents, splits_heads=splits_heads)
 
 
-def _ulysses(case, backend, group):
-    return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group)
+def _ulysses(case, backend, group, head_groups="auto"):
+    return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group, head_groups=head_groups)
 
 
 def _hybrid(case, backend, group, layout="zigzag"):
@@ -59,7 +59,11 @@ RING_IMPLEMENTATIONS = {
     "distributed_dilated": _make("distributed_dilated", "dilated", "contiguous", _distributed_dilated,
                                  "DistributedDilatedAttention (LongNet sequence parallel)", documents=False),
     "ulysses": _make("ulysses", "dense", "contiguous", _ulysses,
-                     "UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank)", splits_heads=True),
+                     "UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank), exchanges "
+                     "pipelined with attention by head groups", splits_heads=True),
+    "ulysses_no_overlap": _make("ulysses_no_overlap", "dense", "contiguous", lambda c, b, g: _ulysses(c, b, g, 1),
+                                "UlyssesAttention, one exchange per tensor (head_groups=1): nothing overlapped",
+                                splits_heads=True),
     "hybrid": _make("hybrid", "dense", "hybrid", _hybrid,
                     "HybridAttention: Ulysses inside a row, zigzag ring across rows of the rank grid"),
     "documents": _make("documents", "dense", "documents",

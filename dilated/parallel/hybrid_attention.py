@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import check_causal, check_qkv, check_scale, dense_rows
+from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .sharding import CommStats, heads_to_sequence, sequence_to_heads, shard, unshard
+from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
+from .sharding import CommStats, shard, unshard
 from .document_layout import DocumentLayout
 from ..functional import attention
 from ..dense import default_scale
@@ -43,12 +44,15 @@ class HybridAttention(nn.Module):
         causal, scale, backend, transport, measure_comm: as :class:`~dilated.RingAttention`.
         layout: the ring's shards over the rows: ``"zigzag"``, ``"contiguous"`` or ``"documents"``.
         group: the process group (default: the world); construct on every rank of it.
+        head_groups: a row's all-to-alls pipelined with the ring by head groups, as
+            :class:`~dilated.UlyssesAttention`'s (:mod:`dilated.parallel.head_groups`).
 
     ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """
 
     def __init__(self, ulysses_size: int, ring_size: int, *, causal=False, scale=None, layout="zigzag", group=None,
-                 backend="auto", transport: str = "auto", measure_comm: bool = False):
+                 backend="auto", transport: str = "auto", measure_comm: bool = False,
+                 head_groups: int | str = "auto"):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("HybridAttention needs torch.distributed initialised (see dilated.init_distributed)")
@@ -63,6 +67,8 @@ class HybridAttention(nn.Module):
             raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
         check_causal(causal)
         check_scale(scale)
+        check_head_groups(head_groups)
+        self.head_groups = head_groups
         self.ulysses_size, self.ring_size, self.layout, self.group = ulysses_size, ring_size, layout, group
         self.causal, self.scale, self.backend = causal, scale, backend
         me = ranks.index(dist.get_rank())
@@ -97,6 +103,7 @@ class HybridAttention(nn.Module):
             raise ValueError(f"zigzag ring shards hold two chunks: the part length {q.shape[1]} x ulysses_size "
                              f"{self.ulysses_size} must be even (global N divisible by 2 x world size)")
         hkv = kv_heads_for(q.shape[2], k.shape[2], self.ulysses_size)
+        groups = head_groups_for(self.head_groups, q.shape[2] // self.ulysses_size, hkv // self.ulysses_size)
         scale = default_scale(q.shape[-1], self.scale)
         if layout is not None and self.layout != "documents":
             raise ValueError(f"layout: a DocumentLayout is taken by HybridAttention(layout='documents'); this "
@@ -107,7 +114,7 @@ class HybridAttention(nn.Module):
             cu_seqlens = layout.cu_seqlens
         docs = None if cu_seqlens is None else check_cu_seqlens(
             cu_seqlens, q.shape[1] * self.ulysses_size * self.ring_size)
-        return hkv, signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, algorithm="hybrid",
+        return (hkv, groups), signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, algorithm="hybrid",
                               grid=[self.ring_size, self.ulysses_size], documents=docs)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
@@ -116,17 +123,18 @@ class HybridAttention(nn.Module):
         or ``layout``, their :class:`~dilated.DocumentLayout` over the ring (:meth:`document_layout`)."""
         # every rank of the grid agrees before any row or column communicates (a row that stopped
         # alone would leave the ring of the others waiting)
-        hkv = validate_on_all_ranks(self.group, self._agreed, "HybridAttention",
-                                    lambda: self._validate(q, k, v, cu_seqlens, layout))
+        hkv, groups = validate_on_all_ranks(self.group, self._agreed, "HybridAttention",
+                                            lambda: self._validate(q, k, v, cu_seqlens, layout))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
-        q, k, v = (sequence_to_heads(dense_rows(x), self.ulysses_group, self.stats) for x in (q, k, v))
-        if self.ring_size == 1 and self.layout != "documents":  # the whole sequence on this row's heads (Ulysses)
-            out = attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,
-                            cu_seqlens=cu_seqlens)
-        else:  # ring shards in self.layout, this row's heads
-            out = self.ring(q, k, v, cu_seqlens=cu_seqlens, layout=layout)
-        return heads_to_sequence(out, self.ulysses_group, self.stats)
+
+        def attend(qh, kh, vh):
+            if self.ring_size == 1 and self.layout != "documents":  # the whole sequence on this row's heads
+                return attention(qh, kh, vh, causal=self.causal, scale=self.scale, backend=self.backend,
+                                 cu_seqlens=cu_seqlens)
+            return self.ring(qh, kh, vh, cu_seqlens=cu_seqlens, layout=layout)  # ring shards in self.layout
+
+        return attend_by_head_groups(q, k, v, attend, groups=groups, group=self.ulysses_group, stats=self.stats)
 
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor: its ring shard

@@ -1,14 +1,15 @@
 """Ulysses attention (DeepSpeed-Ulysses): exact dense attention over a sequence sharded across
 ranks by trading the sequence split for a head split.
 
-Each rank holds a contiguous shard ``[B, N/P, H, D]``. One all-to-all gives every rank the whole
-sequence for ``H/P`` heads (:func:`dilated.parallel.sharding.sequence_to_heads`), one local attention
-runs over it (any backend; causal is plain causal over the whole sequence, so no load balancing
-is needed; where the kernel's causal rate drops on long blocks, as cuDNN's does past 64K rows,
-:func:`dilated.attention` runs it as query chunks), and one all-to-all brings the output back to
-sequence shards. Backward is the same three steps reversed (the all-to-alls are their own
-adjoints' inverses). Per rank and call it moves ``(P-1)/P`` of its q, k, v and out shards,
-independent of the number of ranks' positions: what it pays for needing ``H`` divisible by ``P``. Packed documents (``cu_seqlens`` of the global
+Each rank holds a contiguous shard ``[B, N/P, H, D]``. All-to-alls give every rank the whole
+sequence for ``H/P`` heads, one local attention runs over it (any backend; causal is plain causal
+over the whole sequence, so no load balancing is needed; where the kernel's causal rate drops on
+long blocks, as cuDNN's does past 64K rows, :func:`dilated.attention` runs it as query chunks), and
+all-to-alls bring the output back to sequence shards. The ``H/P`` heads attend in ``head_groups``
+groups, each group's exchanges overlapping the other groups' attention
+(:mod:`dilated.parallel.head_groups`). Backward is the same steps reversed. Per rank and call it
+moves ``(P-1)/P`` of its q, k, v and out shards, independent of the number of ranks' positions:
+what it pays for needing ``H`` divisible by ``P``. Packed documents (``cu_seqlens`` of the global
 sequence) cost nothing extra: the local attention sees the whole sequence and its documents.
 
 GQA: kv heads are split like q heads when ``H_kv`` is divisible by ``P``; else each kv head is
@@ -23,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import check_causal, check_qkv, check_scale, dense_rows
+from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .sharding import CommStats, _world, heads_to_sequence, sequence_to_heads
+from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
+from .sharding import CommStats, _world
 from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
@@ -57,15 +59,21 @@ class UlyssesAttention(nn.Module):
         backend: the local kernel (``"auto"``, ``"sdpa"``, ``"flash_attn_4"``, ...).
         group: the process group (default: the world).
         measure_comm: also time the compute stream's waits on the all-to-alls.
+        head_groups: this rank's ``H/P`` heads attend in this many groups, each group's all-to-alls
+            overlapping the others' attention (:mod:`dilated.parallel.head_groups`); ``1``: one
+            exchange per tensor, nothing overlapped; ``"auto"``: the most up to 4 that the heads allow.
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
     """
 
-    def __init__(self, *, causal=False, scale=None, backend="auto", group=None, measure_comm: bool = False):
+    def __init__(self, *, causal=False, scale=None, backend="auto", group=None, measure_comm: bool = False,
+                 head_groups: int | str = "auto"):
         super().__init__()
         check_causal(causal)
         check_scale(scale)
+        check_head_groups(head_groups)
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
+        self.head_groups = head_groups
         self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
         self.stats = CommStats(measure_comm)
 
@@ -79,22 +87,25 @@ class UlyssesAttention(nn.Module):
             raise ValueError(f"UlyssesAttention splits heads over the {p} ranks: num_heads {q.shape[2]} must be "
                              f"divisible by {p}; use a world size that divides the heads, or RingAttention")
         hkv = kv_heads_for(q.shape[2], k.shape[2], p)
+        groups = head_groups_for(self.head_groups, q.shape[2] // p, hkv // p)
         scale = default_scale(q.shape[-1], self.scale)
         get_backend(self.backend, q[:, :, :q.shape[2] // p], k[:, :, :hkv // p], self.causal, v=v[:, :, :hkv // p])
-        return (hkv, scale), signature(q, k, v, causal=self.causal, scale=scale, algorithm="ulysses", documents=docs)
+        return (hkv, groups, scale), signature(q, k, v, causal=self.causal, scale=scale, algorithm="ulysses", documents=docs)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
         ``[0, ..., N]``, the same on every rank); attention stays within each document."""
         if not dist.is_initialized():
             raise RuntimeError("UlyssesAttention needs torch.distributed initialised (see dilated.init_distributed)")
-        hkv, scale = validate_on_all_ranks(self.group, self._agreed, "UlyssesAttention",
-                                           lambda: self._validate(q, k, v, cu_seqlens))
+        hkv, groups, scale = validate_on_all_ranks(self.group, self._agreed, "UlyssesAttention",
+                                                   lambda: self._validate(q, k, v, cu_seqlens))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
-        q, k, v = (sequence_to_heads(dense_rows(x), self.group, self.stats) for x in (q, k, v))
-        out = attention(q, k, v, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_seqlens)
-        return heads_to_sequence(out, self.group, self.stats)
+
+        def attend(qh, kh, vh):
+            return attention(qh, kh, vh, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_seqlens)
+
+        return attend_by_head_groups(q, k, v, attend, groups=groups, group=self.group, stats=self.stats)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor (contiguous)."""

@@ -15,8 +15,10 @@ kv heads (:func:`dilated.parallel.ulysses_attention.kv_heads_for`), the local do
 * document strategies: the crossing rows' all-gather (or relay) runs while the local documents
   compute; the rectangles of crossing documents follow; in backward the gradient rows' reduce-scatter
   runs while the local documents' backward computes;
-* Ulysses: its all-to-alls are exposed (nothing overlaps them), four each way;
-* the hybrid: Ulysses inside each row of the grid, its ring across rows on the row's heads;
+* Ulysses: its all-to-alls pipelined with attention by head groups
+  (:mod:`dilated.parallel.head_groups`): the first group's inputs and the last group's output are
+  exposed, the rest overlaps the other groups' attention;
+* the hybrid: Ulysses inside each row of the grid, its ring across rows on each head group;
 * decode: each rank's read of its cache shard, then one all-gather of ``B x Tq x H x (D + 1)``
   float32 numbers.
 
@@ -26,11 +28,12 @@ Host time (launches, the layout's build) and the merge of partial outputs are no
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ...parallel.document_attention import rank_plan
 from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
+from ...parallel.head_groups import head_groups_for, kv_group_of
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
@@ -123,6 +126,21 @@ class _Timeline:
     compute: float = 0.0  # the most kernel time of any rank (what no schedule can hide)
     sent: float = 0.0  # bytes a rank sends
     extra_mem: float = 0.0  # bytes the schedule holds beyond the shards (per rank)
+
+
+def _pipeline(inputs: list[float], computes: list[float], outputs: list[float]) -> float:
+    """The end of a head-group pipeline (ms): one communication stream runs every group's input
+    exchange from time 0, then each group's output exchange once that group is done; one compute
+    stream runs group ``g`` once its inputs have arrived and group ``g - 1`` is done."""
+    comm, ready = 0.0, []
+    for x in inputs:
+        comm += x
+        ready.append(comm)
+    t = 0.0
+    for r, c, o in zip(ready, computes, outputs):
+        t = max(t, r) + c
+        comm = max(comm, t) + o
+    return comm
 
 
 def _gib(nbytes: float) -> float:
@@ -262,42 +280,69 @@ class Model:
         return _Timeline(max(times), max(computes), sent, extra)
 
     # -- Ulysses ----------------------------------------------------------------------------------
-    def _ulysses_a2a(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int) -> tuple[float, float]:
-        """``(ms, bytes sent)`` of the all-to-alls of one call (fwd: q, k, v and out; fwd_bwd: also
-        dout, dq, dk, dv) on shards of ``heads`` q and ``kv_heads`` kv heads."""
+    def _by_head_groups(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int, attend,
+                        head_groups: int | str = "auto") -> _Timeline:
+        """Ulysses' all-to-alls over ``ranks`` pipelined with ``attend(q_heads, kv_heads, mode)`` (a
+        :class:`_Timeline` of one head group's attention over the whole sequence) by head groups, as
+        :func:`dilated.parallel.head_groups.attend_by_head_groups` runs them: every group's input
+        exchange issued at once, kv groups before their first reader; a group attends once its inputs
+        have arrived and the previous group is done; its output (in backward: its dq, and a kv group's
+        dk and dv after its last reader) goes back once it is done, one exchange at a time."""
         p = len(ranks)
-        n = problem.seq_len // p
-        qb = problem.batch * n * heads * problem.head_dim * ELEM
-        kvb = problem.batch * n * kv_heads * problem.head_dim * ELEM
-        net = self.network
-        one = 2 * net.all_to_all_ms(qb, ranks) + 2 * net.all_to_all_ms(kvb, ranks)
-        sent = (2 * qb + 2 * kvb) * (p - 1) / p
-        if problem.mode == "fwd_bwd":
-            one, sent = 2 * one, 2 * sent
-        return one, sent
-
-    def _ulysses(self, problem: Problem, ranks: list[int]) -> _Timeline:
-        p = len(ranks)
-        hkv = kv_heads_for(problem.heads, problem.kv_heads, p)
-        a2a, sent = self._ulysses_a2a(problem, ranks, problem.heads, hkv)
+        hkv = kv_heads_for(heads, kv_heads, p)
+        groups = head_groups_for(head_groups, heads // p, hkv // p)
+        kv_of = kv_group_of(heads // p, hkv // p, groups)
+        kv_groups = kv_of[-1] + 1
+        n, net = problem.seq_len // p, self.network
+        qb = problem.batch * n * heads * problem.head_dim * ELEM / groups  # one group's q (or out) per rank
+        kvb = 2 * problem.batch * n * hkv * problem.head_dim * ELEM / kv_groups  # one kv group's k and v
+        q_ms, kv_ms = net.all_to_all_ms(qb, ranks), net.all_to_all_ms(kvb, ranks)
+        first = {j: kv_of.index(j) for j in set(kv_of)}
+        last = {j: len(kv_of) - 1 - kv_of[::-1].index(j) for j in set(kv_of)}
+        time = compute = sent = extra = 0.0
         modes = ("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)
-        ms = sum(self.kernels.documents_ms(problem.cu_seqlens(), problem.batch, problem.heads // p, hkv // p,
-                                           problem.head_dim, problem.causal, m) for m in modes)
-        n = problem.seq_len // p
-        extra = 2 * problem.batch * n * (problem.heads + hkv) * problem.head_dim * ELEM
-        return _Timeline(ms + a2a, ms, sent, extra)
+        for mode in modes:
+            one = attend(heads // (p * groups), hkv // (p * kv_groups), mode)
+            if mode == "fwd":
+                inputs = [q_ms + (kv_ms if first[kv_of[g]] == g else 0.0) for g in range(groups)]
+                outputs = [q_ms] * groups
+            else:
+                inputs = [q_ms] * groups
+                outputs = [q_ms + (kv_ms if last[kv_of[g]] == g else 0.0) for g in range(groups)]
+            time += _pipeline(inputs, [one.time] * groups, outputs)
+            compute += groups * one.compute
+            sent += one.sent * groups + (2 * qb * groups + kvb * kv_groups) * (p - 1) / p
+            extra = max(extra, one.extra_mem)
+        extra += 2 * problem.batch * n * (heads + hkv) * problem.head_dim * ELEM
+        return _Timeline(time, compute, sent, extra)
+
+    def _ulysses(self, problem: Problem, ranks: list[int], head_groups: int | str = "auto") -> _Timeline:
+        cu, b, d = problem.cu_seqlens(), problem.batch, problem.head_dim
+
+        def attend(heads, kv_heads, mode):
+            ms = self.kernels.documents_ms(cu, b, heads, kv_heads, d, problem.causal, mode)
+            return _Timeline(ms, ms)
+
+        return self._by_head_groups(problem, ranks, problem.heads, problem.kv_heads, attend, head_groups)
 
     def _hybrid(self, problem: Problem, u: int, r: int, ring_layout: str) -> _Timeline:
-        row = list(range(u))
         column = [i * u for i in range(r)]
-        hkv = kv_heads_for(problem.heads, problem.kv_heads, u)
-        a2a, sent = self._ulysses_a2a(problem, row, problem.heads, hkv)
-        if ring_layout == "documents":
-            ring = self._documents(problem, column, problem.heads // u, hkv // u, "ring")
-        else:
-            ring = self._ring(problem, column, problem.heads // u, hkv // u, ring_layout, True, "copy_engine"
-                              if not self.network.spans_nodes(column) else "p2p")
-        return _Timeline(ring.time + a2a, ring.compute, ring.sent + sent, ring.extra_mem)
+
+        def ring(heads, kv_heads, mode):
+            one = replace(problem, mode=mode)
+            if ring_layout == "documents":
+                return self._documents(one, column, heads, kv_heads, "ring")
+            return self._ring(one, column, heads, kv_heads, ring_layout, True,
+                              "copy_engine" if not self.network.spans_nodes(column) else "p2p")
+
+        def attend(heads, kv_heads, mode):  # the ring's forward, or its backward: fwd_bwd less fwd
+            fwd = ring(heads, kv_heads, "fwd")
+            if mode == "fwd":
+                return fwd
+            both = ring(heads, kv_heads, "fwd_bwd")
+            return _Timeline(both.time - fwd.time, both.compute - fwd.compute, both.sent - fwd.sent, both.extra_mem)
+
+        return self._by_head_groups(problem, list(range(u)), problem.heads, problem.kv_heads, attend)
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:
@@ -377,10 +422,10 @@ class Model:
         if strategy in ("documents", "ring_documents"):
             return self._documents(problem, ranks, problem.heads, problem.kv_heads,
                                    "all_gather" if strategy == "documents" else "ring")
-        if strategy == "ulysses":
+        if strategy in ("ulysses", "ulysses_no_overlap"):
             if problem.heads % world:
                 raise ValueError(f"Ulysses splits {problem.heads} heads over {world} ranks: not divisible")
-            return self._ulysses(problem, ranks)
+            return self._ulysses(problem, ranks, 1 if strategy == "ulysses_no_overlap" else "auto")
         if strategy in ("hybrid", "hybrid_documents"):
             u, r = grid or (None, None)
             if not u or not r or u * r != world or u < 2 or r < 2:
@@ -403,6 +448,7 @@ STRATEGIES = {
     "ring_no_overlap": ("contiguous", False, "copy_engine"),
     "ring_zigzag_no_overlap": ("zigzag", False, "copy_engine"),
     "ulysses": None,
+    "ulysses_no_overlap": None,
     "hybrid": None,
     "documents": None,
     "ring_documents": None,

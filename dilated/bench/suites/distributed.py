@@ -163,7 +163,8 @@ def distributed_main(argv=None, script="benchmark_distributed", default_impls=No
 
 
 # -- benchmark_ring_attention -------------------------------------------------------------
-RING_SET = ["ring", "ring_zigzag", "ring_zigzag_p2p", "ring_no_overlap", "ring_zigzag_no_overlap", "ulysses", "hybrid",
+RING_SET = ["ring", "ring_zigzag", "ring_zigzag_p2p", "ring_no_overlap", "ring_zigzag_no_overlap", "ulysses",
+            "ulysses_no_overlap", "hybrid",
             "torch_cp", "ring_flash_attn", "ring_flash_attn_zigzag", "yunchang_usp", "yunchang_ulysses"]
 
 

@@ -1,0 +1,221 @@
+"""Ulysses' all-to-alls pipelined with attention by head groups.
+
+Ulysses (and each row of the Ulysses x ring grid) trades the sequence split for a head split with
+all-to-alls, attends over the whole sequence on ``H/P`` heads, and trades the output back. As one
+exchange per tensor, nothing overlaps them: the compute stream waits for all of q, k and v before
+it attends, and for the output's exchange after. :func:`attend_by_head_groups` cuts this rank's
+``H/P`` heads into ``groups`` groups and issues every group's input exchange at once: group ``g``
+attends while later groups' inputs arrive and group ``g - 1``'s output goes back, so only the first
+group's inputs and the last group's output are waited for. Backward mirrors it: every group's
+output-gradient exchange is issued at once, and group ``g``'s q, k, v gradients go back while group
+``g + 1``'s backward runs.
+
+Under GQA a group of q heads reads one group of kv heads (:func:`kv_group_of`): with fewer kv heads
+per rank than groups, a kv head's exchange serves every q group that reads it and moves once,
+before the first of them; its gradient goes back after the last.
+
+Rank ``r`` attends on heads ``r*H/P .. (r+1)*H/P - 1`` whatever ``groups`` is: the grouping changes
+when bytes move, not which rank computes what.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .sharding import CommStats
+
+
+def kv_group_of(q_heads: int, kv_heads: int, groups: int) -> list[int]:
+    """The kv group each of ``groups`` q-head groups reads, for ``q_heads`` q heads and ``kv_heads``
+    kv heads on a rank (q head ``i`` reads kv head ``i // (q_heads // kv_heads)``); raises where a
+    group would straddle kv groups or ``groups`` does not divide the q heads."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or q_heads % groups:
+        raise ValueError(f"head_groups must be a positive integer dividing the {q_heads} q heads of a rank, "
+                         f"got {groups!r}")
+    if kv_heads % groups == 0:  # as many kv groups as q groups
+        return list(range(groups))
+    if groups % kv_heads == 0:  # one kv head per kv group, read by groups // kv_heads q groups
+        return [g // (groups // kv_heads) for g in range(groups)]
+    raise ValueError(f"head_groups={groups}: the {kv_heads} kv heads of a rank cannot be cut into groups that each "
+                     f"serve whole q groups; use a head_groups that divides {kv_heads} or that {kv_heads} divides")
+
+
+#: ``head_groups="auto"``: the most groups up to this that the heads allow
+AUTO_MOST_GROUPS = 4
+
+
+def check_head_groups(head_groups) -> None:
+    """``head_groups`` is ``"auto"`` or a positive integer."""
+    if head_groups != "auto" and (isinstance(head_groups, bool) or not isinstance(head_groups, int)
+                                  or head_groups < 1):
+        raise ValueError(f"head_groups must be 'auto' or a positive integer, got {head_groups!r}")
+
+
+def head_groups_for(head_groups, q_heads: int, kv_heads: int) -> int:
+    """The count of head groups for ``q_heads`` q and ``kv_heads`` kv heads per rank: ``head_groups``
+    (checked by :func:`kv_group_of`), or for ``"auto"`` the most up to :data:`AUTO_MOST_GROUPS` it accepts."""
+    if head_groups != "auto":
+        kv_group_of(q_heads, kv_heads, head_groups)
+        return head_groups
+    for groups in range(min(AUTO_MOST_GROUPS, q_heads), 1, -1):
+        try:
+            kv_group_of(q_heads, kv_heads, groups)
+        except ValueError:
+            continue
+        return groups
+    return 1
+
+
+class _Exchange:
+    """One all-to-all in flight: ``send`` ``[P, ...]``, block ``i`` to rank ``i``; :meth:`wait`
+    gives block ``j`` from rank ``j``. The compute stream waits on it only at :meth:`wait`."""
+
+    def __init__(self, send: torch.Tensor, group, stats: CommStats):
+        self.send, self.recv, self.stats = send, torch.empty_like(send), stats
+        self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
+        stats.sent(send.numel() * send.element_size() * (send.shape[0] - 1) // send.shape[0], collective=True)
+
+    def wait(self) -> torch.Tensor:
+        with self.stats.waiting(self.recv.device):
+            self.work.wait()
+        self.send = None  # the exchange is done with it
+        return self.recv
+
+
+def _to_heads_blocks(xs: list[torch.Tensor], p: int, groups: int, g: int) -> torch.Tensor:
+    """Head group ``g`` of each rank's heads of the sequence shards ``xs`` (each ``[B, n, H, D]``),
+    as blocks ``[P, len(xs), B, n, H/(P*groups), D]``: block ``i`` for rank ``i``."""
+    b, n, h, d = xs[0].shape
+    send = xs[0].new_empty(p, len(xs), b, n, h // (p * groups), d)
+    for i, x in enumerate(xs):
+        send[:, i].copy_(x.view(b, n, p, groups, -1, d)[:, :, :, g].permute(2, 0, 1, 3, 4))
+    return send
+
+
+def _whole_sequence(recv: torch.Tensor, i: int) -> torch.Tensor:
+    """Tensor ``i`` of received blocks ``[P, T, B, n, h, D]`` (rank ``j``'s positions in block
+    ``j``) as the whole sequence ``[B, P*n, h, D]``."""
+    p, _, b, n, h, d = recv.shape
+    return recv[:, i].transpose(0, 1).reshape(b, p * n, h, d)
+
+
+def _to_sequence_blocks(xs: list[torch.Tensor], p: int) -> torch.Tensor:
+    """Whole-sequence tensors ``xs`` (each ``[B, N, h, D]``) as blocks ``[P, len(xs), B, N/P, h, D]``:
+    rank ``i``'s positions in block ``i``."""
+    b, big_n, h, d = xs[0].shape
+    send = xs[0].new_empty(p, len(xs), b, big_n // p, h, d)
+    for i, x in enumerate(xs):
+        send[:, i].copy_(x.reshape(b, p, big_n // p, h, d).transpose(0, 1))
+    return send
+
+
+def _into_heads(dst: torch.Tensor, recv: torch.Tensor, i: int, g: int) -> None:
+    """Put tensor ``i`` of received blocks ``[P, T, B, n, h, D]`` (rank ``j``'s head group ``g`` in
+    block ``j``) into ``dst`` ``[B, n, P, groups, h, D]``."""
+    dst[:, :, :, g].copy_(recv[:, i].permute(1, 2, 0, 3, 4))
+
+
+@dataclass
+class HeadGroupCall:
+    """One pipelined call: ``attend(q, k, v)`` on whole-sequence head groups, ``groups`` q-head
+    groups per rank reading kv groups ``kv_of``, over ``group``, counted in ``stats``."""
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    groups: int
+    kv_of: list[int]
+    group: object
+    stats: CommStats
+
+
+class _Together:
+    """Same-shaped tensors' head groups in one exchange (one latency), others in one each."""
+
+    def __init__(self, xs: list[torch.Tensor], p: int, groups: int, g: int, group, stats: CommStats):
+        same = all(x.shape == xs[0].shape for x in xs)
+        parts = [xs] if same else [[x] for x in xs]
+        self.exchanges = [_Exchange(_to_heads_blocks(part, p, groups, g), group, stats) for part in parts]
+
+    def wait(self) -> list[torch.Tensor]:
+        recvs = [ex.wait() for ex in self.exchanges]
+        return [_whole_sequence(r, i) for r in recvs for i in range(r.shape[1])]
+
+
+class _AttendByHeadGroups(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, call: HeadGroupCall):
+        p, groups, kv_groups = dist.get_world_size(call.group), call.groups, call.kv_of[-1] + 1
+        b, n, h, _ = q.shape
+        q_in, kv_in = [], {}
+        for g, j in enumerate(call.kv_of):  # every input exchange at once, each kv group before its first reader
+            if j not in kv_in:
+                kv_in[j] = _Together([k, v], p, kv_groups, j, call.group, call.stats)
+            q_in.append(_Together([q], p, groups, g, call.group, call.stats))
+        grad = any(ctx.needs_input_grad[:3])
+        kv, graphs, back = {}, [], []
+        for g, j in enumerate(call.kv_of):
+            (qg,) = q_in[g].wait()
+            if j not in kv:
+                kv[j] = [x.detach().requires_grad_(grad) for x in kv_in[j].wait()]
+            if grad:
+                with torch.enable_grad():
+                    leaves = [qg.detach().requires_grad_(), *kv[j]]
+                    og = call.attend(*leaves)
+                graphs.append((leaves, og))
+            else:
+                og = call.attend(qg, *kv[j])
+            back.append(_Exchange(_to_sequence_blocks([og.detach()], p), call.group, call.stats))
+        out = None
+        for g, ex in enumerate(back):
+            recv = ex.wait()
+            if out is None:  # v's head_dim
+                out = recv.new_empty(b, n, p, groups, h // (p * groups), recv.shape[-1])
+            _into_heads(out, recv, 0, g)
+        ctx.call, ctx.graphs, ctx.shapes = call, graphs, (q.shape, k.shape, v.shape)
+        return out.view(b, n, h, -1)
+
+    @staticmethod
+    def backward(ctx, dout):
+        call, graphs = ctx.call, ctx.graphs
+        ctx.graphs = None  # each group's graph is used once
+        p, groups, kv_groups = dist.get_world_size(call.group), call.groups, call.kv_of[-1] + 1
+        shapes = ctx.shapes
+        dout = dout.contiguous()
+        d_in = [_Together([dout], p, groups, g, call.group, call.stats) for g in range(groups)]
+        last_reader = {j: g for g, j in enumerate(call.kv_of)}
+        dkv_sum, dq_back, dkv_back = {}, [], {}
+        for g, j in enumerate(call.kv_of):
+            leaves, og = graphs[g]
+            grads = torch.autograd.grad(og, leaves, d_in[g].wait()[0])
+            dq_back.append(_Exchange(_to_sequence_blocks([grads[0]], p), call.group, call.stats))
+            dkv_sum[j] = grads[1:] if j not in dkv_sum else [a + c for a, c in zip(dkv_sum[j], grads[1:])]
+            if last_reader[j] == g:
+                dk_j, dv_j = dkv_sum.pop(j)
+                together = [[dk_j, dv_j]] if dk_j.shape == dv_j.shape else [[dk_j], [dv_j]]
+                dkv_back[j] = [_Exchange(_to_sequence_blocks(t, p), call.group, call.stats) for t in together]
+        grads = []
+        for (b, n, h, d), count in zip(shapes, (groups, kv_groups, kv_groups)):
+            grads.append(dout.new_empty(b, n, p, count, h // (p * count), d))
+        for g, ex in enumerate(dq_back):
+            _into_heads(grads[0], ex.wait(), 0, g)
+        for j, exchanges in dkv_back.items():
+            recvs = [ex.wait() for ex in exchanges]
+            parts = [(r, i) for r in recvs for i in range(r.shape[1])]
+            for dst, (recv, i) in zip(grads[1:], parts):
+                _into_heads(dst, recv, i, j)
+        return *(x.view(s) for x, s in zip(grads, shapes)), None
+
+
+def attend_by_head_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], *,
+                          groups: int, group, stats: CommStats) -> torch.Tensor:
+    """``attend`` over the whole sequence on this rank's heads, from and to sequence shards,
+    differentiable. ``q`` ``[B, N/P, H, D]`` and ``k``, ``v`` ``[B, N/P, H_kv, D]`` are this rank's
+    positions (``H`` and ``H_kv`` divisible by ``P x groups`` and by ``P``, as
+    :func:`kv_group_of` says); ``attend(q, k, v)`` takes ``[B, N, h, D]`` head groups of this rank
+    and returns their output. Returns this rank's output ``[B, N/P, H, D]``."""
+    p = dist.get_world_size(group)
+    kv_of = kv_group_of(q.shape[2] // p, k.shape[2] // p, groups)
+    call = HeadGroupCall(attend, groups, kv_of, group, stats)
+    return _AttendByHeadGroups.apply(q.contiguous(), k.contiguous(), v.contiguous(), call)
