@@ -28,6 +28,11 @@ def _make(name, problem, layout, factory, description, documents=True, splits_he
                                      takes_documents=documents, splits_heads=splits_heads)
 
 
+#: Ulysses' benchmark names and the head groups each runs (:mod:`dilated.parallel.head_groups`)
+ULYSSES_HEAD_GROUPS = {"ulysses": "auto", "ulysses_no_overlap": 1, "ulysses_head_groups_2": 2,
+                       "ulysses_head_groups_8": 8}
+
+
 def _ulysses(case, backend, group, head_groups="auto"):
     return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group, head_groups=head_groups)
 
@@ -58,12 +63,11 @@ RING_IMPLEMENTATIONS = {
                                     "RingAttention, zigzag, no overlap"),
     "distributed_dilated": _make("distributed_dilated", "dilated", "contiguous", _distributed_dilated,
                                  "DistributedDilatedAttention (LongNet sequence parallel)", documents=False),
-    "ulysses": _make("ulysses", "dense", "contiguous", _ulysses,
-                     "UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank), exchanges "
-                     "pipelined with attention by head groups", splits_heads=True),
-    "ulysses_no_overlap": _make("ulysses_no_overlap", "dense", "contiguous", lambda c, b, g: _ulysses(c, b, g, 1),
-                                "UlyssesAttention, one exchange per tensor (head_groups=1): nothing overlapped",
-                                splits_heads=True),
+    **{name: _make(name, "dense", "contiguous", lambda c, b, g, groups=groups: _ulysses(c, b, g, groups),
+                   f"UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank), head_groups={groups!r}"
+                   + (": nothing overlapped" if groups == 1 else ": exchanges pipelined with attention"),
+                   splits_heads=True)
+       for name, groups in ULYSSES_HEAD_GROUPS.items()},
     "hybrid": _make("hybrid", "dense", "hybrid", _hybrid,
                     "HybridAttention: Ulysses inside a row, zigzag ring across rows of the rank grid"),
     "documents": _make("documents", "dense", "documents",

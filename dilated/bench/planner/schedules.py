@@ -37,6 +37,7 @@ from ...parallel.head_groups import head_groups_for, kv_group_of
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
+from ..strategies import ULYSSES_HEAD_GROUPS
 from .calibration import Curve, log_interp
 from .kernel_model import KernelModel
 from .network import Network
@@ -422,10 +423,10 @@ class Model:
         if strategy in ("documents", "ring_documents"):
             return self._documents(problem, ranks, problem.heads, problem.kv_heads,
                                    "all_gather" if strategy == "documents" else "ring")
-        if strategy in ("ulysses", "ulysses_no_overlap"):
+        if strategy in ULYSSES_HEAD_GROUPS:
             if problem.heads % world:
                 raise ValueError(f"Ulysses splits {problem.heads} heads over {world} ranks: not divisible")
-            return self._ulysses(problem, ranks, 1 if strategy == "ulysses_no_overlap" else "auto")
+            return self._ulysses(problem, ranks, ULYSSES_HEAD_GROUPS[strategy])
         if strategy in ("hybrid", "hybrid_documents"):
             u, r = grid or (None, None)
             if not u or not r or u * r != world or u < 2 or r < 2:
@@ -447,8 +448,7 @@ STRATEGIES = {
     "ring_zigzag_p2p": ("zigzag", True, "p2p"),
     "ring_no_overlap": ("contiguous", False, "copy_engine"),
     "ring_zigzag_no_overlap": ("zigzag", False, "copy_engine"),
-    "ulysses": None,
-    "ulysses_no_overlap": None,
+    **{name: None for name in ULYSSES_HEAD_GROUPS},
     "hybrid": None,
     "documents": None,
     "ring_documents": None,
