@@ -31,20 +31,23 @@ def _make(name, problem, layout, factory, description, documents=True, splits_he
 #: Ulysses' benchmark names and the head groups each runs (:mod:`dilated.parallel.head_groups`)
 ULYSSES_HEAD_GROUPS = {"ulysses": "auto", "ulysses_no_overlap": 1, "ulysses_head_groups_2": 2,
                        "ulysses_head_groups_8": 8}
+#: the hybrid's benchmark names and the head groups each runs
+HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_documents": "auto",
+                      "hybrid_documents_no_overlap": 1}
 
 
 def _ulysses(case, backend, group, head_groups="auto"):
     return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group, head_groups=head_groups)
 
 
-def _hybrid(case, backend, group, layout="zigzag"):
+def _hybrid(case, backend, group, layout="zigzag", head_groups="auto"):
     p = dist.get_world_size(group)
     ulysses = ulysses_size_for(p, case.num_heads)
     if ulysses is None:
         raise NotImplementedError(f"a Ulysses x ring grid needs 2 or more ranks in both directions: {p} ranks with "
                                   f"{case.num_heads} heads have none (launch 4 or more ranks)")
     return dilated.HybridAttention(ulysses, p // ulysses, causal=case.causal, layout=layout, backend=backend,
-                                   group=group)
+                                   group=group, head_groups=head_groups)
 
 
 RING_IMPLEMENTATIONS = {
@@ -70,6 +73,8 @@ RING_IMPLEMENTATIONS = {
        for name, groups in ULYSSES_HEAD_GROUPS.items()},
     "hybrid": _make("hybrid", "dense", "hybrid", _hybrid,
                     "HybridAttention: Ulysses inside a row, zigzag ring across rows of the rank grid"),
+    "hybrid_no_overlap": _make("hybrid_no_overlap", "dense", "hybrid", lambda c, b, g: _hybrid(c, b, g, head_groups=1),
+                               "HybridAttention, zigzag ring, one all-to-all per tensor (head_groups=1)"),
     "documents": _make("documents", "dense", "documents",
                        lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b, group=g),
                        "DocumentParallelAttention: documents balanced over the ranks (DocumentLayout), only "
@@ -81,6 +86,10 @@ RING_IMPLEMENTATIONS = {
                               lambda c, b, g: _hybrid(c, b, g, layout="documents"),
                               "HybridAttention: Ulysses inside a row, a ring on the documents' DocumentLayout "
                               "across rows"),
+    "hybrid_documents_no_overlap": _make("hybrid_documents_no_overlap", "dense", "hybrid_documents",
+                                         lambda c, b, g: _hybrid(c, b, g, layout="documents", head_groups=1),
+                                         "HybridAttention on the documents' layout, one all-to-all per tensor "
+                                         "(head_groups=1)"),
 }
 for _impl in RING_IMPLEMENTATIONS.values():
     register_implementation(_impl)

@@ -37,7 +37,7 @@ from ...parallel.head_groups import head_groups_for, kv_group_of
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
-from ..strategies import ULYSSES_HEAD_GROUPS
+from ..strategies import HYBRID_HEAD_GROUPS, ULYSSES_HEAD_GROUPS
 from .calibration import Curve, log_interp
 from .kernel_model import KernelModel
 from .network import Network
@@ -326,7 +326,7 @@ class Model:
 
         return self._by_head_groups(problem, ranks, problem.heads, problem.kv_heads, attend, head_groups)
 
-    def _hybrid(self, problem: Problem, u: int, r: int, ring_layout: str) -> _Timeline:
+    def _hybrid(self, problem: Problem, u: int, r: int, ring_layout: str, head_groups: int | str = "auto") -> _Timeline:
         column = [i * u for i in range(r)]
 
         def ring(heads, kv_heads, mode):
@@ -343,7 +343,7 @@ class Model:
             both = ring(heads, kv_heads, "fwd_bwd")
             return _Timeline(both.time - fwd.time, both.compute - fwd.compute, both.sent - fwd.sent, both.extra_mem)
 
-        return self._by_head_groups(problem, list(range(u)), problem.heads, problem.kv_heads, attend)
+        return self._by_head_groups(problem, list(range(u)), problem.heads, problem.kv_heads, attend, head_groups)
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:
@@ -427,14 +427,15 @@ class Model:
             if problem.heads % world:
                 raise ValueError(f"Ulysses splits {problem.heads} heads over {world} ranks: not divisible")
             return self._ulysses(problem, ranks, ULYSSES_HEAD_GROUPS[strategy])
-        if strategy in ("hybrid", "hybrid_documents"):
+        if strategy in HYBRID_HEAD_GROUPS:
             u, r = grid or (None, None)
             if not u or not r or u * r != world or u < 2 or r < 2:
                 raise ValueError(f"the hybrid needs a grid of ulysses x ring = {world} ranks, both at least 2")
             if problem.heads % u:
                 raise ValueError(f"the hybrid splits {problem.heads} heads over rows of {u}: not divisible")
             kv_heads_for(problem.heads, problem.kv_heads, u)
-            return self._hybrid(problem, u, r, "documents" if strategy == "hybrid_documents" else "zigzag")
+            return self._hybrid(problem, u, r, "documents" if strategy.startswith("hybrid_documents") else "zigzag",
+                                HYBRID_HEAD_GROUPS[strategy])
         layout, overlap, transport = STRATEGIES[strategy]
         if transport == "copy_engine" and self.network.spans_nodes(ranks):
             transport = "p2p"  # copy-engine pulls reach the GPUs of one host only
@@ -449,10 +450,9 @@ STRATEGIES = {
     "ring_no_overlap": ("contiguous", False, "copy_engine"),
     "ring_zigzag_no_overlap": ("zigzag", False, "copy_engine"),
     **{name: None for name in ULYSSES_HEAD_GROUPS},
-    "hybrid": None,
+    **{name: None for name in HYBRID_HEAD_GROUPS},
     "documents": None,
     "ring_documents": None,
-    "hybrid_documents": None,
     "decode": None,
 }
 
