@@ -63,7 +63,10 @@ def ulysses(rank, world):
     h = 12  # divisible by 2, 3 and 4
     for causal in (False, True):
         for hkv in (12, 4, 2, 1):  # split (12, 4 on 2 and 4), replicated (4 on 3; 2 and 1 mostly)
-            for head_groups in (1, "auto"):
+            kv_local = max(hkv, math.lcm(hkv, world)) // world
+            most = max(g for g in (1, 2, 3, 4) if (h // world) % g == 0 and (kv_local % g == 0 or g % kv_local == 0))
+            # "auto": one group here (the manual kernel has no varlen call); the most groups up to 4
+            for head_groups, groups in (("auto", 1), (most, most)):
                 q, k, v = _full(7 + hkv, 6 * world, h, hkv)
                 module = dilated.UlyssesAttention(causal=causal, backend="manual", head_groups=head_groups)
                 check_module(module, q, k, v, causal,
@@ -71,9 +74,6 @@ def ulysses(rank, world):
                 module.stats.reset()
                 module(*(module.shard(t) for t in (q, k, v)))
                 # per group: its q in and its output back; per kv group, k and v in together
-                kv_local = max(hkv, math.lcm(hkv, world)) // world
-                groups = 1 if head_groups == 1 else max(g for g in (1, 2, 3, 4) if (h // world) % g == 0
-                                                         and (kv_local % g == 0 or g % kv_local == 0))
                 assert module.stats.collectives == 2 * groups + min(groups, kv_local), (groups, module.stats.as_dict())
     # head groups that do not divide a rank's heads: a clear error naming the argument
     q, k, v = _full(1, 4 * world, 12, 12)
@@ -103,10 +103,14 @@ def hybrid(rank, world, grids):
             for causal in (False, True):
                 for hkv in (12, 3, 1):
                     q, k, v = _full(3 + hkv, 4 * world, h, hkv)
+                    # zigzag: a row's heads in as many groups as they allow (up to 3), the ring on each
+                    kv_local = max(hkv, math.lcm(hkv, ulysses_size)) // ulysses_size
+                    groups = "auto" if layout == "contiguous" else max(
+                        g for g in (1, 2, 3) if (h // ulysses_size) % g == 0 and (kv_local % g == 0 or g % kv_local == 0))
                     module = dilated.HybridAttention(ulysses_size, ring_size, causal=causal, layout=layout,
-                                                     backend="manual")
-                    check_module(module, q, k, v, causal,
-                                 f"hybrid {ring_size}x{ulysses_size} {layout} causal={causal} H={h}/{hkv}")
+                                                     backend="manual", head_groups=groups)
+                    check_module(module, q, k, v, causal, f"hybrid {ring_size}x{ulysses_size} {layout} "
+                                 f"causal={causal} H={h}/{hkv} head_groups={groups}")
     try:
         dilated.HybridAttention(world, 2)
     except ValueError as e:

@@ -30,10 +30,10 @@ def _make(name, problem, layout, factory, description, documents=True, splits_he
 
 #: Ulysses' benchmark names and the head groups each runs (:mod:`dilated.parallel.head_groups`)
 ULYSSES_HEAD_GROUPS = {"ulysses": "auto", "ulysses_no_overlap": 1, "ulysses_head_groups_2": 2,
-                       "ulysses_head_groups_8": 8}
+                       "ulysses_head_groups_4": 4, "ulysses_head_groups_8": 8}
 #: the hybrid's benchmark names and the head groups each runs
-HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_documents": "auto",
-                      "hybrid_documents_no_overlap": 1}
+HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_head_groups_4": 4,
+                      "hybrid_documents": "auto", "hybrid_documents_no_overlap": 1, "hybrid_documents_head_groups_4": 4}
 
 
 def _ulysses(case, backend, group, head_groups="auto"):
@@ -68,13 +68,10 @@ RING_IMPLEMENTATIONS = {
                                  "DistributedDilatedAttention (LongNet sequence parallel)", documents=False),
     **{name: _make(name, "dense", "contiguous", lambda c, b, g, groups=groups: _ulysses(c, b, g, groups),
                    f"UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank), head_groups={groups!r}"
-                   + (": nothing overlapped" if groups == 1 else ": exchanges pipelined with attention"),
+                   + {1: ": nothing overlapped", "auto": ": two pipelined groups where packed documents run in one "
+                      "varlen call each, else one"}.get(groups, ": exchanges pipelined with attention"),
                    splits_heads=True)
        for name, groups in ULYSSES_HEAD_GROUPS.items()},
-    "hybrid": _make("hybrid", "dense", "hybrid", _hybrid,
-                    "HybridAttention: Ulysses inside a row, zigzag ring across rows of the rank grid"),
-    "hybrid_no_overlap": _make("hybrid_no_overlap", "dense", "hybrid", lambda c, b, g: _hybrid(c, b, g, head_groups=1),
-                               "HybridAttention, zigzag ring, one all-to-all per tensor (head_groups=1)"),
     "documents": _make("documents", "dense", "documents",
                        lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b, group=g),
                        "DocumentParallelAttention: documents balanced over the ranks (DocumentLayout), only "
@@ -82,14 +79,13 @@ RING_IMPLEMENTATIONS = {
     "ring_documents": _make("ring_documents", "dense", "documents", lambda c, b, g: _ring(c, b, "documents", True, g),
                             "RingAttention on the documents' DocumentLayout: only crossing documents' K/V rows "
                             "passed round the ring"),
-    "hybrid_documents": _make("hybrid_documents", "dense", "hybrid_documents",
-                              lambda c, b, g: _hybrid(c, b, g, layout="documents"),
-                              "HybridAttention: Ulysses inside a row, a ring on the documents' DocumentLayout "
-                              "across rows"),
-    "hybrid_documents_no_overlap": _make("hybrid_documents_no_overlap", "dense", "hybrid_documents",
-                                         lambda c, b, g: _hybrid(c, b, g, layout="documents", head_groups=1),
-                                         "HybridAttention on the documents' layout, one all-to-all per tensor "
-                                         "(head_groups=1)"),
+    **{name: _make(name, "dense", "hybrid_documents" if documents else "hybrid",
+                   lambda c, b, g, groups=groups, documents=documents: _hybrid(
+                       c, b, g, layout="documents" if documents else "zigzag", head_groups=groups),
+                   "HybridAttention: Ulysses inside a row, "
+                   + ("a ring on the documents' DocumentLayout" if documents else "zigzag ring")
+                   + f" across rows of the rank grid, head_groups={groups!r}")
+       for name, groups in HYBRID_HEAD_GROUPS.items() for documents in [name.startswith("hybrid_documents")]},
 }
 for _impl in RING_IMPLEMENTATIONS.values():
     register_implementation(_impl)

@@ -43,10 +43,6 @@ def kv_group_of(q_heads: int, kv_heads: int, groups: int) -> list[int]:
                      f"serve whole q groups; use a head_groups that divides {kv_heads} or that {kv_heads} divides")
 
 
-#: ``head_groups="auto"``: the most groups up to this that the heads allow
-AUTO_MOST_GROUPS = 4
-
-
 def check_head_groups(head_groups) -> None:
     """``head_groups`` is ``"auto"`` or a positive integer."""
     if head_groups != "auto" and (isinstance(head_groups, bool) or not isinstance(head_groups, int)
@@ -54,18 +50,18 @@ def check_head_groups(head_groups) -> None:
         raise ValueError(f"head_groups must be 'auto' or a positive integer, got {head_groups!r}")
 
 
-def head_groups_for(head_groups, q_heads: int, kv_heads: int) -> int:
+def head_groups_for(head_groups, q_heads: int, kv_heads: int, one_call: bool) -> int:
     """The count of head groups for ``q_heads`` q and ``kv_heads`` kv heads per rank: ``head_groups``
-    (checked by :func:`kv_group_of`), or for ``"auto"`` the most up to :data:`AUTO_MOST_GROUPS` it accepts."""
+    (checked by :func:`kv_group_of`), or for ``"auto"`` two where the heads allow it and each group's
+    attention is one kernel call (``one_call``: packed documents in one call of a varlen kernel),
+    else one. A group costs a call of its own of every kernel the attention runs, on a fraction of
+    the heads: where packed documents run in batched calls per document length (cuDNN), that costs
+    more than the exchanges it hides (docs/performance/context-parallel.md)."""
     if head_groups != "auto":
         kv_group_of(q_heads, kv_heads, head_groups)
         return head_groups
-    for groups in range(min(AUTO_MOST_GROUPS, q_heads), 1, -1):
-        try:
-            kv_group_of(q_heads, kv_heads, groups)
-        except ValueError:
-            continue
-        return groups
+    if one_call and q_heads % 2 == 0 and (kv_heads % 2 == 0 or 2 % kv_heads == 0):
+        return 2
     return 1
 
 

@@ -44,8 +44,9 @@ class HybridAttention(nn.Module):
         causal, scale, backend, transport, measure_comm: as :class:`~dilated.RingAttention`.
         layout: the ring's shards over the rows: ``"zigzag"``, ``"contiguous"`` or ``"documents"``.
         group: the process group (default: the world); construct on every rank of it.
-        head_groups: a row's all-to-alls pipelined with the ring by head groups, as
-            :class:`~dilated.UlyssesAttention`'s (:mod:`dilated.parallel.head_groups`).
+        head_groups: a row's all-to-alls pipelined with the ring by head groups
+            (:mod:`dilated.parallel.head_groups`); ``"auto"``: one (a ring call per group costs more
+            than the exchanges it hides).
 
     ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """
@@ -103,7 +104,8 @@ class HybridAttention(nn.Module):
             raise ValueError(f"zigzag ring shards hold two chunks: the part length {q.shape[1]} x ulysses_size "
                              f"{self.ulysses_size} must be even (global N divisible by 2 x world size)")
         hkv = kv_heads_for(q.shape[2], k.shape[2], self.ulysses_size)
-        groups = head_groups_for(self.head_groups, q.shape[2] // self.ulysses_size, hkv // self.ulysses_size)
+        # the ring per head group costs more than the exchanges it hides, whatever its kernel: "auto" is one
+        groups = head_groups_for(self.head_groups, q.shape[2] // self.ulysses_size, hkv // self.ulysses_size, False)
         scale = default_scale(q.shape[-1], self.scale)
         if layout is not None and self.layout != "documents":
             raise ValueError(f"layout: a DocumentLayout is taken by HybridAttention(layout='documents'); this "

@@ -32,6 +32,7 @@ from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
 from ..backends import get_backend
+from ..backends.varlen import varlen_kernel
 
 
 def kv_heads_for(num_heads: int, num_kv_heads: int, p: int) -> int:
@@ -61,7 +62,8 @@ class UlyssesAttention(nn.Module):
         measure_comm: also time the compute stream's waits on the all-to-alls.
         head_groups: this rank's ``H/P`` heads attend in this many groups, each group's all-to-alls
             overlapping the others' attention (:mod:`dilated.parallel.head_groups`); ``1``: one
-            exchange per tensor, nothing overlapped; ``"auto"``: the most up to 4 that the heads allow.
+            exchange per tensor, nothing overlapped; ``"auto"``: two where packed documents run in one
+            varlen kernel call per group, else one (:func:`~dilated.parallel.head_groups.head_groups_for`).
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
     """
@@ -87,9 +89,11 @@ class UlyssesAttention(nn.Module):
             raise ValueError(f"UlyssesAttention splits heads over the {p} ranks: num_heads {q.shape[2]} must be "
                              f"divisible by {p}; use a world size that divides the heads, or RingAttention")
         hkv = kv_heads_for(q.shape[2], k.shape[2], p)
-        groups = head_groups_for(self.head_groups, q.shape[2] // p, hkv // p)
         scale = default_scale(q.shape[-1], self.scale)
-        get_backend(self.backend, q[:, :, :q.shape[2] // p], k[:, :, :hkv // p], self.causal, v=v[:, :, :hkv // p])
+        qh, kh, vh = q[:, :, :q.shape[2] // p], k[:, :, :hkv // p], v[:, :, :hkv // p]
+        get_backend(self.backend, qh, kh, self.causal, v=vh)
+        one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
+        groups = head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
         return (hkv, groups, scale), signature(q, k, v, causal=self.causal, scale=scale, algorithm="ulysses", documents=docs)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):

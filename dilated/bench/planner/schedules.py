@@ -282,16 +282,18 @@ class Model:
 
     # -- Ulysses ----------------------------------------------------------------------------------
     def _by_head_groups(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int, attend,
-                        head_groups: int | str = "auto") -> _Timeline:
+                        head_groups: int | str, attend_is_one_call: bool) -> _Timeline:
         """Ulysses' all-to-alls over ``ranks`` pipelined with ``attend(q_heads, kv_heads, mode)`` (a
-        :class:`_Timeline` of one head group's attention over the whole sequence) by head groups, as
-        :func:`dilated.parallel.head_groups.attend_by_head_groups` runs them: every group's input
+        :class:`_Timeline` of one head group's attention over the whole sequence; ``attend_is_one_call``:
+        a kernel call, not a ring) by ``head_groups`` (:func:`dilated.parallel.head_groups.head_groups_for`),
+        as :func:`dilated.parallel.head_groups.attend_by_head_groups` runs them: every group's input
         exchange issued at once, kv groups before their first reader; a group attends once its inputs
         have arrived and the previous group is done; its output (in backward: its dq, and a kv group's
         dk and dv after its last reader) goes back once it is done, one exchange at a time."""
         p = len(ranks)
         hkv = kv_heads_for(heads, kv_heads, p)
-        groups = head_groups_for(head_groups, heads // p, hkv // p)
+        one_call = problem.has_documents and self.kernels.varlen_documents and attend_is_one_call
+        groups = head_groups_for(head_groups, heads // p, hkv // p, one_call)
         kv_of = kv_group_of(heads // p, hkv // p, groups)
         kv_groups = kv_of[-1] + 1
         n, net = problem.seq_len // p, self.network
@@ -324,7 +326,7 @@ class Model:
             ms = self.kernels.documents_ms(cu, b, heads, kv_heads, d, problem.causal, mode)
             return _Timeline(ms, ms)
 
-        return self._by_head_groups(problem, ranks, problem.heads, problem.kv_heads, attend, head_groups)
+        return self._by_head_groups(problem, ranks, problem.heads, problem.kv_heads, attend, head_groups, True)
 
     def _hybrid(self, problem: Problem, u: int, r: int, ring_layout: str, head_groups: int | str = "auto") -> _Timeline:
         column = [i * u for i in range(r)]
@@ -343,7 +345,8 @@ class Model:
             both = ring(heads, kv_heads, "fwd_bwd")
             return _Timeline(both.time - fwd.time, both.compute - fwd.compute, both.sent - fwd.sent, both.extra_mem)
 
-        return self._by_head_groups(problem, list(range(u)), problem.heads, problem.kv_heads, attend, head_groups)
+        return self._by_head_groups(problem, list(range(u)), problem.heads, problem.kv_heads, attend, head_groups,
+                                    False)
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:

@@ -50,7 +50,7 @@ def test_slow_links_the_overlapped_ring_waits_on_each_block_once():
     assert overlapped.exposed_ms == pytest.approx(3 * t - 3 * block, rel=1e-6)
 
 
-def test_ulysses_exposes_only_the_first_head_groups_inputs_and_the_last_groups_output():
+def test_ulysses_in_head_groups_exposes_only_the_first_groups_inputs_and_the_last_groups_output():
     # P=2, 32/8 heads: 16/4 per rank, four head groups of 4 q heads and 1 kv head
     one = model(free_links())
     c = one.single_device(Problem(65536, 4, 1, 128, causal=True, mode="fwd")).time_ms  # a group's kernels
@@ -62,16 +62,34 @@ def test_ulysses_exposes_only_the_first_head_groups_inputs_and_the_last_groups_o
     m = model(links)
     # forward: the groups' q and kv exchanges (2a each) arrive at a, 2a, ..; group g attends from
     # (g + 1) c/2 or when g - 1 is done; outputs go back after the inputs: only 2a + a wait
-    fwd = m.predict("ulysses", Problem(65536, 32, 8, 128, causal=True, mode="fwd"), 2)
+    fwd = m.predict("ulysses_head_groups_4", Problem(65536, 32, 8, 128, causal=True, mode="fwd"), 2)
     assert fwd.time_ms == pytest.approx(4 * c + 3 * a, rel=1e-6)
     assert fwd.exposed_ms == pytest.approx(3 * a, rel=1e-6)
     # backward: dout's groups arrive a apart, each group's dq and its kv group's dk, dv (2a) after it
-    both = m.predict("ulysses", Problem(65536, 32, 8, 128, causal=True, mode="fwd_bwd"), 2)
+    both = m.predict("ulysses_head_groups_4", Problem(65536, 32, 8, 128, causal=True, mode="fwd_bwd"), 2)
     assert both.time_ms == pytest.approx(4 * c + 3 * a + 4 * cb + a + 2 * a, rel=1e-6)
     # all-to-alls slower than any group's kernels: the exchanges run back to back, 12 of them
     links["all_to_all"] = link(latency=10 * c, per_ms=1e30)
-    assert model(links).predict("ulysses", Problem(65536, 32, 8, 128, causal=True, mode="fwd"),
+    assert model(links).predict("ulysses_head_groups_4", Problem(65536, 32, 8, 128, causal=True, mode="fwd"),
                                 2).time_ms == pytest.approx(12 * 10 * c, rel=1e-6)
+
+
+def test_ulysses_without_a_varlen_kernel_exposes_all_of_its_exchanges():
+    """Bandwidth-bound links: as one group (``auto`` where documents do not run in one varlen call,
+    as on this calibration) every byte of q, k, v and out waits; in four groups a quarter of q's and
+    out's bytes and k, v's first quarter."""
+    prob = Problem(65536, 32, 8, 128, causal=True, mode="fwd", documents="fixed:8k")
+    q = 32768 * 32 * 128 * 2 / 2  # half of a rank's q (or out) leaves it, bf16
+    kv = 2 * 32768 * 8 * 128 * 2 / 2
+    kernels = model(free_links()).single_device(Problem(65536, 16, 4, 128, causal=True, mode="fwd",
+                                                        documents="fixed:8k")).time_ms  # a rank's heads
+    per_ms = (2 * q + kv) / (0.2 * kernels)  # bytes per ms: every exchange shorter than a group's kernels
+    links = free_links()
+    links["all_to_all"] = link(latency=0.0, per_ms=per_ms)
+    m = model(links)
+    for name in ("ulysses", "ulysses_no_overlap"):
+        assert m.predict(name, prob, 2).exposed_ms == pytest.approx((2 * q + kv) / per_ms, rel=1e-3)
+    assert m.predict("ulysses_head_groups_4", prob, 2).exposed_ms == pytest.approx((2 * q + kv) / 4 / per_ms, rel=1e-3)
 
 
 def test_documents_that_stay_whole_move_nothing():
