@@ -56,7 +56,7 @@ def head_groups_for(head_groups, q_heads: int, kv_heads: int, one_call: bool) ->
     attention is one kernel call (``one_call``: packed documents in one call of a varlen kernel),
     else one. A group costs a call of its own of every kernel the attention runs, on a fraction of
     the heads: where packed documents run in batched calls per document length (cuDNN), that costs
-    more than the exchanges it hides (docs/performance/context-parallel.md)."""
+    more than the exchanges it hides (docs/performance/packed-documents.md)."""
     if head_groups != "auto":
         kv_group_of(q_heads, kv_heads, head_groups)
         return head_groups
