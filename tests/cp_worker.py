@@ -73,8 +73,9 @@ def ulysses(rank, world):
                              f"ulysses P={world} causal={causal} H={h}/{hkv} head_groups={head_groups}")
                 module.stats.reset()
                 module(*(module.shard(t) for t in (q, k, v)))
-                # per group: its q in and its output back; per kv group, k and v in together
-                assert module.stats.collectives == 2 * groups + min(groups, kv_local), (groups, module.stats.as_dict())
+                # per group: its q in and its output back; per kv group, its k and v in
+                assert module.stats.collectives == 2 * groups + 2 * min(groups, kv_local), (groups,
+                                                                                          module.stats.as_dict())
     # head groups that do not divide a rank's heads: a clear error naming the argument
     q, k, v = _full(1, 4 * world, 12, 12)
     try:

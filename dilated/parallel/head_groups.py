@@ -81,37 +81,31 @@ class _Exchange:
         return self.recv
 
 
-def _to_heads_blocks(xs: list[torch.Tensor], p: int, groups: int, g: int) -> torch.Tensor:
-    """Head group ``g`` of each rank's heads of the sequence shards ``xs`` (each ``[B, n, H, D]``),
-    as blocks ``[P, len(xs), B, n, H/(P*groups), D]``: block ``i`` for rank ``i``."""
-    b, n, h, d = xs[0].shape
-    send = xs[0].new_empty(p, len(xs), b, n, h // (p * groups), d)
-    for i, x in enumerate(xs):
-        send[:, i].copy_(x.view(b, n, p, groups, -1, d)[:, :, :, g].permute(2, 0, 1, 3, 4))
-    return send
+def _to_heads_blocks(x: torch.Tensor, p: int, groups: int, g: int) -> torch.Tensor:
+    """Head group ``g`` of each rank's heads of the sequence shard ``x`` ``[B, n, H, D]`` as blocks
+    ``[P, B, n, H/(P*groups), D]``: block ``i`` for rank ``i`` (a copy)."""
+    b, n, _, d = x.shape
+    return x.view(b, n, p, groups, -1, d)[:, :, :, g].permute(2, 0, 1, 3, 4).contiguous()
 
 
-def _whole_sequence(recv: torch.Tensor, i: int) -> torch.Tensor:
-    """Tensor ``i`` of received blocks ``[P, T, B, n, h, D]`` (rank ``j``'s positions in block
-    ``j``) as the whole sequence ``[B, P*n, h, D]``."""
-    p, _, b, n, h, d = recv.shape
-    return recv[:, i].transpose(0, 1).reshape(b, p * n, h, d)
+def _whole_sequence(recv: torch.Tensor) -> torch.Tensor:
+    """Received blocks ``[P, B, n, h, D]`` (rank ``j``'s positions in block ``j``) as the whole
+    sequence ``[B, P*n, h, D]`` (a view for one batch row)."""
+    p, b, n, h, d = recv.shape
+    return recv.transpose(0, 1).reshape(b, p * n, h, d)
 
 
-def _to_sequence_blocks(xs: list[torch.Tensor], p: int) -> torch.Tensor:
-    """Whole-sequence tensors ``xs`` (each ``[B, N, h, D]``) as blocks ``[P, len(xs), B, N/P, h, D]``:
-    rank ``i``'s positions in block ``i``."""
-    b, big_n, h, d = xs[0].shape
-    send = xs[0].new_empty(p, len(xs), b, big_n // p, h, d)
-    for i, x in enumerate(xs):
-        send[:, i].copy_(x.reshape(b, p, big_n // p, h, d).transpose(0, 1))
-    return send
+def _to_sequence_blocks(x: torch.Tensor, p: int) -> torch.Tensor:
+    """A whole-sequence tensor ``x`` ``[B, N, h, D]`` as blocks ``[P, B, N/P, h, D]``: rank ``i``'s
+    positions in block ``i`` (a view where that is contiguous, as for one batch row, else a copy)."""
+    b, big_n, h, d = x.shape
+    return x.reshape(b, p, big_n // p, h, d).transpose(0, 1).contiguous()
 
 
-def _into_heads(dst: torch.Tensor, recv: torch.Tensor, i: int, g: int) -> None:
-    """Put tensor ``i`` of received blocks ``[P, T, B, n, h, D]`` (rank ``j``'s head group ``g`` in
-    block ``j``) into ``dst`` ``[B, n, P, groups, h, D]``."""
-    dst[:, :, :, g].copy_(recv[:, i].permute(1, 2, 0, 3, 4))
+def _into_heads(dst: torch.Tensor, recv: torch.Tensor, g: int) -> None:
+    """Put received blocks ``[P, B, n, h, D]`` (rank ``j``'s head group ``g`` in block ``j``) into
+    ``dst`` ``[B, n, P, groups, h, D]``."""
+    dst[:, :, :, g].copy_(recv.permute(1, 2, 0, 3, 4))
 
 
 @dataclass
@@ -125,35 +119,25 @@ class HeadGroupCall:
     stats: CommStats
 
 
-class _Together:
-    """Same-shaped tensors' head groups in one exchange (one latency), others in one each."""
-
-    def __init__(self, xs: list[torch.Tensor], p: int, groups: int, g: int, group, stats: CommStats):
-        same = all(x.shape == xs[0].shape for x in xs)
-        parts = [xs] if same else [[x] for x in xs]
-        self.exchanges = [_Exchange(_to_heads_blocks(part, p, groups, g), group, stats) for part in parts]
-
-    def wait(self) -> list[torch.Tensor]:
-        recvs = [ex.wait() for ex in self.exchanges]
-        return [_whole_sequence(r, i) for r in recvs for i in range(r.shape[1])]
-
-
 class _AttendByHeadGroups(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: HeadGroupCall):
         p, groups, kv_groups = dist.get_world_size(call.group), call.groups, call.kv_of[-1] + 1
-        b, n, h, _ = q.shape
+
+        def send(x, count, g):
+            return _Exchange(_to_heads_blocks(x, p, count, g), call.group, call.stats)
+
         q_in, kv_in = [], {}
         for g, j in enumerate(call.kv_of):  # every input exchange at once, each kv group before its first reader
             if j not in kv_in:
-                kv_in[j] = _Together([k, v], p, kv_groups, j, call.group, call.stats)
-            q_in.append(_Together([q], p, groups, g, call.group, call.stats))
+                kv_in[j] = [send(k, kv_groups, j), send(v, kv_groups, j)]
+            q_in.append(send(q, groups, g))
         grad = any(ctx.needs_input_grad[:3])
         kv, graphs, back = {}, [], []
         for g, j in enumerate(call.kv_of):
-            (qg,) = q_in[g].wait()
+            qg = _whole_sequence(q_in[g].wait())
             if j not in kv:
-                kv[j] = [x.detach().requires_grad_(grad) for x in kv_in[j].wait()]
+                kv[j] = [_whole_sequence(ex.wait()).detach().requires_grad_(grad) for ex in kv_in[j]]
             if grad:
                 with torch.enable_grad():
                     leaves = [qg.detach().requires_grad_(), *kv[j]]
@@ -161,13 +145,14 @@ class _AttendByHeadGroups(torch.autograd.Function):
                 graphs.append((leaves, og))
             else:
                 og = call.attend(qg, *kv[j])
-            back.append(_Exchange(_to_sequence_blocks([og.detach()], p), call.group, call.stats))
+            back.append(_Exchange(_to_sequence_blocks(og.detach(), p), call.group, call.stats))
+        b, n, h, _ = q.shape
         out = None
         for g, ex in enumerate(back):
             recv = ex.wait()
             if out is None:  # v's head_dim
                 out = recv.new_empty(b, n, p, groups, h // (p * groups), recv.shape[-1])
-            _into_heads(out, recv, 0, g)
+            _into_heads(out, recv, g)
         ctx.call, ctx.graphs, ctx.shapes = call, graphs, (q.shape, k.shape, v.shape)
         return out.view(b, n, h, -1)
 
@@ -176,31 +161,25 @@ class _AttendByHeadGroups(torch.autograd.Function):
         call, graphs = ctx.call, ctx.graphs
         ctx.graphs = None  # each group's graph is used once
         p, groups, kv_groups = dist.get_world_size(call.group), call.groups, call.kv_of[-1] + 1
-        shapes = ctx.shapes
         dout = dout.contiguous()
-        d_in = [_Together([dout], p, groups, g, call.group, call.stats) for g in range(groups)]
+        d_in = [_Exchange(_to_heads_blocks(dout, p, groups, g), call.group, call.stats) for g in range(groups)]
         last_reader = {j: g for g, j in enumerate(call.kv_of)}
         dkv_sum, dq_back, dkv_back = {}, [], {}
         for g, j in enumerate(call.kv_of):
             leaves, og = graphs[g]
-            grads = torch.autograd.grad(og, leaves, d_in[g].wait()[0])
-            dq_back.append(_Exchange(_to_sequence_blocks([grads[0]], p), call.group, call.stats))
+            grads = torch.autograd.grad(og, leaves, _whole_sequence(d_in[g].wait()))
+            dq_back.append(_Exchange(_to_sequence_blocks(grads[0], p), call.group, call.stats))
             dkv_sum[j] = grads[1:] if j not in dkv_sum else [a + c for a, c in zip(dkv_sum[j], grads[1:])]
-            if last_reader[j] == g:
-                dk_j, dv_j = dkv_sum.pop(j)
-                together = [[dk_j, dv_j]] if dk_j.shape == dv_j.shape else [[dk_j], [dv_j]]
-                dkv_back[j] = [_Exchange(_to_sequence_blocks(t, p), call.group, call.stats) for t in together]
-        grads = []
-        for (b, n, h, d), count in zip(shapes, (groups, kv_groups, kv_groups)):
-            grads.append(dout.new_empty(b, n, p, count, h // (p * count), d))
+            if last_reader[j] == g:  # the kv group's gradients are whole
+                dkv_back[j] = [_Exchange(_to_sequence_blocks(x, p), call.group, call.stats) for x in dkv_sum.pop(j)]
+        grads = [dout.new_empty(b, n, p, count, h // (p * count), d)
+                 for (b, n, h, d), count in zip(ctx.shapes, (groups, kv_groups, kv_groups))]
         for g, ex in enumerate(dq_back):
-            _into_heads(grads[0], ex.wait(), 0, g)
+            _into_heads(grads[0], ex.wait(), g)
         for j, exchanges in dkv_back.items():
-            recvs = [ex.wait() for ex in exchanges]
-            parts = [(r, i) for r in recvs for i in range(r.shape[1])]
-            for dst, (recv, i) in zip(grads[1:], parts):
-                _into_heads(dst, recv, i, j)
-        return *(x.view(s) for x, s in zip(grads, shapes)), None
+            for dst, ex in zip(grads[1:], exchanges):
+                _into_heads(dst, ex.wait(), j)
+        return *(x.view(s) for x, s in zip(grads, ctx.shapes)), None
 
 
 def attend_by_head_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

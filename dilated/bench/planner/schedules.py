@@ -298,8 +298,8 @@ class Model:
         kv_groups = kv_of[-1] + 1
         n, net = problem.seq_len // p, self.network
         qb = problem.batch * n * heads * problem.head_dim * ELEM / groups  # one group's q (or out) per rank
-        kvb = 2 * problem.batch * n * hkv * problem.head_dim * ELEM / kv_groups  # one kv group's k and v
-        q_ms, kv_ms = net.all_to_all_ms(qb, ranks), net.all_to_all_ms(kvb, ranks)
+        kvb = problem.batch * n * hkv * problem.head_dim * ELEM / kv_groups  # one kv group's k (or v)
+        q_ms, kv_ms = net.all_to_all_ms(qb, ranks), 2 * net.all_to_all_ms(kvb, ranks)  # k and v: one exchange each
         first = {j: kv_of.index(j) for j in set(kv_of)}
         last = {j: len(kv_of) - 1 - kv_of[::-1].index(j) for j in set(kv_of)}
         time = compute = sent = extra = 0.0
@@ -314,7 +314,7 @@ class Model:
                 outputs = [q_ms + (kv_ms if last[kv_of[g]] == g else 0.0) for g in range(groups)]
             time += _pipeline(inputs, [one.time] * groups, outputs)
             compute += groups * one.compute
-            sent += one.sent * groups + (2 * qb * groups + kvb * kv_groups) * (p - 1) / p
+            sent += one.sent * groups + (2 * qb * groups + 2 * kvb * kv_groups) * (p - 1) / p
             extra = max(extra, one.extra_mem)
         extra += 2 * problem.batch * n * (heads + hkv) * problem.head_dim * ELEM
         return _Timeline(time, compute, sent, extra)

@@ -60,18 +60,18 @@ def test_ulysses_in_head_groups_exposes_only_the_first_groups_inputs_and_the_las
     links = free_links()
     links["all_to_all"] = link(latency=a, per_ms=1e30)
     m = model(links)
-    # forward: the groups' q and kv exchanges (2a each) arrive at a, 2a, ..; group g attends from
-    # (g + 1) c/2 or when g - 1 is done; outputs go back after the inputs: only 2a + a wait
+    # forward: each group's k, v (its own kv group) and q exchanges (3a) arrive at 3a, 6a, ..; group g
+    # attends from 3a (g + 1) or when g - 1 is done; outputs go back after the inputs: only 3a + a wait
     fwd = m.predict("ulysses_head_groups_4", Problem(65536, 32, 8, 128, causal=True, mode="fwd"), 2)
-    assert fwd.time_ms == pytest.approx(4 * c + 3 * a, rel=1e-6)
-    assert fwd.exposed_ms == pytest.approx(3 * a, rel=1e-6)
-    # backward: dout's groups arrive a apart, each group's dq and its kv group's dk, dv (2a) after it
+    assert fwd.time_ms == pytest.approx(4 * c + 4 * a, rel=1e-6)
+    assert fwd.exposed_ms == pytest.approx(4 * a, rel=1e-6)
+    # backward: dout's groups arrive a apart, each group's dq, dk and dv (3a) after it
     both = m.predict("ulysses_head_groups_4", Problem(65536, 32, 8, 128, causal=True, mode="fwd_bwd"), 2)
-    assert both.time_ms == pytest.approx(4 * c + 3 * a + 4 * cb + a + 2 * a, rel=1e-6)
-    # all-to-alls slower than any group's kernels: the exchanges run back to back, 12 of them
+    assert both.time_ms == pytest.approx(4 * c + 4 * a + 4 * cb + a + 3 * a, rel=1e-6)
+    # all-to-alls slower than any group's kernels: the exchanges run back to back, 16 of them
     links["all_to_all"] = link(latency=10 * c, per_ms=1e30)
     assert model(links).predict("ulysses_head_groups_4", Problem(65536, 32, 8, 128, causal=True, mode="fwd"),
-                                2).time_ms == pytest.approx(12 * 10 * c, rel=1e-6)
+                                2).time_ms == pytest.approx(16 * 10 * c, rel=1e-6)
 
 
 def test_ulysses_without_a_varlen_kernel_exposes_all_of_its_exchanges():
