@@ -8,9 +8,11 @@ constant beyond the lengths measured and past the most work measured (the GPU is
 falling on below the least work measured at a length (fewer heads), never so far that a call with
 less work takes longer. Documents are timed in the calls the library makes for them
 (:func:`dilated.packed.document_calls`: one batched call per length or causal bucket, the small
-ones together in one varlen call), so the model's calls are the code's, each with what the
-documents path costs beyond its kernel (gathers into the batched calls, launches): read off the
-calibration's timed document mixes as their time less their kernels', per call. Where the
+ones together in one varlen call), so the model's calls are the code's, with what the documents path
+costs beyond its kernels read off the calibration's timed document mixes (their time less their
+kernels'): per call (launches) and per element of q, k, v and out in batched calls (gathered into
+them, scattered back), where the mixes part the two (many calls, and one call of many rows); per
+call alone from a calibration of one mix. Where the
 documents path runs a varlen kernel (flash-attn 4's, with ``auto``), a block's documents are one
 call of it (:meth:`KernelModel.varlen_ms`).
 """
@@ -28,6 +30,34 @@ def call_flops(batch: int, lq: int, lk: int, heads: int, head_dim: int, causal: 
     rows, about half a square)."""
     pairs = lq * lk - (lq * (lq - 1) / 2 if lq <= lk else lq * lk / 2) if causal else lq * lk
     return 4.0 * batch * pairs * heads * head_dim
+
+
+def _elements(rows: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Elements of q, k, v and out in ``rows`` rows."""
+    return rows * (2 * heads + 2 * kv_heads) * head_dim
+
+
+def _per_call_and_element(mixes) -> tuple[float, float]:
+    """``(ms per call, ms per element)`` from ``(documents, calls, elements, ms beyond the kernels)`` of
+    timed mixes: least squares where there are mixes of other documents to part the two, else all of
+    it per call."""
+    if len({cu for cu, _, _, _ in mixes}) < 2:
+        return sum(ms / c for _, c, _, ms in mixes if c) / max(1, sum(1 for _, c, _, _ in mixes if c)), 0.0
+    mixes = [(c, e, ms) for _, c, e, ms in mixes]
+    scale = max(c for c, _, _ in mixes) / max(e for _, e, _ in mixes)  # elements to calls' magnitude
+    rows = [(float(c), e * scale, ms) for c, e, ms in mixes]
+    saa = sum(a * a for a, _, _ in rows)
+    sab = sum(a * b for a, b, _ in rows)
+    sbb = sum(b * b for _, b, _ in rows)
+    say = sum(a * y for a, _, y in rows)
+    sby = sum(b * y for _, b, y in rows)
+    det = saa * sbb - sab * sab
+    per_call, per_element = (say * sbb - sby * sab) / det, (saa * sby - sab * say) / det * scale
+    if per_call < 0:  # the rows alone explain it (least squares of that term alone)
+        return 0.0, max(0.0, sby / sbb) * scale
+    if per_element < 0:  # the calls alone
+        return max(0.0, say / saa), 0.0
+    return per_call, per_element
 
 
 class KernelModel:
@@ -49,12 +79,15 @@ class KernelModel:
             table[(p.head_dim, p.heads // p.kv_heads, p.causal, p.mode)][p.length].append(
                 (p.batch * p.length * p.heads, rate))
         self._table = {key: {n: sorted(pts) for n, pts in by_len.items()} for key, by_len in table.items()}
-        self._per_call = {}  # (d, ratio, causal, mode) -> ms each documents call costs beyond its kernel
+        # (d, ratio, causal, mode) -> what a documents call costs beyond its kernel: (ms per call, ms
+        # per element of q, k, v and out in batched calls: the gathers into them and the scatters back)
+        mixes = defaultdict(list)
         for p in calibration.documents:
             key = (p.head_dim, p.heads // p.kv_heads, p.causal, p.mode)
-            kernels, calls = self._documents(p.cu, 1, p.heads, p.kv_heads, p.head_dim, p.causal, p.mode)
-            self._per_call.setdefault(key, []).append(max(0.0, (p.ms - kernels) / calls))
-        self._per_call = {k: sum(v) / len(v) for k, v in self._per_call.items()}
+            kernels, calls, rows = self._documents(p.cu, 1, p.heads, p.kv_heads, p.head_dim, p.causal, p.mode)
+            elements = _elements(rows, p.heads, p.kv_heads, p.head_dim)
+            mixes[key].append((tuple(p.cu), calls, elements, max(0.0, p.ms - kernels)))
+        self._extra = {key: _per_call_and_element(points) for key, points in mixes.items()}
 
     def _points(self, head_dim: int, ratio: int, causal: bool, mode: str):
         key = (head_dim, ratio, causal, mode)
@@ -116,17 +149,26 @@ class KernelModel:
         sides = ([max(below)] if below else []) + ([min(above)] if above else [])
         return min(by_len[n][0][0] for n in sides)
 
-    def per_call_ms(self, head_dim: int, ratio: int, causal: bool, mode: str) -> float:
-        """What one call of the documents path costs beyond its kernel (gathering the documents into
-        a batched call, scattering its output, launching), from the calibration's document mixes
-        (0 where it has none)."""
+    def _extra_costs(self, head_dim: int, ratio: int, causal: bool, mode: str) -> tuple[float, float]:
         if mode == "bwd":
-            return max(0.0, self.per_call_ms(head_dim, ratio, causal, "fwd_bwd") - self.per_call_ms(head_dim, ratio,
-                                                                                                   causal, "fwd"))
-        keys = [k for k in self._per_call if k[0] == head_dim and k[2] == causal and k[3] == mode]
+            (a1, b1), (a0, b0) = (self._extra_costs(head_dim, ratio, causal, m) for m in ("fwd_bwd", "fwd"))
+            return max(0.0, a1 - a0), max(0.0, b1 - b0)
+        keys = [k for k in self._extra if k[0] == head_dim and k[2] == causal and k[3] == mode]
         if not keys:
-            return 0.0
-        return self._per_call[min(keys, key=lambda k: abs(math.log(k[1] / ratio)))]
+            return 0.0, 0.0
+        return self._extra[min(keys, key=lambda k: abs(math.log(k[1] / ratio)))]
+
+    def per_call_ms(self, head_dim: int, ratio: int, causal: bool, mode: str) -> float:
+        """What one call of the documents path costs beyond its kernel and its rows (launching), from the
+        calibration's document mixes (0 where it has none)."""
+        return self._extra_costs(head_dim, ratio, causal, mode)[0]
+
+    def documents_extra_ms(self, calls: int, rows: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
+                           mode: str) -> float:
+        """What the documents path costs beyond its kernels for ``calls`` calls with ``rows`` rows in
+        batched calls (gathered into them, scattered back)."""
+        per_call, per_element = self._extra_costs(head_dim, heads // kv_heads, causal, mode)
+        return calls * per_call + _elements(rows, heads, kv_heads, head_dim) * per_element
 
     def varlen_ms(self, lengths, batch: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
                   mode: str) -> float:
@@ -152,15 +194,15 @@ class KernelModel:
         self.total_ms += ms
         return ms
 
-    def _documents(self, cu, batch, heads, kv_heads, head_dim, causal, mode) -> tuple[float, int]:
-        """``(kernel ms, calls)`` of packed documents ``cu`` in the library's calls."""
+    def _documents(self, cu, batch, heads, kv_heads, head_dim, causal, mode) -> tuple[float, int, int]:
+        """``(kernel ms, calls, rows in batched calls)`` of packed documents ``cu`` in the library's calls."""
         cu = list(cu)
         if len(cu) <= 2:
             n = cu[-1] - cu[0] if cu else 0
-            return self.call_ms(n, n, batch, heads, kv_heads, head_dim, causal, mode), 0
+            return self.call_ms(n, n, batch, heads, kv_heads, head_dim, causal, mode), 0, 0
         if self.varlen_documents:  # one call of the varlen kernel (dilated.parallel.document_calls)
             return self.varlen_ms([b - a for a, b in zip(cu, cu[1:])], batch, heads, kv_heads, head_dim, causal,
-                                  mode), 1
+                                  mode), 1, 0
         big, small = split_small_calls(document_calls(cu, causal), heads, head_dim, causal)
         ms = sum(self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, causal, mode)
                  for length, docs in big)
@@ -170,15 +212,15 @@ class KernelModel:
             mean = max(1, round(rows / len(small)))
             one = self.call_ms(mean, mean, batch * len(small), heads, kv_heads, head_dim, causal, mode)
             ms += flops * one / call_flops(batch * len(small), mean, mean, heads, head_dim, causal)
-        return ms, len(big) + (1 if small else 0)
+        return ms, len(big) + (1 if small else 0), batch * sum(length * len(docs) for length, docs in big)
 
     def documents_ms(self, cu, batch: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
                      mode: str) -> float:
         """Packed documents ``cu`` (cumulative lengths; q and k/v rows coincide) attended alone, in
         the library's calls (one per length, causal: bucket; the small ones in one varlen call), each
         with the documents path's calibrated cost beyond its kernel."""
-        ms, calls = self._documents(cu, batch, heads, kv_heads, head_dim, causal, mode)
-        return ms + calls * self.per_call_ms(head_dim, heads // kv_heads, causal, mode)
+        ms, calls, rows = self._documents(cu, batch, heads, kv_heads, head_dim, causal, mode)
+        return ms + self.documents_extra_ms(calls, rows, heads, kv_heads, head_dim, causal, mode)
 
     def rectangles_ms(self, cu_q, cu_k, batch: int, heads: int, kv_heads: int, head_dim: int, mode: str) -> float:
         """Rectangles of query rows ``cu_q`` over all-visible key rows ``cu_k`` (crossing documents'

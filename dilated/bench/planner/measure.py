@@ -9,8 +9,9 @@ holds, taken on the GPUs at hand.
   links between nodes that ``plan --inter-node-calibration`` reads): send/recv round the ring, copy-engine pulls
   from the previous rank's memory where symmetric memory works, all-to-all, all-gather and
   reduce-scatter, 64 KiB .. 1 GiB per rank; each point is the slowest rank's median.
-* Local calls on packed documents (a mix of 512 .. 16K-row documents, each length its own call):
-  what the documents path costs beyond its kernels.
+* Local calls on packed documents (a mix of 512 .. 16K-row documents, each length its own call, and
+  16 documents of 8K rows in one call): what the documents path costs beyond its kernels, per call
+  and per row.
 * Decode steps (:func:`dilated.decode_attention`, one query token) on one GPU alone and on the
   launched ranks together, per batch and cached rows per rank.
 
@@ -209,15 +210,23 @@ def time_documents(shape, cu, causal: bool, mode: str, device, backend: str, rep
     return _median(step, device, reps)
 
 
+def one_length_mix(length: int = 8192, count: int = 16) -> tuple:
+    """Cumulative lengths of ``count`` documents of ``length`` rows: one batched call of many rows,
+    beside :func:`document_mix`'s many calls (the two part the documents path's cost per call from
+    its cost per row)."""
+    return tuple(range(0, length * count + 1, length))
+
+
 def measure_documents(shapes, device, backend: str, reps: int = 10, log=print) -> list[DocumentPoint]:
-    cu = document_mix()
     points = []
-    for shape in shapes:
-        for mode in ("fwd", "fwd_bwd"):
-            for causal in (True, False):
-                ms = _mean_over_ranks(time_documents(shape, cu, causal, mode, device, backend, reps))
-                points.append(DocumentPoint(*shape, causal, mode, cu, ms))
-                log(f"documents {shape} {mode} {'causal' if causal else 'full'} {len(cu) - 1} documents: {ms:.3f} ms")
+    for cu in (document_mix(), one_length_mix()):
+        for shape in shapes:
+            for mode in ("fwd", "fwd_bwd"):
+                for causal in (True, False):
+                    ms = _mean_over_ranks(time_documents(shape, cu, causal, mode, device, backend, reps))
+                    points.append(DocumentPoint(*shape, causal, mode, cu, ms))
+                    log(f"documents {shape} {mode} {'causal' if causal else 'full'} {len(cu) - 1} documents: "
+                        f"{ms:.3f} ms")
     return points
 
 

@@ -58,6 +58,32 @@ def test_the_documents_paths_cost_per_call_is_read_off_the_calibrated_mixes():
     assert km.per_call_ms(128, 4, True, "fwd") == 0.0  # no causal mix calibrated
 
 
+def test_two_mixes_part_the_documents_paths_cost_per_call_from_its_cost_per_row():
+    """Mixes of many calls and of one call of many rows: the cost per call and per element of q, k,
+    v and out in batched calls are both recovered, and a third mix is predicted from them."""
+    per_call, per_element = 0.3, 2e-9
+
+    def timed(cu):
+        km = KernelModel(calibration())
+        kernels, calls, rows = km._documents(cu, 1, 32, 8, 128, False, "fwd")
+        return DocumentPoint(32, 8, 128, False, "fwd", cu,
+                             kernels + calls * per_call + rows * (2 * 32 + 2 * 8) * 128 * per_element)
+
+    many = (0, 8192, 20480, 36864, 45056, 57344, 73728)  # 8K, 12K, 16K twice: three calls
+    one = tuple(range(0, 16 * 8192 + 1, 8192))  # sixteen of 8K: one call
+    km = KernelModel(calibration(documents=[timed(many), timed(one)]))
+    assert km.per_call_ms(128, 4, False, "fwd") == pytest.approx(per_call, rel=1e-6)
+    third = (0, 4096, 8192, 12288, 16384, 32768)  # four of 4K, one of 16K: two calls
+    kernels, calls, rows = km._documents(third, 1, 32, 8, 128, False, "fwd")
+    assert (calls, rows) == (2, 32768)
+    want = kernels + 2 * per_call + 32768 * (2 * 32 + 2 * 8) * 128 * per_element
+    assert km.documents_ms(third, 1, 32, 8, 128, False, "fwd") == pytest.approx(want, rel=1e-6)
+    # one mix: all of it per call, as before
+    single = KernelModel(calibration(documents=[timed(many)]))
+    per = (timed(many).ms - km._documents(many, 1, 32, 8, 128, False, "fwd")[0]) / 3
+    assert single.per_call_ms(128, 4, False, "fwd") == pytest.approx(per, rel=1e-9)
+
+
 def test_crossing_rectangles_are_one_dense_call_each_without_a_varlen_kernel():
     km = KernelModel(calibration())
     cu_q, cu_k = (0, 1000, 3000), (0, 5000, 9000)
