@@ -1,6 +1,7 @@
 """Workers for tests/parallel/test_distributed.py: real gloo process groups, no mocks."""
 import datetime
 import functools
+import itertools
 import os
 
 import torch
@@ -139,19 +140,27 @@ def copy_engine_matches_p2p(rank, world, port):
         g = torch.Generator(device=dev).manual_seed(3)
         full = [torch.randn(2, 256 * p, hh, 64, device=dev, dtype=torch.bfloat16, generator=g) for hh in (4, 2, 2)]
         dout = torch.randn(full[0].shape, device=dev, dtype=torch.bfloat16, generator=g)
-        for layout in ("contiguous", "zigzag"):
-            for causal in (False, True):
-                got = {}
-                for transport in ("copy_engine", "p2p"):
-                    ring = dilated.RingAttention(causal=causal, layout=layout, group=group, transport=transport)
-                    q, k, v = (dilated.shard(t, group=group, layout=layout).requires_grad_() for t in full)
-                    out = ring(q, k, v)
-                    out.backward(dilated.shard(dout, group=group, layout=layout))
-                    assert ring.transport_used == transport
-                    got[transport] = [out.detach(), q.grad, k.grad, v.grad]
-                for name, a, b in zip(("out", "dq", "dk", "dv"), got["copy_engine"], got["p2p"]):
-                    err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-                    assert err < 1e-2, f"P={p} {layout} causal={causal} {name}: copy engine vs p2p rel err {err:.2e}"
+        n = 256 * p
+        # packed documents: inside the chunks (steps between ranks pull nothing) or crossing them
+        # (a step pulls the rows of the documents its queries meet)
+        mixes = [None, list(range(0, n + 1, 64)), [0, 64, 200, n - 100, n]]
+        for layout, causal, cu in itertools.product(("contiguous", "zigzag"), (False, True), mixes):
+            got = {}
+            for transport in ("copy_engine", "p2p"):
+                ring = dilated.RingAttention(causal=causal, layout=layout, group=group, transport=transport)
+                q, k, v = (dilated.shard(t, group=group, layout=layout).requires_grad_() for t in full)
+                kw = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+                ring.stats.reset()
+                out = ring(q, k, v, **kw)
+                pulled = ring.stats.bytes_sent  # the forward's blocks
+                out.backward(dilated.shard(dout, group=group, layout=layout))
+                assert ring.transport_used == transport
+                got[transport] = [out.detach(), q.grad, k.grad, v.grad, pulled]
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got["copy_engine"], got["p2p"]):
+                err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                assert err < 1e-2, f"P={p} {layout} causal={causal} cu={cu} {name}: copy engine vs p2p rel err {err:.2e}"
+            if cu == mixes[1]:  # every document inside a chunk: no step between ranks pulls
+                assert got["copy_engine"][4] == 0 < got["p2p"][4], (layout, causal, got["copy_engine"][4])
     dist.barrier()
     dist.destroy_process_group()
 

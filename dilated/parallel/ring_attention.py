@@ -122,9 +122,10 @@ def _pieces(plan, src: int, rank: int, p: int, n: int, layout: str, cu):
     return out
 
 
-def _ring_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, overlap: bool):
-    """Yield ``(k_block, v_block, plan)`` for each ring step; the next block is in flight meanwhile
-    (or, with ``overlap=False``, received before the current one is computed)."""
+def _ring_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, overlap: bool, cu):
+    """Yield ``(k_block, v_block, kernel calls)`` for each ring step; the next block is in flight
+    meanwhile (or, with ``overlap=False``, received before the current one is computed). Every block
+    goes round the whole ring (each rank relays it), whether or not a rank's step uses it."""
     rank, p = ring.rank, ring.size
     kv = (k, v)
     for step in range(p):
@@ -132,7 +133,7 @@ def _ring_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, ov
         if pending is not None and not overlap:
             kv_next, pending = ring.wait(pending), None
         src = (rank - step) % p
-        yield *kv, _plan(src, rank, n, causal, layout), src
+        yield *kv, _pieces(_plan(src, rank, n, causal, layout), src, rank, p, n, layout, cu)
         if pending is not None:
             kv_next = ring.wait(pending)
         if step < p - 1:
@@ -140,28 +141,32 @@ def _ring_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, ov
         ring.stats.steps += 1
 
 
-def _pulled_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, overlap: bool):
+def _pulled_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, overlap: bool, cu):
     """``_ring_blocks`` by copy-engine pulls from each block's owner: the pull of step s + 1 runs on
-    a high-priority side stream while step s computes (``overlap=False``: right before it)."""
+    a high-priority side stream while step s computes (``overlap=False``: right before it). A step
+    pulls only the key rows its kernel calls read (with packed documents, those of the documents
+    its queries meet), and nothing where it has none."""
     rank, p = ring.rank, ring.size
     published = peer_copy.Published(ring.group, [k, v])
     cur, side = torch.cuda.current_stream(k.device), peer_copy.side_stream(k.device)
-    plans = [_plan((rank - step) % p, rank, n, causal, layout) for step in range(p)]
+    steps = [_pieces(_plan((rank - step) % p, rank, n, causal, layout), (rank - step) % p, rank, p, n, layout, cu)
+             for step in range(p)]
     slots = [tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v)) for _ in range(min(2, p - 1))]
 
     def pull(step):  # into the slot of step - 2, once the compute stream is done with it
-        if step >= p or plans[step] is None:
+        if step >= p or not steps[step]:
             return None
+        rows = slice(min(c[1].start for c in steps[step]), max(c[1].stop for c in steps[step]))
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             dst = slots[(step - 1) % len(slots)]
-            ring.stats.sent(published.pull((rank - step) % p, plans[step][1], dst))
+            ring.stats.sent(published.pull((rank - step) % p, rows, dst))
             done = torch.cuda.Event()
             done.record(side)
         return dst, done
 
     pending = pull(1) if overlap else None
-    yield k, v, plans[0], rank
+    yield k, v, steps[0]
     ring.stats.steps += 1
     for step in range(1, p):
         got = pending if overlap else pull(step)
@@ -170,7 +175,7 @@ def _pulled_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, 
                 cur.wait_event(got[1])
         if overlap:
             pending = pull(step + 1)  # its slot was last read by step - 1, already enqueued
-        yield (*got[0], plans[step], (rank - step) % p) if got is not None else (None, None, None, None)
+        yield (*got[0], steps[step]) if got is not None else (None, None, [])
         ring.stats.steps += 1
     cur.wait_stream(side)
 
@@ -185,9 +190,9 @@ def step_calls(step: int, rank: int, p: int, n: int, causal: bool, layout: str, 
     return _pieces(_plan(src, rank, n, causal, layout), src, rank, p, n, layout, cu)
 
 
-def _blocks(transport: str, ring: RingExchange, k, v, n, causal, layout, overlap):
+def _blocks(transport: str, ring: RingExchange, k, v, n, causal, layout, overlap, cu):
     fn = _pulled_blocks if transport == "copy_engine" and ring.size > 1 else _ring_blocks
-    return fn(ring, k, v, n, causal, layout, overlap)
+    return fn(ring, k, v, n, causal, layout, overlap, cu)
 
 
 @dataclass(frozen=True)
@@ -211,8 +216,7 @@ class RingCall:
 
     def steps(self, ring: RingExchange, k, v, n: int):
         """``(k block, v block, kernel calls)`` per ring step."""
-        for kb, vb, plan, src in _blocks(self.transport, ring, k, v, n, self.spec.causal, self.layout, self.overlap):
-            yield kb, vb, _pieces(plan, src, ring.rank, ring.size, n, self.layout, self.cu)
+        return _blocks(self.transport, ring, k, v, n, self.spec.causal, self.layout, self.overlap, self.cu)
 
 
 def _forward_piece(call: RingCall, qkv, causal: bool, docs):
