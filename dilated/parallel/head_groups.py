@@ -15,7 +15,10 @@ per rank than groups, a kv head's exchange serves every q group that reads it an
 before the first of them; its gradient goes back after the last.
 
 Rank ``r`` attends on heads ``r*H/P .. (r+1)*H/P - 1`` whatever ``groups`` is: the grouping changes
-when bytes move, not which rank computes what.
+when bytes move, not which rank computes what. What it costs: each group is a call of its own of
+every kernel the attention runs, on a fraction of the heads; it pays where a group's attention is
+one call that still fills the GPU (packed documents in one varlen call), not where documents run
+in batched calls per length, nor for a ring per group (:func:`head_groups_for`).
 """
 from __future__ import annotations
 
