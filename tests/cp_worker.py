@@ -107,7 +107,8 @@ def hybrid(rank, world, grids):
                     # zigzag: a row's heads in as many groups as they allow (up to 3), the ring on each
                     kv_local = max(hkv, math.lcm(hkv, ulysses_size)) // ulysses_size
                     groups = "auto" if layout == "contiguous" else max(
-                        g for g in (1, 2, 3) if (h // ulysses_size) % g == 0 and (kv_local % g == 0 or g % kv_local == 0))
+                        g for g in (1, 2, 3)
+                        if (h // ulysses_size) % g == 0 and (kv_local % g == 0 or g % kv_local == 0))
                     module = dilated.HybridAttention(ulysses_size, ring_size, causal=causal, layout=layout,
                                                      backend="manual", head_groups=groups)
                     check_module(module, q, k, v, causal, f"hybrid {ring_size}x{ulysses_size} {layout} "

@@ -158,7 +158,8 @@ def copy_engine_matches_p2p(rank, world, port):
                 got[transport] = [out.detach(), q.grad, k.grad, v.grad, pulled]
             for name, a, b in zip(("out", "dq", "dk", "dv"), got["copy_engine"], got["p2p"]):
                 err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-                assert err < 1e-2, f"P={p} {layout} causal={causal} cu={cu} {name}: copy engine vs p2p rel err {err:.2e}"
+                where = f"P={p} {layout} causal={causal} cu={cu} {name}"
+                assert err < 1e-2, f"{where}: copy engine vs p2p rel err {err:.2e}"
             if cu == mixes[1]:  # every document inside a chunk: no step between ranks pulls
                 assert got["copy_engine"][4] == 0 < got["p2p"][4], (layout, causal, got["copy_engine"][4])
     dist.barrier()

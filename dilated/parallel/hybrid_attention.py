@@ -116,8 +116,9 @@ class HybridAttention(nn.Module):
             cu_seqlens = layout.cu_seqlens
         docs = None if cu_seqlens is None else check_cu_seqlens(
             cu_seqlens, q.shape[1] * self.ulysses_size * self.ring_size)
-        return (hkv, groups), signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, algorithm="hybrid",
-                              grid=[self.ring_size, self.ulysses_size], documents=docs)
+        return (hkv, groups), signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout,
+                                        algorithm="hybrid", grid=[self.ring_size, self.ulysses_size], documents=docs,
+                                        head_groups=groups)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths,

@@ -94,7 +94,8 @@ class UlyssesAttention(nn.Module):
         get_backend(self.backend, qh, kh, self.causal, v=vh)
         one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
         groups = head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
-        return (hkv, groups, scale), signature(q, k, v, causal=self.causal, scale=scale, algorithm="ulysses", documents=docs)
+        return (hkv, groups, scale), signature(q, k, v, causal=self.causal, scale=scale, algorithm="ulysses",
+                                               documents=docs, head_groups=groups)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
