@@ -76,6 +76,15 @@ def ulysses(rank, world):
                 # per group: its q in and its output back; per kv group, its k and v in
                 assert module.stats.collectives == 2 * groups + 2 * min(groups, kv_local), (groups,
                                                                                           module.stats.as_dict())
+    # ranks asking for other head groups: an error on every rank (their all-to-alls would not pair up)
+    q, k, v = _full(2, 4 * world, 4 * world, 4 * world)
+    module = dilated.UlyssesAttention(backend="manual", head_groups=1 if rank == 0 else 2)
+    try:
+        module(*(module.shard(t) for t in (q, k, v)))
+    except dilated.RankMismatchError as e:
+        assert "head_groups" in str(e), str(e)
+    else:
+        raise AssertionError("ranks with other head groups ran")
     # head groups that do not divide a rank's heads: a clear error naming the argument
     q, k, v = _full(1, 4 * world, 12, 12)
     try:
