@@ -282,10 +282,10 @@ class Model:
 
     # -- Ulysses ----------------------------------------------------------------------------------
     def _by_head_groups(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int, attend,
-                        head_groups: int | str, attend_is_one_call: bool) -> _Timeline:
+                        head_groups: int | str, attend_is_one_call: bool, rings: int = 1) -> _Timeline:
         """Ulysses' all-to-alls over ``ranks`` pipelined with ``attend(q_heads, kv_heads, mode)`` (a
-        :class:`_Timeline` of one head group's attention over the whole sequence; ``attend_is_one_call``:
-        a kernel call, not a ring) by ``head_groups`` (:func:`dilated.parallel.head_groups.head_groups_for`),
+        :class:`_Timeline` of one head group's attention over the whole sequence of ``ranks`` (of
+        ``rings`` ring shards); ``attend_is_one_call``: a kernel call, not a ring) by ``head_groups`` (:func:`dilated.parallel.head_groups.head_groups_for`),
         as :func:`dilated.parallel.head_groups.attend_by_head_groups` runs them: every group's input
         exchange issued at once, kv groups before their first reader; a group attends once its inputs
         have arrived and the previous group is done; its output (in backward: its dq, and a kv group's
@@ -296,7 +296,7 @@ class Model:
         groups = head_groups_for(head_groups, heads // p, hkv // p, one_call)
         kv_of = kv_group_of(heads // p, hkv // p, groups)
         kv_groups = kv_of[-1] + 1
-        n, net = problem.seq_len // p, self.network
+        n, net = problem.seq_len // (p * rings), self.network  # a rank's positions
         qb = problem.batch * n * heads * problem.head_dim * ELEM / groups  # one group's q (or out) per rank
         kvb = problem.batch * n * hkv * problem.head_dim * ELEM / kv_groups  # one kv group's k (or v)
         q_ms, kv_ms = net.all_to_all_ms(qb, ranks), 2 * net.all_to_all_ms(kvb, ranks)  # k and v: one exchange each
@@ -316,6 +316,7 @@ class Model:
             compute += groups * one.compute
             sent += one.sent * groups + (2 * qb * groups + 2 * kvb * kv_groups) * (p - 1) / p
             extra = max(extra, one.extra_mem)
+        # the exchanged q, k, v and out beside the shards: a rank's share of the heads of its ranks' positions
         extra += 2 * problem.batch * n * (heads + hkv) * problem.head_dim * ELEM
         return _Timeline(time, compute, sent, extra)
 
@@ -346,7 +347,7 @@ class Model:
             return _Timeline(both.time - fwd.time, both.compute - fwd.compute, both.sent - fwd.sent, both.extra_mem)
 
         return self._by_head_groups(problem, list(range(u)), problem.heads, problem.kv_heads, attend, head_groups,
-                                    False)
+                                    False, rings=r)
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:
