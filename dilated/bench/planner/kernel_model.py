@@ -32,6 +32,9 @@ def call_flops(batch: int, lq: int, lk: int, heads: int, head_dim: int, causal: 
     return 4.0 * batch * pairs * heads * head_dim
 
 
+_ELEM = 2  # bytes of a bf16 / fp16 element
+
+
 def _elements(rows: int, heads: int, kv_heads: int, head_dim: int) -> int:
     """Elements of q, k, v and out in ``rows`` rows."""
     return rows * (2 * heads + 2 * kv_heads) * head_dim
@@ -73,6 +76,8 @@ class KernelModel:
             calibration.backend != "auto" or calibration.varlen_kernel == "flash_attn_4_varlen")
         # kernel time predicted since the last reset, and the part of it below a length's least-work point
         self.extrapolated_ms = self.total_ms = 0.0
+        # the most bytes a batched documents call held at once since the last reset (its gathered rows)
+        self.peak_bytes = 0.0
         table = defaultdict(lambda: defaultdict(list))  # (d, ratio, causal, mode) -> length -> [(work, rate)]
         for p in calibration.kernels:
             rate = call_flops(p.batch, p.length, p.length, p.heads, p.head_dim, p.causal) / p.ms
@@ -206,6 +211,10 @@ class KernelModel:
         big, small = split_small_calls(document_calls(cu, causal), heads, head_dim, causal)
         ms = sum(self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, causal, mode)
                  for length, docs in big)
+        if big:  # a batched call's rows gathered: q, k, v and its out; in backward also dout, dq, dk, dv
+            rows = batch * max(length * len(docs) for length, docs in big)
+            per_row = (2 if mode == "fwd" else 4) * (heads + kv_heads) * head_dim * _ELEM
+            self.peak_bytes = max(self.peak_bytes, rows * per_row)
         if small:  # one varlen call: its FLOPs at the rate of its documents' mean length, all rows at once
             rows = sum(m for _, m in small)
             flops = sum(call_flops(batch, m, m, heads, head_dim, causal) for _, m in small)

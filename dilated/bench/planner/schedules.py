@@ -169,9 +169,11 @@ class Model:
     def single_device(self, problem: Problem) -> Prediction:
         """The whole problem on one GPU (the distributed rows' baseline)."""
         modes = ("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)
+        self.kernels.peak_bytes = 0.0
         ms = sum(self.kernels.documents_ms(problem.cu_seqlens(), problem.batch, problem.heads, problem.kv_heads,
                                            problem.head_dim, problem.causal, m) for m in modes)
-        return Prediction("single_device", 1, (), ms, ms, 0.0, 0.0, self._memory(problem, 1, 0.0), problem.flops())
+        memory = self._memory(problem, 1, self.kernels.peak_bytes)
+        return Prediction("single_device", 1, (), ms, ms, 0.0, 0.0, memory, problem.flops())
 
     # -- the ring ---------------------------------------------------------------------------------
     def _ring(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int, layout: str, overlap: bool,
@@ -382,7 +384,8 @@ class Model:
     # -- one strategy -----------------------------------------------------------------------------
     def _memory(self, problem: Problem, p: int, extra: float) -> float:
         """Per-rank GiB: the shards of q, k, v and out (with gradients and dout for fwd_bwd, and the
-        float32 output accumulator and lse), plus what the schedule holds (``extra``)."""
+        float32 output accumulator and lse), plus what the schedule holds (``extra``: its buffers, and
+        the rows of the largest batched documents call gathered at once)."""
         if problem.mode == "decode":
             return _gib(problem.batch * problem.seq_len / p * problem.kv_heads * problem.head_dim * 2 * ELEM + extra)
         n = problem.seq_len / p
@@ -397,7 +400,7 @@ class Model:
         """``strategy`` (a name of :data:`STRATEGIES`) on ``world`` ranks; ``grid``: the hybrid's
         ``(ulysses, ring)``."""
         out = Prediction(strategy, world, grid or (), flops=problem.flops())
-        self.kernels.extrapolated_ms = self.kernels.total_ms = 0.0
+        self.kernels.extrapolated_ms = self.kernels.total_ms = self.kernels.peak_bytes = 0.0
         try:
             t = self._timeline(strategy, problem, world, grid)
         except (NotImplementedError, ValueError) as e:
@@ -409,7 +412,7 @@ class Model:
             out.notes.append(f"{100 * share:.0f}% of the kernel time is in calls with less work than any calibrated "
                              "call of their length (few query rows or heads): extrapolated")
         out.exposed_ms = max(0.0, t.time - t.compute)
-        out.memory_gib = self._memory(problem, world, t.extra_mem)
+        out.memory_gib = self._memory(problem, world, t.extra_mem + self.kernels.peak_bytes)
         return out
 
     def _timeline(self, strategy: str, problem: Problem, world: int, grid) -> _Timeline:

@@ -108,6 +108,16 @@ def _errors(modelled: list[Check]) -> str:
     return f"median |error| {100 * errs[len(errs) // 2]:.1f}%, largest {100 * errs[-1]:.1f}%"
 
 
+def _memory_errors(modelled: list[Check]) -> str:
+    """The predicted peak memory against the measured one (rows that recorded it)."""
+    errs = sorted(abs(c.prediction.memory_gib * 1024 / mem - 1) for c in modelled
+                  for mem in [(c.row.get("memory") or {}).get("peak_total_mib")] if mem)
+    if not errs:
+        return "peak memory: not recorded"
+    return (f"peak memory ({len(errs)} rows): median |error| {100 * errs[len(errs) // 2]:.1f}%, largest "
+            f"{100 * errs[-1]:.1f}%, within 25%: {sum(e <= 0.25 for e in errs)}")
+
+
 def format_checks(checks: list[Check], source: str, calibration: str) -> str:
     lines = [f"validation: {source} against the model on {calibration} (within {TOLERANCE:.0%} counts)", "",
              f"{'implementation':<22} {'P':>2} {'problem':<44} {'measured':>9} {'predicted':>9} {'ratio':>6} "
@@ -123,7 +133,7 @@ def format_checks(checks: list[Check], source: str, calibration: str) -> str:
     inside = sum(c.within for c in modelled)
     lines += ["", f"{inside} of {len(modelled)} modelled rows within {TOLERANCE:.0%}"]
     if modelled:
-        lines.append(_errors(modelled))
+        lines += [_errors(modelled), _memory_errors(modelled)]
     skipped = [c for c in checks if c.skipped is not None]
     if skipped:
         lines += ["", "not modelled:"]
@@ -140,5 +150,5 @@ def validate(model: Model, paths: list[str], calibration: str) -> tuple[str, lis
     modelled = [c for c in checks if c.skipped is None]
     if len(paths) > 1 and modelled:
         texts.append(f"all {len(paths)} files: {sum(c.within for c in modelled)} of {len(modelled)} modelled rows within "
-                     f"{TOLERANCE:.0%}; {_errors(modelled)}")
+                     f"{TOLERANCE:.0%}; {_errors(modelled)}; {_memory_errors(modelled)}")
     return "\n\n".join(texts), checks

@@ -154,3 +154,17 @@ def test_links_between_nodes_can_be_a_calibration_measured_across_nodes():
     assert net.p2p_ms(1e6, [0, 1]) < 1.0  # within a node: the node's own links
     with pytest.raises(ValueError, match="within one node.*two or more nodes"):
         InterNode.measured(calibration(), "one-node.json")
+
+
+def test_memory_counts_the_rows_of_the_largest_batched_documents_call():
+    """Four documents of 8K in one batched call gather their q, k, v and out (backward: also dout,
+    dq, dk, dv) at once: that much above the same rows as one sequence; 8K and 4K documents: the 8K
+    call's rows."""
+    m = model()
+    n, h, hkv, d = 32768, 32, 8, 128
+    dense = m.single_device(Problem(n, h, hkv, d, causal=True, mode="fwd_bwd")).memory_gib
+    four = m.single_device(Problem(n, h, hkv, d, causal=True, mode="fwd_bwd", documents="fixed:8k")).memory_gib
+    assert (four - dense) * 2**30 == pytest.approx(n * 4 * (h + hkv) * d * 2, rel=1e-9)
+    fwd = m.single_device(Problem(n, h, hkv, d, causal=True, mode="fwd", documents="fixed:8k")).memory_gib
+    assert (fwd - m.single_device(Problem(n, h, hkv, d, causal=True, mode="fwd")).memory_gib) * 2**30 == \
+        pytest.approx(n * 2 * (h + hkv) * d * 2, rel=1e-9)
