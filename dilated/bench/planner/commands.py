@@ -148,7 +148,8 @@ def run_plan(args, parser) -> int:
                    "GQA ratio as calibrated); host time, launches and merges not modelled",
                    "within a node every GPU moves its bytes at the calibrated per-GPU rate whatever the group size; "
                    "a group across nodes is limited by the per-GPU link between nodes",
-                   "memory: the schedule's tensors (shards, gradients, buffers in flight), not the allocator's peak; "
+                   "memory: the schedule's tensors (shards, gradients, buffers in flight) and the largest documents "
+                   "call's gathered rows, not kernels' workspaces or the allocator's slack; "
                    f"fits if at most {cal.memory_gib:.0f} GiB"]
     if one is not None and math.isfinite(one.time_ms):
         assumptions.append(f"one GPU would take {one.time_ms:.1f} ms for the whole problem (if it fit); "
