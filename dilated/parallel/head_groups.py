@@ -63,8 +63,12 @@ def head_groups_for(head_groups, q_heads: int, kv_heads: int, one_call: bool) ->
     if head_groups != "auto":
         kv_group_of(q_heads, kv_heads, head_groups)
         return head_groups
-    if one_call and q_heads % 2 == 0 and (kv_heads % 2 == 0 or 2 % kv_heads == 0):
-        return 2
+    if one_call:
+        try:
+            kv_group_of(q_heads, kv_heads, 2)
+            return 2
+        except ValueError:  # the heads do not split in two
+            pass
     return 1
 
 
