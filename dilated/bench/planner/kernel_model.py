@@ -32,7 +32,7 @@ def call_flops(batch: int, lq: int, lk: int, heads: int, head_dim: int, causal: 
     return 4.0 * batch * pairs * heads * head_dim
 
 
-_ELEM = 2  # bytes of a bf16 / fp16 element
+ELEM = 2  # bytes of a bf16 / fp16 element
 
 
 def _elements(rows: int, heads: int, kv_heads: int, head_dim: int) -> int:
@@ -213,7 +213,7 @@ class KernelModel:
                  for length, docs in big)
         if big:  # a batched call's rows gathered: q, k, v and its out; in backward also dout, dq, dk, dv
             rows = batch * max(length * len(docs) for length, docs in big)
-            per_row = (2 if mode == "fwd" else 4) * (heads + kv_heads) * head_dim * _ELEM
+            per_row = (2 if mode == "fwd" else 4) * (heads + kv_heads) * head_dim * ELEM
             self.peak_bytes = max(self.peak_bytes, rows * per_row)
         if small:  # one varlen call: its FLOPs at the rate of its documents' mean length, all rows at once
             rows = sum(m for _, m in small)

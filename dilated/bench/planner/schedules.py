@@ -39,10 +39,9 @@ from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
 from ..strategies import HYBRID_HEAD_GROUPS, ULYSSES_HEAD_GROUPS
 from .calibration import Curve, log_interp
-from .kernel_model import KernelModel
+from .kernel_model import ELEM, KernelModel
 from .network import Network
 
-ELEM = 2  # bf16 / fp16 bytes
 ACC = 4  # float32 accumulators and gradient messages
 
 
