@@ -12,6 +12,7 @@ another name) and times both on each mix in turns (so the host's drift falls on 
 checks that they give the same layouts and rank plans.
 """
 import argparse
+import gc
 import importlib.util
 import os
 import platform
@@ -84,13 +85,16 @@ def main() -> None:
             mixes = [cu_seqlens_of(f"{spec}#{i}", 1 << 20) for i in range(1, 201)]  # draws #1..#200
             layout_ms = {name: [] for name, *_ in versions}
             rest_ms = {name: [] for name, *_ in versions}
+            full_gcs = {name: 0 for name, *_ in versions}
             same = True
             for i, cu in enumerate(mixes):
                 built = []
                 for name, layout_cls, plan_of in (versions if i % 2 == 0 else versions[::-1]):
+                    before = gc.get_stats()[2]["collections"]
                     start = time.perf_counter()
                     layout = layout_cls.balance(cu, p_)
                     layout_ms[name].append((time.perf_counter() - start) * 1e3)
+                    full_gcs[name] += gc.get_stats()[2]["collections"] - before
                     start = time.perf_counter()
                     positions, plan = _put_on(layout, plan_of(layout, 0), device)
                     rest_ms[name].append((time.perf_counter() - start) * 1e3)
@@ -103,8 +107,9 @@ def main() -> None:
                 label = "" if len(versions) == 1 else f" [{name}]"
                 ts, rs = layout_ms[name], rest_ms[name]
                 print(f"{spec}: median {docs:.0f} documents, P={p_}{label}: layout median {statistics.median(ts):.3f} "
-                      f"ms (min {min(ts):.3f}, max {max(ts):.3f}); rank 0's positions and rank plan "
-                      f"({device.type}) median {statistics.median(rs):.3f} ms (max {max(rs):.3f})")
+                      f"ms (min {min(ts):.3f}, max {max(ts):.3f}; {full_gcs[name]} of the builds ran a full garbage "
+                      f"collection of the process); rank 0's positions and rank plan ({device.type}) median "
+                      f"{statistics.median(rs):.3f} ms (max {max(rs):.3f})")
             if len(versions) > 1:
                 print(f"{spec}, P={p_}: the same layouts, positions and rank plans from both: {same}")
 
