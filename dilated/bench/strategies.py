@@ -50,6 +50,22 @@ def _hybrid(case, backend, group, layout="zigzag", head_groups="auto"):
                                    group=group, head_groups=head_groups)
 
 
+def _ulysses_impl(name, groups):
+    what = {1: "nothing overlapped", "auto": "two pipelined groups where packed documents run in one varlen call "
+            "each, else one"}.get(groups, "exchanges pipelined with attention")
+    return _make(name, "dense", "contiguous", lambda c, b, g: _ulysses(c, b, g, groups),
+                 f"UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank), head_groups={groups!r}: "
+                 f"{what}", splits_heads=True)
+
+
+def _hybrid_impl(name, groups):
+    documents = name.startswith("hybrid_documents")
+    ring = "a ring on the documents' DocumentLayout" if documents else "zigzag ring"
+    return _make(name, "dense", "hybrid_documents" if documents else "hybrid",
+                 lambda c, b, g: _hybrid(c, b, g, layout="documents" if documents else "zigzag", head_groups=groups),
+                 f"HybridAttention: Ulysses inside a row, {ring} across rows of the rank grid, head_groups={groups!r}")
+
+
 RING_IMPLEMENTATIONS = {
     "ring": _make("ring", "dense", "contiguous", lambda c, b, g: _ring(c, b, "contiguous", True, g),
                   "RingAttention, contiguous shards, communication overlapped"),
@@ -66,12 +82,7 @@ RING_IMPLEMENTATIONS = {
                                     "RingAttention, zigzag, no overlap"),
     "distributed_dilated": _make("distributed_dilated", "dilated", "contiguous", _distributed_dilated,
                                  "DistributedDilatedAttention (LongNet sequence parallel)", documents=False),
-    **{name: _make(name, "dense", "contiguous", lambda c, b, g, groups=groups: _ulysses(c, b, g, groups),
-                   f"UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank), head_groups={groups!r}"
-                   + {1: ": nothing overlapped", "auto": ": two pipelined groups where packed documents run in one "
-                      "varlen call each, else one"}.get(groups, ": exchanges pipelined with attention"),
-                   splits_heads=True)
-       for name, groups in ULYSSES_HEAD_GROUPS.items()},
+    **{name: _ulysses_impl(name, groups) for name, groups in ULYSSES_HEAD_GROUPS.items()},
     "documents": _make("documents", "dense", "documents",
                        lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b, group=g),
                        "DocumentParallelAttention: documents balanced over the ranks (DocumentLayout), only "
@@ -79,13 +90,7 @@ RING_IMPLEMENTATIONS = {
     "ring_documents": _make("ring_documents", "dense", "documents", lambda c, b, g: _ring(c, b, "documents", True, g),
                             "RingAttention on the documents' DocumentLayout: only crossing documents' K/V rows "
                             "passed round the ring"),
-    **{name: _make(name, "dense", "hybrid_documents" if documents else "hybrid",
-                   lambda c, b, g, groups=groups, documents=documents: _hybrid(
-                       c, b, g, layout="documents" if documents else "zigzag", head_groups=groups),
-                   "HybridAttention: Ulysses inside a row, "
-                   + ("a ring on the documents' DocumentLayout" if documents else "zigzag ring")
-                   + f" across rows of the rank grid, head_groups={groups!r}")
-       for name, groups in HYBRID_HEAD_GROUPS.items() for documents in [name.startswith("hybrid_documents")]},
+    **{name: _hybrid_impl(name, groups) for name, groups in HYBRID_HEAD_GROUPS.items()},
 }
 for _impl in RING_IMPLEMENTATIONS.values():
     register_implementation(_impl)
