@@ -32,8 +32,9 @@ def _make(name, problem, layout, factory, description, documents=True, splits_he
 ULYSSES_HEAD_GROUPS = {"ulysses": "auto", "ulysses_no_overlap": 1, "ulysses_head_groups_2": 2,
                        "ulysses_head_groups_4": 4, "ulysses_head_groups_8": 8}
 #: the hybrid's benchmark names and the head groups each runs
-HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_head_groups_4": 4,
-                      "hybrid_documents": "auto", "hybrid_documents_no_overlap": 1, "hybrid_documents_head_groups_4": 4}
+HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_head_groups_2": 2, "hybrid_head_groups_4": 4,
+                      "hybrid_documents": "auto", "hybrid_documents_no_overlap": 1,
+                      "hybrid_documents_head_groups_2": 2, "hybrid_documents_head_groups_4": 4}
 
 
 def _ulysses(case, backend, group, head_groups="auto"):
