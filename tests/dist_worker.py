@@ -510,3 +510,24 @@ def document_parallel(rank, world, port):
         else:
             raise AssertionError(f"rank {rank}: ran with {bad}")
     dist.destroy_process_group()
+
+
+def strategy_calls(rank, world, port):
+    """The calibration's timed strategy calls on gloo: every strategy that runs on ``world`` ranks, both
+    modes, the slowest rank's time on every rank; the hybrid (4 ranks or more) left out, saying why."""
+    init(rank, world, port)
+    from dilated.bench.planner import measure
+
+    measure.STRATEGY_ROWS = 256
+    said = []
+    points = measure.measure_strategies((4, 2, 16), torch.device("cpu"), "auto", reps=2, log=said.append)
+    want = {(s, m) for s in ("documents", "ring_documents", "ring_zigzag", "ulysses") for m in ("fwd", "fwd_bwd")}
+    assert {(x.strategy, x.mode) for x in points} == want
+    assert all(x.ms > 0 and x.ranks == world and x.seq_len == world * 256 for x in points)
+    assert [x.documents is not None for x in points] == [x.strategy.endswith("documents") for x in points]
+    slowest = torch.tensor([x.ms for x in points])
+    every = [torch.empty_like(slowest) for _ in range(world)]
+    dist.all_gather(every, slowest)
+    assert all(torch.equal(e, slowest) for e in every)
+    assert any(line.startswith("strategy hybrid") and "left out" in line for line in said)
+    dist.destroy_process_group()

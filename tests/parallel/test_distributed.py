@@ -248,3 +248,7 @@ def test_decode_benchmark_under_torchrun(tmp_path):
         assert r["kv_bytes_per_rank"] == 2 * c["batch"] * c["seq_len"] // r["world_size"] * 2 * 16 * 4
     assert read_results(str(tmp_path / "benchmark_decode.jsonl"))  # rows the results tools read
     assert "P=2 S=96 B=2" in stdout
+
+
+def test_the_calibrations_strategy_calls_run_on_every_rank():
+    spawn(dist_worker.strategy_calls, args=(2, free_port()), nprocs=2)

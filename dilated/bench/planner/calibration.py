@@ -11,6 +11,7 @@ import bisect
 import dataclasses
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 
 FORMAT = 1
@@ -89,6 +90,26 @@ class KernelPoint:
     batch: int
     ms: float
     kernel: str = ""
+    slowest_ms: float | None = None  # the slowest rank's median where several ranks timed it at once
+
+
+@dataclass(frozen=True)
+class StrategyPoint:
+    """One timed call of a sequence-parallel strategy (a benchmark name of
+    :data:`dilated.bench.strategies.RING_IMPLEMENTATIONS`) on all ``ranks`` at once, as the distributed
+    benchmark times it (the ranks start together; the slowest rank's median): what a call of it
+    costs beyond the model's kernels and bytes is read off it."""
+
+    strategy: str
+    ranks: int
+    mode: str
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    documents: str | None
+    ms: float
 
 
 @dataclass(frozen=True)
@@ -125,7 +146,8 @@ class Calibration:
     ``nodes``: the hosts the ranks ran on (links measured across nodes where more than one);
     ``memory_gib``: one GPU's memory; ``varlen_kernel``: the varlen entry point the backend runs packed
     documents' rectangles on (None: each rectangle is its own dense call); ``documents``: calls on
-    packed documents; ``decode``: decode steps."""
+    packed documents; ``decode``: decode steps; ``strategies``: calls of the sequence-parallel
+    strategies on the calibration's ranks."""
 
     device: str
     gpus: int
@@ -135,6 +157,7 @@ class Calibration:
     links: dict[str, Curve] = field(default_factory=dict)
     documents: list[DocumentPoint] = field(default_factory=list)
     decode: list[DecodePoint] = field(default_factory=list)
+    strategies: list[StrategyPoint] = field(default_factory=list)
     backend: str = "auto"
     varlen_kernel: str | None = None
     nodes: int = 1
@@ -165,6 +188,7 @@ class Calibration:
             data["links"] = {name: Curve(**c) for name, c in data.get("links", {}).items()}
             data["documents"] = [DocumentPoint(**{**d, "cu": tuple(d["cu"])}) for d in data.get("documents", [])]
             data["decode"] = [DecodePoint(**d) for d in data.get("decode", [])]
+            data["strategies"] = [StrategyPoint(**d) for d in data.get("strategies", [])]
             cal = cls(**data)
         except (TypeError, ValueError) as e:
             raise ValueError(f"--calibration {path}: malformed ({e})") from None
@@ -172,15 +196,26 @@ class Calibration:
             raise ValueError(f"--calibration {path}: holds no kernel times")
         return cal
 
+    def slowest_rank_pace(self) -> float:
+        """How much longer the slowest rank's kernels take than the ranks' mean when all of them run at
+        once (GPUs of one type differ in clocks under their power caps): the median over the kernel
+        points of at least 1 ms that several ranks timed; 1.0 where none did."""
+        ratios = [p.slowest_ms / p.ms for p in self.kernels if p.slowest_ms and p.ms >= 1.0]
+        return statistics.median(ratios) if ratios else 1.0
+
     def describe(self) -> str:
         """One paragraph: the device, the software, the links' fitted latency and bandwidth."""
         links = "; ".join(f"{name} {c.latency_us:.0f} us + {c.bandwidth_gbs:.0f} GB/s" for name, c in self.links.items())
         cache = f"; {len(self.decode)} decode steps" if self.decode else ""
+        pace = self.slowest_rank_pace()
+        slowest = f"; the slowest rank's kernels {pace:.3f}x the mean" if pace != 1.0 else ""
+        strategies = f"; {len(self.strategies)} strategy calls" if self.strategies else ""
         sw = ", ".join(f"{k} {v}" for k, v in self.software.items() if v)
         where = f" on {self.nodes} nodes" if self.nodes > 1 else ""
         return (f"{self.device} x{self.gpus}{where} ({self.memory_gib:.0f} GiB each; {sw}); kernels: {len(self.kernels)} "
                 f"timed call shapes and {len(self.documents)} document mixes on backend {self.backend}; "
-                f"links {'between nodes' if self.nodes > 1 else 'within a node'}: {links or 'none measured'}{cache}")
+                f"links {'between nodes' if self.nodes > 1 else 'within a node'}: {links or 'none measured'}{cache}"
+                f"{slowest}{strategies}")
 
 
 def log_interp(x: float, xs: list[float], ys: list[float]) -> float:

@@ -78,6 +78,8 @@ class KernelModel:
         self.extrapolated_ms = self.total_ms = 0.0
         # the most bytes a batched documents call held at once since the last reset (its gathered rows)
         self.peak_bytes = 0.0
+        # every time multiplied by this: the calibration's slowest rank's pace where several ranks run at once
+        self.pace = 1.0
         table = defaultdict(lambda: defaultdict(list))  # (d, ratio, causal, mode) -> length -> [(work, rate)]
         for p in calibration.kernels:
             rate = call_flops(p.batch, p.length, p.length, p.heads, p.head_dim, p.causal) / p.ms
@@ -140,7 +142,7 @@ class KernelModel:
         length = lq if square else math.sqrt(lq * lk)
         work = batch * lq * heads
         rate = self._rate(length, work, head_dim, heads // kv_heads, causal and square, mode)
-        ms = call_flops(batch, lq, lk, heads, head_dim, causal and square) / rate
+        ms = call_flops(batch, lq, lk, heads, head_dim, causal and square) / rate * self.pace
         self.total_ms += ms
         if work < self._least_work(length, head_dim, heads // kv_heads, causal and square, mode):
             self.extrapolated_ms += ms
@@ -161,7 +163,8 @@ class KernelModel:
         keys = [k for k in self._extra if k[0] == head_dim and k[2] == causal and k[3] == mode]
         if not keys:
             return 0.0, 0.0
-        return self._extra[min(keys, key=lambda k: abs(math.log(k[1] / ratio)))]
+        per_call, per_element = self._extra[min(keys, key=lambda k: abs(math.log(k[1] / ratio)))]
+        return per_call * self.pace, per_element * self.pace
 
     def per_call_ms(self, head_dim: int, ratio: int, causal: bool, mode: str) -> float:
         """What one call of the documents path costs beyond its kernel and its rows (launching), from the
@@ -192,7 +195,7 @@ class KernelModel:
         ms = 0.0
         for m, c in counts.items():
             rate = self._rate(m, work, head_dim, ratio, causal, mode)
-            one = call_flops(batch * c, m, m, heads, head_dim, causal) / rate
+            one = call_flops(batch * c, m, m, heads, head_dim, causal) / rate * self.pace
             ms += one
             if work < self._least_work(m, head_dim, ratio, causal, mode):
                 self.extrapolated_ms += one

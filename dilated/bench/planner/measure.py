@@ -14,6 +14,9 @@ holds, taken on the GPUs at hand.
   and per row.
 * Decode steps (:func:`dilated.decode_attention`, one query token) on one GPU alone and on the
   launched ranks together, per batch and cached rows per rank.
+* Calls of the sequence-parallel strategies on the launched ranks (:data:`STRATEGIES`, at
+  :data:`STRATEGY_ROWS` rows per rank), timed as the distributed benchmark times them: what a call
+  of each costs beyond the model's kernels and bytes (its host work, its index copies and merges).
 
 CUDA events after warm-up (:func:`dilated.bench.timing.measure`), L2 flushed between calls.
 """
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 from ..env import environment
 from ..timing import measure
-from .calibration import Calibration, Curve, DecodePoint, DocumentPoint, KernelPoint
+from .calibration import Calibration, Curve, DecodePoint, DocumentPoint, KernelPoint, StrategyPoint
 
 #: the rows a device-filling calibration call holds (batch x length)
 FILLING_ROWS = 65536
@@ -37,6 +40,11 @@ LINK_BYTES = [1 << e for e in range(16, 31, 2)]
 DECODE_TOKENS = [1 << 14, 1 << 17, 1 << 19, 1 << 21]
 DECODE_BATCHES = [1, 8]
 DECODE_BYTES = 16 << 30
+#: strategies (benchmark names) timed on the launched ranks, at this many rows per rank (packed
+#: documents of STRATEGY_DOCUMENTS for those on a document layout), causal
+STRATEGIES = ("documents", "ring_documents", "ring_zigzag", "ulysses", "hybrid", "hybrid_documents")
+STRATEGY_ROWS = 16384
+STRATEGY_DOCUMENTS = "lognormal:8k,1.0"
 
 
 def kernel_lengths(longest: int) -> list[int]:
@@ -106,9 +114,11 @@ def measure_kernels(shapes, longest: int, device, backend: str, reps: int = 5, l
                         except torch.OutOfMemoryError:
                             ms = float("nan")
                         torch.cuda.empty_cache()
-                        ms = _mean_over_ranks(ms)
+                        ms, slowest = _mean_over_ranks(ms), _max_over_ranks(ms)
+                        many = dist.is_initialized() and dist.get_world_size() > 1
                         if ms == ms:
-                            points.append(KernelPoint(*shape, causal, mode, n, b, ms))
+                            points.append(KernelPoint(*shape, causal, mode, n, b, ms,
+                                                      slowest_ms=slowest if many else None))
                             log(f"kernel {shape} {mode} {'causal' if causal else 'full'} {b} x {n}: {ms:.3f} ms")
     return points
 
@@ -267,12 +277,56 @@ def _decode_ms(ranks: int, b: int, s: int, shape, device, reps: int) -> float:
                                                          reps=reps)))
 
 
+def measure_strategies(shape, device, backend: str, reps: int = 10, log=print) -> list[StrategyPoint]:
+    """Each of :data:`STRATEGIES` that runs on the launched ranks, forward and forward + backward, on
+    ``STRATEGY_ROWS`` rows per rank of the head shape ``shape``, as the distributed benchmark calls
+    it (random shards, a barrier before each call, L2 flushed): the slowest rank's median."""
+    from ..registry import Case
+    from ..strategies import RING_IMPLEMENTATIONS
+
+    h, hkv, d = shape
+    p = dist.get_world_size()
+    points = []
+    for name in STRATEGIES:
+        impl = RING_IMPLEMENTATIONS[name]
+        documents = STRATEGY_DOCUMENTS if impl.layout in ("documents", "hybrid_documents") else None
+        for mode in ("fwd", "fwd_bwd"):
+            case = Case(1, p * STRATEGY_ROWS, h, d, hkv, causal=True, mode=mode, documents=documents)
+            try:
+                ms = _max_over_ranks(_strategy_ms(impl, case, device, backend, reps))
+            except (NotImplementedError, ValueError) as e:
+                log(f"strategy {name}: does not run on {p} ranks ({e}); left out")
+                break
+            torch.cuda.empty_cache()
+            points.append(StrategyPoint(name, p, mode, case.seq_len, h, hkv, d, True, documents, ms))
+            log(f"strategy {name} {mode} on {p} ranks, {STRATEGY_ROWS} rows each: {ms:.3f} ms")
+    return points
+
+
+def _strategy_ms(impl, case, device, backend: str, reps: int) -> float:
+    """This rank's median ms of ``impl`` (a distributed benchmark implementation) on ``case``."""
+    model = impl.build(case, backend)
+    grad = case.mode == "fwd_bwd"
+    q, k, v = impl.inputs(case, device, torch.Generator().manual_seed(0), grad)
+    dout = torch.randn_like(q)
+
+    def step():
+        if grad:
+            torch.autograd.grad(model(q, k, v), (q, k, v), dout)
+        else:
+            with torch.no_grad():
+                model(q, k, v)
+    return statistics.median(measure(step, device, warmup=3, reps=reps, setup=dist.barrier))
+
+
 def calibrate(shapes, longest: int, device, backend: str = "auto", command: str = "", log=print) -> Calibration:
     """All of the measurements on the launched ranks (links only where there are several)."""
     links = measure_links(device, log=log) if dist.is_initialized() and dist.get_world_size() > 1 else {}
     kernels = measure_kernels(shapes, longest, device, backend, log=log)
     documents = measure_documents(shapes, device, backend, log=log)
     decode = measure_decode(device, log=log)
+    many = dist.is_initialized() and dist.get_world_size() > 1
+    strategies = measure_strategies(shapes[0], device, backend, log=log) if many else []
     env = environment()
     software = {k: env.get(k) for k in ("torch", "cuda", "cudnn", "triton", "flash_attn_4", "driver", "git_commit")}
     props = torch.cuda.get_device_properties(device)
@@ -289,6 +343,6 @@ def calibrate(shapes, longest: int, device, backend: str = "auto", command: str 
         dist.all_gather_object(hosts, socket.gethostname())
     return Calibration(device=torch.cuda.get_device_name(device), gpus=gpus,
                        memory_gib=props.total_memory / 2**30, software=software, kernels=kernels, links=links,
-                       documents=documents, decode=decode, backend=backend,
+                       documents=documents, decode=decode, strategies=strategies, backend=backend,
                        varlen_kernel=None if varlen is None else varlen.name, nodes=len(set(hosts)), command=command,
                        created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))

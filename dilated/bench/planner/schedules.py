@@ -22,8 +22,12 @@ kv heads (:func:`dilated.parallel.ulysses_attention.kv_heads_for`), the local do
 * decode: each rank's read of its cache shard, then one all-gather of ``B x Tq x H x (D + 1)``
   float32 numbers.
 
-A collective or a ring makes the slowest rank everyone's time: a prediction is the slowest rank's.
-Host time (launches, the layout's build) and the merge of partial outputs are not modelled.
+A collective or a ring makes the slowest rank everyone's time: a prediction is the slowest rank's,
+its kernels at the pace of the calibration's slowest GPU where several ranks run at once
+(:meth:`~dilated.bench.planner.calibration.Calibration.slowest_rank_pace`). What a strategy's call
+costs beyond its kernels and bytes (host work, index copies, merges of partial outputs) is read off
+the calibration's timed call of it (:meth:`Model.overhead_ms`) and added to each call of it; a
+calibration without such calls leaves it out.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
 from ..strategies import HYBRID_HEAD_GROUPS, ULYSSES_HEAD_GROUPS
+from ..workload import ulysses_size_for
 from .calibration import Curve, log_interp
 from .kernel_model import ELEM, KernelModel
 from .network import Network
@@ -104,6 +109,7 @@ class Prediction:
     flops: float = 0.0
     reason: str | None = None
     notes: list = field(default_factory=list)
+    overhead_ms: float = 0.0  # of time_ms: the strategy's calibrated cost beyond kernels and bytes
 
     @property
     def supported(self) -> bool:
@@ -152,6 +158,32 @@ class Model:
 
     def __init__(self, kernels: KernelModel, network: Network):
         self.kernels, self.network = kernels, network
+        self.pace = kernels.calibration.slowest_rank_pace()
+        self._overheads = {}  # (strategy measured, mode) -> ms beyond the model
+
+    def overhead_ms(self, strategy: str, mode: str) -> float:
+        """What a call of ``strategy`` costs beyond the model's kernels and bytes: the calibration's
+        timed call of it (or of the strategy it varies: :func:`measured_as`) less the model's
+        prediction of that call, at least 0; 0 where the calibration timed none."""
+        name = measured_as(strategy)
+        if (name, mode) not in self._overheads:
+            points = [x for x in self.kernels.calibration.strategies if x.strategy == name and x.mode == mode]
+            extra = 0.0
+            if points:
+                x = points[0]
+                problem = Problem(x.seq_len, x.heads, x.kv_heads, x.head_dim, x.causal, x.mode,
+                                  documents=x.documents)
+                grid = None
+                if name.startswith("hybrid"):
+                    u = ulysses_size_for(x.ranks, x.heads)
+                    grid = (u, x.ranks // u) if u else None
+                self.kernels.pace = self.pace
+                try:
+                    extra = max(0.0, x.ms - self._timeline(name, problem, x.ranks, grid).time)
+                except (NotImplementedError, ValueError):
+                    extra = 0.0
+            self._overheads[name, mode] = extra
+        return self._overheads[name, mode]
 
     # -- kernel time of one rank's calls --------------------------------------------------------
     def _calls_ms(self, calls, problem: Problem, heads: int, kv_heads: int, mode: str) -> float:
@@ -168,7 +200,7 @@ class Model:
     def single_device(self, problem: Problem) -> Prediction:
         """The whole problem on one GPU (the distributed rows' baseline)."""
         modes = ("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)
-        self.kernels.peak_bytes = 0.0
+        self.kernels.peak_bytes, self.kernels.pace = 0.0, 1.0
         ms = sum(self.kernels.documents_ms(problem.cu_seqlens(), problem.batch, problem.heads, problem.kv_heads,
                                            problem.head_dim, problem.causal, m) for m in modes)
         memory = self._memory(problem, 1, self.kernels.peak_bytes)
@@ -399,18 +431,23 @@ class Model:
         """``strategy`` (a name of :data:`STRATEGIES`) on ``world`` ranks; ``grid``: the hybrid's
         ``(ulysses, ring)``."""
         out = Prediction(strategy, world, grid or (), flops=problem.flops())
+        overhead = 0.0
+        if world > 1 and problem.mode != "decode" and strategy in STRATEGIES:
+            overhead = self.overhead_ms(strategy, problem.mode)
         self.kernels.extrapolated_ms = self.kernels.total_ms = self.kernels.peak_bytes = 0.0
+        self.kernels.pace = self.pace if world > 1 else 1.0  # a collective or a ring waits for the slowest GPU
         try:
             t = self._timeline(strategy, problem, world, grid)
         except (NotImplementedError, ValueError) as e:
             out.reason = str(e)
             return out
-        out.time_ms, out.compute_ms, out.bytes_sent = t.time, t.compute, t.sent
+        out.time_ms, out.compute_ms, out.bytes_sent = t.time + overhead, t.compute, t.sent
+        out.overhead_ms = overhead
         share = self.kernels.extrapolated_ms / self.kernels.total_ms if self.kernels.total_ms else 0.0
         if share > 0.1:
             out.notes.append(f"{100 * share:.0f}% of the kernel time is in calls with less work than any calibrated "
                              "call of their length (few query rows or heads): extrapolated")
-        out.exposed_ms = max(0.0, t.time - t.compute)
+        out.exposed_ms = max(0.0, t.time - t.compute)  # the overhead is not communication
         out.memory_gib = self._memory(problem, world, t.extra_mem + self.kernels.peak_bytes)
         return out
 
@@ -461,6 +498,19 @@ STRATEGIES = {
     "ring_documents": None,
     "decode": None,
 }
+
+def measured_as(strategy: str) -> str:
+    """The strategy of :data:`dilated.bench.planner.measure.STRATEGIES` whose calibrated call stands
+    for ``strategy``'s cost beyond the model: itself, or the one it varies (head groups, overlap,
+    transport, ring layout)."""
+    if strategy in ULYSSES_HEAD_GROUPS:
+        return "ulysses"
+    if strategy in HYBRID_HEAD_GROUPS:
+        return "hybrid_documents" if strategy.startswith("hybrid_documents") else "hybrid"
+    if strategy in ("documents", "ring_documents"):
+        return strategy
+    return "ring_zigzag"
+
 
 #: benchmark implementations the model does not follow, and why
 NOT_MODELLED = {

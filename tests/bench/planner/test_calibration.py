@@ -26,11 +26,25 @@ def test_log_interp_is_linear_in_the_logarithm_and_flat_outside():
 
 
 def test_a_calibration_reads_back_as_written(tmp_path):
-    cal = calibration(command="test", varlen_kernel=None)
+    import dataclasses
+
+    from dilated.bench.planner.calibration import StrategyPoint
+
+    cal = calibration(command="test", varlen_kernel=None,
+                      strategies=[StrategyPoint("documents", 4, "fwd", 65536, 32, 8, 128, True, "lognormal:8k,1.0", 7.5)])
+    cal.kernels[0] = dataclasses.replace(cal.kernels[0], slowest_ms=cal.kernels[0].ms * 1.1)
     path = tmp_path / "cal.json"
     cal.save(str(path))
     back = Calibration.load(str(path))
     assert back == cal
+    # one written before slowest ranks and strategy calls were timed reads as one without them
+    data = json.loads(path.read_text())
+    del data["strategies"]
+    for k in data["kernels"]:
+        del k["slowest_ms"]
+    path.write_text(json.dumps(data))
+    old = Calibration.load(str(path))
+    assert old.strategies == [] and old.slowest_rank_pace() == 1.0
 
 
 @pytest.mark.parametrize("content, words", [

@@ -168,3 +168,46 @@ def test_memory_counts_the_rows_of_the_largest_batched_documents_call():
     fwd = m.single_device(Problem(n, h, hkv, d, causal=True, mode="fwd", documents="fixed:8k")).memory_gib
     assert (fwd - m.single_device(Problem(n, h, hkv, d, causal=True, mode="fwd")).memory_gib) * 2**30 == \
         pytest.approx(n * 2 * (h + hkv) * d * 2, rel=1e-9)
+
+
+def _with(kernels_slowest=None, strategies=()):
+    """``model()``'s calibration with each kernel point's slowest rank at ``kernels_slowest`` x its mean
+    and the timed strategy calls ``strategies``."""
+    import dataclasses
+
+    cal = calibration(free_links())
+    if kernels_slowest is not None:
+        cal.kernels = [dataclasses.replace(p, slowest_ms=p.ms * kernels_slowest) for p in cal.kernels]
+    cal.strategies = list(strategies)
+    return Model(KernelModel(cal), Network(cal, 8, None))
+
+
+def test_several_ranks_run_their_kernels_at_the_slowest_gpus_pace():
+    prob = Problem(2 * 32768, 32, 8, 128, causal=True, mode="fwd_bwd")
+    even, slow = _with(), _with(kernels_slowest=1.07)
+    assert slow.kernels.calibration.slowest_rank_pace() == pytest.approx(1.07)
+    for name in ("ring_zigzag", "ulysses", "documents"):  # free links: all of it is kernels
+        assert slow.predict(name, prob, 2).time_ms == pytest.approx(1.07 * even.predict(name, prob, 2).time_ms,
+                                                                    rel=1e-6)
+    # one GPU alone runs at its own (the mean) pace, also after a distributed prediction
+    assert slow.single_device(prob).time_ms == pytest.approx(even.single_device(prob).time_ms, rel=1e-9)
+    assert _with(kernels_slowest=None).kernels.calibration.slowest_rank_pace() == 1.0
+
+
+def test_a_strategys_timed_call_adds_what_it_cost_beyond_the_model_to_each_of_its_variants():
+    from dilated.bench.planner.calibration import StrategyPoint
+
+    base = _with(kernels_slowest=1.05)
+    small = Problem(2 * 16384, 32, 8, 128, causal=True, mode="fwd_bwd", documents="lognormal:8k,1.0")
+    timed = {s: base.predict(s, small, 2).time_ms for s in ("documents", "ulysses")}
+    points = [StrategyPoint(s, 2, "fwd_bwd", small.seq_len, 32, 8, 128, True, small.documents, timed[s] + extra)
+              for s, extra in (("documents", 3.0), ("ulysses", 1.5))]
+    m = _with(kernels_slowest=1.05, strategies=points)
+    big = Problem(2 * 131072, 32, 8, 128, causal=False, mode="fwd_bwd", documents="lognormal:8k,1.0")
+    for name, extra in (("documents", 3.0), ("ulysses", 1.5), ("ulysses_head_groups_2", 1.5), ("ring_documents", 0)):
+        before, after = base.predict(name, big, 2), m.predict(name, big, 2)
+        assert after.time_ms == pytest.approx(before.time_ms + extra, rel=1e-9), name
+        assert after.exposed_ms == pytest.approx(before.exposed_ms, rel=1e-9)  # not communication
+    fwd = Problem(2 * 131072, 32, 8, 128, causal=True, mode="fwd", documents="lognormal:8k,1.0")
+    assert m.predict("documents", fwd, 2).time_ms == pytest.approx(base.predict("documents", fwd, 2).time_ms)
+    assert m.single_device(big).time_ms == pytest.approx(base.single_device(big).time_ms)
