@@ -145,7 +145,7 @@ def run_plan(args, parser) -> int:
     one = model.single_device(problem) if args.mode != "decode" else None
     assumptions = [f"calibration: {cal.describe()}", f"network: {model.network.describe()}",
                    "kernel times: each call's FLOPs at the rate calibrated for its length and size (head dim and "
-                   "GQA ratio as calibrated); host time, launches and merges not modelled",
+                   "GQA ratio as calibrated)" + _distributed_terms(model),
                    "within a node every GPU moves its bytes at the calibrated per-GPU rate whatever the group size; "
                    "a group across nodes is limited by the per-GPU link between nodes",
                    "memory: the schedule's tensors (shards, gradients, buffers in flight) and the largest documents "
@@ -164,6 +164,19 @@ def run_plan(args, parser) -> int:
                                             "exposed_fraction": p.exposed_fraction, "memory_gib": p.memory_gib,
                                             "bytes_sent": p.bytes_sent, "reason": p.reason} for p in preds]})
     return 0
+
+
+def _distributed_terms(model: Model) -> str:
+    """What the plan adds to the kernels and bytes of a distributed call, from the calibration."""
+    pace = (f"; on several GPUs every kernel at the pace of the calibration's slowest GPU ({model.pace:.3f}x the "
+            "ranks' mean; a cluster's slowest GPU may be slower)") if model.pace != 1.0 else ""
+    timed = sorted({(x.strategy, x.mode, x.ranks, x.seq_len // x.ranks) for x in model.kernels.calibration.strategies})
+    if not timed:
+        return pace + "; host time, index copies and merges not modelled (the calibration timed no strategy calls)"
+    extra = ", ".join(f"{name} {mode} {model.overhead_ms(name, mode):.1f} ms" for name, mode, _, _ in timed)
+    ranks, rows = timed[0][2], timed[0][3]
+    return (f"{pace}; each strategy's call costs beyond its kernels and bytes what its calibrated call did on "
+            f"{ranks} ranks of {rows} rows (host time, index copies, merges), the same at any size: {extra}")
 
 
 def _write(path: str, data) -> None:
