@@ -1,5 +1,6 @@
 """Workers for tests/parallel/test_distributed.py: real gloo process groups, no mocks."""
 import datetime
+import faulthandler
 import functools
 import itertools
 import os
@@ -127,7 +128,10 @@ def dies(rank, world, port):
 
 def copy_engine_matches_p2p(rank, world, port):
     """On GPUs (NCCL): the ring's copy-engine pulls give what its send/recv ring gives, forward
-    and backward, on the world group and on a subgroup, batch 2 (per-row pulls of half blocks)."""
+    and backward, on the world group and on a subgroup, batch 2 (per-row pulls of half blocks).
+    A rank still running after 150 s prints every thread's stack and exits: a hang of NCCL or of
+    symmetric memory fails the test with where each rank waited, instead of running on."""
+    faulthandler.dump_traceback_later(150, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -164,6 +168,7 @@ def copy_engine_matches_p2p(rank, world, port):
                 assert got["copy_engine"][4] == 0 < got["p2p"][4], (layout, causal, got["copy_engine"][4])
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def timing_agrees(rank, world, port):
