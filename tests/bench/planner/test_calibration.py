@@ -30,8 +30,8 @@ def test_a_calibration_reads_back_as_written(tmp_path):
 
     from dilated.bench.planner.calibration import StrategyPoint
 
-    cal = calibration(command="test", varlen_kernel=None,
-                      strategies=[StrategyPoint("documents", 4, "fwd", 65536, 32, 8, 128, True, "lognormal:8k,1.0", 7.5)])
+    timed = StrategyPoint("documents", 4, "fwd", 65536, 32, 8, 128, True, "lognormal:8k,1.0", 7.5)
+    cal = calibration(command="test", varlen_kernel=None, strategies=[timed])
     cal.kernels[0] = dataclasses.replace(cal.kernels[0], slowest_ms=cal.kernels[0].ms * 1.1)
     path = tmp_path / "cal.json"
     cal.save(str(path))
