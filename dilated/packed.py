@@ -53,7 +53,7 @@ def check_cu_seqlens(cu_seqlens, n: int) -> list[int]:
     return cu
 
 
-def _bucket(length: int) -> int:
+def bucket_length(length: int) -> int:
     """The smallest of ``2^e, 1.25 * 2^e, 1.5 * 2^e, 1.75 * 2^e`` at or above ``length``."""
     if length <= 4:
         return length
@@ -72,7 +72,7 @@ def document_calls(cu: list[int], causal: bool) -> list[tuple[int, list[tuple[in
     groups = defaultdict(list)
     for start, end in zip(cu, cu[1:]):
         length = end - start
-        groups[_bucket(length) if causal else length].append((start, length))
+        groups[bucket_length(length) if causal else length].append((start, length))
     calls = []
     for length, docs in sorted(groups.items(), reverse=True):
         while docs:

@@ -404,3 +404,56 @@ def decode(rank, world, seed):
         ref = torch.einsum("bhqk,bkhd->bqhd", p, values)
         assert _rel(out, ref) < 1e-12, (rank, tq, rows, _rel(out, ref))
         assert stats.collectives == 1 and stats.messages == 0, vars(stats)
+
+
+@worker
+def ulysses_document_groups(rank, world):
+    """Ulysses pipelined by groups of packed documents: exact against every document alone in float64,
+    forward and gradients, GQA split or replicated, batch 2, documents inside one shard and across
+    shards (a group with no row on some rank included); per group three input all-to-alls and one
+    output all-to-all forward; a planted wrong group (a document left out) fails the check."""
+    from dilated.parallel.document_groups import document_groups_for
+
+    n = 16 * world
+    # buckets: the longest (n - 20 ..) first, the second longest last, the short ones between
+    cu = [0, 3, 4, 9, 9 + (n - 20), n - 8, n]
+    for causal in (False, True):
+        groups = document_groups_for(cu, causal)
+        assert len(groups) == 3 and sorted(d for g in groups for d in g) == list(range(len(cu) - 1)), groups
+        for h, hkv in ((4 * world, 2 * world), (2 * world, 1)):
+            q, k, v = _full(31 + hkv, n, h, hkv)
+            module = dilated.UlyssesAttention(causal=causal, backend="manual", document_groups="auto")
+            dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
+            ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
+            module.stats.reset()
+            out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+            assert module.stats.collectives == 4 * len(groups), module.stats.as_dict()
+            out.backward(module.shard(dout))
+            _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
+                                  f"ulysses document groups P={world} causal={causal} H={h}/{hkv}")
+    # a wrong grouping (a document attended in no group) gives rows that no group wrote
+    from dilated.parallel.document_groups import attend_by_document_groups
+    from dilated.parallel.sharding import CommStats
+
+    q, k, v = _full(5, n, 2 * world, 2 * world, b=1)
+    ql, kl, vl = (dilated.UlyssesAttention().shard(t) for t in (q, k, v))
+    groups = document_groups_for(cu, True)
+
+    def attend(qg, kg, vg, cu_g):
+        return dilated.attention(qg, kg, vg, causal=True, backend="manual",
+                                 cu_seqlens=torch.tensor(cu_g, dtype=torch.int32))
+    got = attend_by_document_groups(ql, kl, vl, attend, cu=cu, groups=groups[:2], group=None, stats=CommStats())
+    ref = dilated.UlyssesAttention().shard(_per_document(q, k, v, cu, True))
+    left_out = [cu[d] for d in groups[2]]
+    mine = [s - rank * (n // world) for s in left_out if rank * (n // world) <= s < (rank + 1) * (n // world)]
+    if mine:
+        assert _rel(got[:, mine[0]], ref[:, mine[0]]) > 1e-3, "a document in no group came out right"
+    # bad values name the argument; head groups and document groups are one or the other
+    for kw, says in (({"document_groups": 3}, "document_groups must be"),
+                     ({"document_groups": "auto", "head_groups": 2}, "give one of them")):
+        try:
+            dilated.UlyssesAttention(**kw)
+        except ValueError as e:
+            assert says in str(e), str(e)
+        else:
+            raise AssertionError(f"{kw} was accepted")

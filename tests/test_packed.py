@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dilated
-from dilated.packed import _bucket, document_calls
+from dilated.packed import bucket_length, document_calls
 from dilated.reference import dense_reference
 
 from conftest import rand, rel_err
@@ -59,7 +59,7 @@ def test_documents_share_kernel_calls():
     assert all(length <= 1.25 * min(l for _, l in docs) + 1 for length, docs in causal_calls)
     for c in (calls, causal_calls):  # every document in exactly one call, each by its own length
         assert sorted(d for _, docs in c for d in docs) == list(zip(cu, (b - a for a, b in zip(cu, cu[1:]))))
-    assert [_bucket(n) for n in (1000, 1025, 1300, 1600, 1800)] == [1024, 1280, 1536, 1792, 2048]
+    assert [bucket_length(n) for n in (1000, 1025, 1300, 1600, 1800)] == [1024, 1280, 1536, 1792, 2048]
 
 
 @pytest.mark.parametrize("bad, exc, says", [

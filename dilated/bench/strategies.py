@@ -84,6 +84,11 @@ RING_IMPLEMENTATIONS = {
     "distributed_dilated": _make("distributed_dilated", "dilated", "contiguous", _distributed_dilated,
                                  "DistributedDilatedAttention (LongNet sequence parallel)", documents=False),
     **{name: _ulysses_impl(name, groups) for name, groups in ULYSSES_HEAD_GROUPS.items()},
+    "ulysses_document_groups": _make(
+        "ulysses_document_groups", "dense", "contiguous",
+        lambda c, b, g: dilated.UlyssesAttention(causal=c.causal, backend=b, group=g, document_groups="auto"),
+        "UlyssesAttention, document_groups='auto': on packed documents, the all-to-alls pipelined with attention by "
+        "groups of documents (the longest bucket's first, the second longest's last)", splits_heads=True),
     "documents": _make("documents", "dense", "documents",
                        lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b, group=g),
                        "DocumentParallelAttention: documents balanced over the ranks (DocumentLayout), only "

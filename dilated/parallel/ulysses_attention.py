@@ -26,6 +26,7 @@ from torch import nn
 
 from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
+from .document_groups import attend_by_document_groups, check_document_groups, document_groups_for
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, _world
 from ..functional import attention
@@ -64,18 +65,26 @@ class UlyssesAttention(nn.Module):
             overlapping the others' attention (:mod:`dilated.parallel.head_groups`); ``1``: one
             exchange per tensor, nothing overlapped; ``"auto"``: two where packed documents run in one
             varlen kernel call per group, else one (:func:`~dilated.parallel.head_groups.head_groups_for`).
+        document_groups: with packed documents, ``"auto"`` pipelines the all-to-alls with attention by
+            groups of documents instead (:mod:`dilated.parallel.document_groups`: the longest bucket's
+            documents first, the second longest's last, each group on all of this rank's heads);
+            ``1`` (default): not. Not combined with ``head_groups`` above 1.
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
     """
 
     def __init__(self, *, causal=False, scale=None, backend="auto", group=None, measure_comm: bool = False,
-                 head_groups: int | str = "auto"):
+                 head_groups: int | str = "auto", document_groups: int | str = 1):
         super().__init__()
         check_causal(causal)
         check_scale(scale)
         check_head_groups(head_groups)
+        check_document_groups(document_groups)
+        if document_groups == "auto" and head_groups not in ("auto", 1):
+            raise ValueError(f"document_groups='auto' pipelines by documents, head_groups={head_groups!r} by heads: "
+                             "give one of them (head_groups='auto' or 1 with document_groups='auto')")
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
-        self.head_groups = head_groups
+        self.head_groups, self.document_groups = head_groups, document_groups
         self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
         self.stats = CommStats(measure_comm)
 
@@ -92,20 +101,32 @@ class UlyssesAttention(nn.Module):
         scale = default_scale(q.shape[-1], self.scale)
         qh, kh, vh = q[:, :, :q.shape[2] // p], k[:, :, :hkv // p], v[:, :, :hkv // p]
         get_backend(self.backend, qh, kh, self.causal, v=vh)
+        by_docs = None
+        if docs is not None and self.document_groups == "auto":
+            by_docs = document_groups_for(docs, self.causal)
+            by_docs = by_docs if len(by_docs) > 1 else None
         one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
-        groups = head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
-        return (hkv, groups, scale), signature(q, k, v, causal=self.causal, scale=scale, algorithm="ulysses",
-                                               documents=docs, head_groups=groups)
+        groups = 1 if by_docs else head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
+        return (hkv, groups, scale, docs, by_docs), signature(q, k, v, causal=self.causal, scale=scale,
+                                                              algorithm="ulysses", documents=docs, head_groups=groups,
+                                                              document_groups=len(by_docs) if by_docs else 1)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
         ``[0, ..., N]``, the same on every rank); attention stays within each document."""
         if not dist.is_initialized():
             raise RuntimeError("UlyssesAttention needs torch.distributed initialised (see dilated.init_distributed)")
-        hkv, groups, scale = validate_on_all_ranks(self.group, self._agreed, "UlyssesAttention",
-                                                   lambda: self._validate(q, k, v, cu_seqlens))
+        hkv, groups, scale, docs, by_docs = validate_on_all_ranks(self.group, self._agreed, "UlyssesAttention",
+                                                                  lambda: self._validate(q, k, v, cu_seqlens))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
+        if by_docs:
+            def attend_documents(qg, kg, vg, cu):
+                cu_t = torch.tensor(cu, dtype=torch.int32)
+                return attention(qg, kg, vg, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_t)
+
+            return attend_by_document_groups(q, k, v, attend_documents, cu=docs, groups=by_docs, group=self.group,
+                                             stats=self.stats)
 
         def attend(qh, kh, vh):
             return attention(qh, kh, vh, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_seqlens)

@@ -267,3 +267,8 @@ def test_hybrid_on_the_document_layout_work_by_hand():
             float(keys[dilated.DocumentLayout.balance(cu, 4, True).positions(r)].sum()) for r in range(4)]
     assert sum(by_hand) == float(keys.sum())
 
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_by_groups_of_documents_is_exact(world):
+    spawn(cp_worker.ulysses_document_groups, args=(world, free_port()), nprocs=world)

@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ...parallel.document_attention import rank_plan
+from ...parallel.document_groups import document_groups_for
 from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
@@ -362,6 +363,48 @@ class Model:
 
         return self._by_head_groups(problem, ranks, problem.heads, problem.kv_heads, attend, head_groups, True)
 
+    def _ulysses_by_documents(self, problem: Problem, ranks: list[int]) -> _Timeline:
+        """Ulysses pipelined by groups of packed documents (:mod:`dilated.parallel.document_groups`):
+        group ``g``'s q, k and v rows in three exchanges issued at once with every other group's, its
+        documents attended on all of a rank's heads once they arrived, its output back after it
+        (backward: its output gradient in, its q, k, v gradients back); an exchange takes the time
+        of the rank with the most of the group's rows."""
+        p, cu = len(ranks), list(problem.cu_seqlens())
+        groups = document_groups_for(cu, problem.causal)
+        if len(groups) < 2:
+            return self._ulysses(problem, ranks, 1)
+        b, d, h = problem.batch, problem.head_dim, problem.heads
+        hkv = kv_heads_for(h, problem.kv_heads, p)
+        net, n = self.network, problem.seq_len // p
+        time = compute = sent = 0.0
+        per_group = []
+        for docs in groups:
+            docs = sorted(docs)
+            rows = [0] * p
+            for i in docs:
+                for j in range(cu[i] // n, (cu[i + 1] - 1) // n + 1):
+                    rows[j] += min(cu[i + 1], (j + 1) * n) - max(cu[i], j * n)
+            cu_g = [0]
+            for i in docs:
+                cu_g.append(cu_g[-1] + cu[i + 1] - cu[i])
+            most = max(rows)
+            q_ms = net.all_to_all_ms(b * most * h * d * ELEM, ranks)
+            kv_ms = net.all_to_all_ms(b * most * hkv * d * ELEM, ranks)
+            per_group.append((cu_g, q_ms, kv_ms, sum(rows)))
+        modes = ("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)
+        for mode in modes:
+            computes = [self.kernels.documents_ms(cu_g, b, h // p, hkv // p, d, problem.causal, mode)
+                        for cu_g, *_ in per_group]
+            if mode == "fwd":
+                inputs, outputs = [q + 2 * kv for _, q, kv, _ in per_group], [q for _, q, _, _ in per_group]
+            else:
+                inputs, outputs = [q for _, q, _, _ in per_group], [q + 2 * kv for _, q, kv, _ in per_group]
+            time += _pipeline(inputs, computes, outputs)
+            compute += sum(computes)
+            sent += 2 * b * n * (h + hkv) * d * ELEM * (p - 1) / p
+        extra = 2 * b * n * (h + hkv) * d * ELEM
+        return _Timeline(time, compute, sent, extra)
+
     def _hybrid(self, problem: Problem, u: int, r: int, ring_layout: str, head_groups: int | str = "auto") -> _Timeline:
         column = [i * u for i in range(r)]
 
@@ -466,6 +509,10 @@ class Model:
         if strategy in ("documents", "ring_documents"):
             return self._documents(problem, ranks, problem.heads, problem.kv_heads,
                                    "all_gather" if strategy == "documents" else "ring")
+        if strategy == "ulysses_document_groups":
+            if problem.heads % world:
+                raise ValueError(f"Ulysses splits {problem.heads} heads over {world} ranks: not divisible")
+            return self._ulysses_by_documents(problem, ranks)
         if strategy in ULYSSES_HEAD_GROUPS:
             if problem.heads % world:
                 raise ValueError(f"Ulysses splits {problem.heads} heads over {world} ranks: not divisible")
@@ -493,6 +540,7 @@ STRATEGIES = {
     "ring_no_overlap": ("contiguous", False, "copy_engine"),
     "ring_zigzag_no_overlap": ("zigzag", False, "copy_engine"),
     **{name: None for name in ULYSSES_HEAD_GROUPS},
+    "ulysses_document_groups": None,
     **{name: None for name in HYBRID_HEAD_GROUPS},
     "documents": None,
     "ring_documents": None,
@@ -503,7 +551,7 @@ def measured_as(strategy: str) -> str:
     """The strategy of :data:`dilated.bench.planner.measure.STRATEGIES` whose calibrated call stands
     for ``strategy``'s cost beyond the model: itself, or the one it varies (head groups, overlap,
     transport, ring layout)."""
-    if strategy in ULYSSES_HEAD_GROUPS:
+    if strategy in ULYSSES_HEAD_GROUPS or strategy == "ulysses_document_groups":
         return "ulysses"
     if strategy in HYBRID_HEAD_GROUPS:
         return "hybrid_documents" if strategy.startswith("hybrid_documents") else "hybrid"

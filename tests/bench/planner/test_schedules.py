@@ -211,3 +211,31 @@ def test_a_strategys_timed_call_adds_what_it_cost_beyond_the_model_to_each_of_it
     fwd = Problem(2 * 131072, 32, 8, 128, causal=True, mode="fwd", documents="lognormal:8k,1.0")
     assert m.predict("documents", fwd, 2).time_ms == pytest.approx(base.predict("documents", fwd, 2).time_ms)
     assert m.single_device(big).time_ms == pytest.approx(base.single_device(big).time_ms)
+
+
+def test_ulysses_by_groups_of_documents_attends_each_group_on_all_of_a_ranks_heads():
+    from dilated.bench.documents import cu_seqlens_of
+    from dilated.parallel.document_groups import document_groups_for
+
+    spec, n = "lognormal:8k,1.0", 1 << 18
+    cu = cu_seqlens_of(spec, n)
+    groups = document_groups_for(list(cu), True)
+    assert len(groups) == 3
+    free = model(free_links())
+    groups_cu = []
+    for docs in groups:
+        lengths = [cu[d + 1] - cu[d] for d in sorted(docs)]
+        groups_cu.append([0, *__import__("itertools").accumulate(lengths)])
+    want = sum(free.kernels.documents_ms(c, 1, 8, 2, 128, True, "fwd") for c in groups_cu)
+    p = free.predict("ulysses_document_groups", Problem(n, 32, 8, 128, causal=True, mode="fwd", documents=spec), 4)
+    assert p.time_ms == pytest.approx(want, rel=1e-6) and p.exposed_ms == pytest.approx(0.0, abs=1e-6)
+    # exchanges far slower than the kernels: each group's three inputs and its output, one after another
+    t = 1000.0
+    slow = model({name: link(latency=t, per_ms=1e30) for name in ("p2p", "copy_engine", "all_to_all", "all_gather",
+                                                                  "reduce_scatter")})
+    fwd = slow.predict("ulysses_document_groups", Problem(n, 32, 8, 128, causal=True, mode="fwd", documents=spec), 4)
+    assert fwd.time_ms == pytest.approx(4 * len(groups) * t, rel=1e-9)
+    # one length of document: one bucket, nothing to group (as Ulysses with one head group)
+    fixed = Problem(n, 32, 8, 128, causal=True, mode="fwd_bwd", documents="fixed:8k")
+    assert slow.predict("ulysses_document_groups", fixed, 4).time_ms == pytest.approx(
+        slow.predict("ulysses_no_overlap", fixed, 4).time_ms, rel=1e-9)

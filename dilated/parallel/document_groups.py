@@ -1,0 +1,219 @@
+"""Ulysses' all-to-alls pipelined with attention by groups of packed documents.
+
+On packed documents every document attends alone, so Ulysses can trade the sequence split for the
+head split one group of documents at a time. :func:`attend_by_document_groups` issues every group's
+input exchange at once (each rank sends the rows of its shard that belong to the group's documents,
+to every rank its heads); group ``g`` attends while later groups' rows arrive and group ``g - 1``'s
+output goes back, so only the first group's inputs and the last group's output are waited for.
+Backward mirrors it. Unlike head groups (:mod:`dilated.parallel.head_groups`), a group's attention
+holds all of the rank's heads: where each group is a set of whole document-length buckets, the
+kernel calls are the ones one exchange would run, only in other order.
+
+:func:`document_groups_for` picks the groups: the documents of the longest bucket first (few rows
+to wait for, much attention to hide the others' exchanges behind), the second longest last (its
+attention hides the middle group's output), the rest between.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..packed import bucket_length
+from .sharding import CommStats
+
+
+def check_document_groups(document_groups) -> None:
+    """``document_groups`` is ``"auto"`` or 1."""
+    if document_groups not in ("auto", 1) or isinstance(document_groups, bool):
+        raise ValueError(f"document_groups must be 'auto' (pipelined by groups of packed documents) or 1, "
+                         f"got {document_groups!r}")
+
+
+def document_groups_for(cu: list[int], causal: bool) -> list[list[int]]:
+    """Documents (indices into ``cu``'s documents) in the order their groups attend: the longest
+    bucket's (:func:`dilated.packed.bucket_length`; without causality, the longest length's), then
+    every bucket but the two longest, then the second longest's; fewer groups where there are fewer
+    buckets."""
+    by_bucket: dict[int, list[int]] = {}
+    for d, (a, b) in enumerate(zip(cu, cu[1:])):
+        by_bucket.setdefault(bucket_length(b - a) if causal else b - a, []).append(d)
+    order = sorted(by_bucket, reverse=True)
+    if len(order) < 3:
+        return [by_bucket[x] for x in order]
+    middle = sorted(d for x in order[2:] for d in by_bucket[x])
+    return [by_bucket[order[0]], middle, by_bucket[order[1]]]
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """One group of documents on a rank of ``P``: ``rows`` the local rows of this rank's shard in it
+    (ascending), ``counts[j]`` how many of rank ``j``'s rows are in it, ``cu`` the cumulative lengths
+    of its documents packed in sequence order."""
+
+    rows: torch.Tensor
+    counts: tuple
+    cu: tuple
+
+
+def row_groups(cu: list[int], groups: list[list[int]], rank: int, p: int, device) -> list[RowGroup]:
+    """The :class:`RowGroup` of each group of documents (``groups``) for ``rank``'s contiguous shard of
+    the ``cu[-1]`` positions over ``p`` ranks."""
+    n = cu[-1] // p
+    out = []
+    for docs in groups:
+        docs = sorted(docs)
+        counts, starts, lengths = [0] * p, [], []
+        for d in docs:
+            a, b = cu[d], cu[d + 1]
+            for j in range(a // n, (b - 1) // n + 1):
+                lo, hi = max(a, j * n), min(b, (j + 1) * n)
+                counts[j] += hi - lo
+                if j == rank:
+                    starts.append(lo - j * n)
+                    lengths.append(hi - lo)
+        rows = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, lengths)]) if starts else \
+            torch.zeros(0, dtype=torch.int64)
+        packed = [0]
+        for d in docs:
+            packed.append(packed[-1] + cu[d + 1] - cu[d])
+        out.append(RowGroup(rows.to(device), tuple(counts), tuple(packed)))
+    return out
+
+
+class _Exchange:
+    """One all-to-all of rows in flight: ``send`` ``[R, ...]`` in blocks of ``send_counts[i]`` rows for
+    rank ``i``, received in blocks of ``recv_counts[j]`` rows from rank ``j``. The compute stream
+    waits on it only at :meth:`wait`."""
+
+    def __init__(self, send: torch.Tensor, send_counts, recv_counts, group, stats: CommStats):
+        self.send, self.stats = send, stats
+        self.recv = send.new_empty(sum(recv_counts), *send.shape[1:])
+        self.work = dist.all_to_all_single(self.recv, send, list(recv_counts), list(send_counts), group=group,
+                                           async_op=True)
+        kept, row_bytes = send_counts[dist.get_rank(group)], math.prod(send.shape[1:]) * send.element_size()
+        stats.sent((send.shape[0] - kept) * row_bytes, collective=True)
+
+    def wait(self) -> torch.Tensor:
+        with self.stats.waiting(self.recv.device):
+            self.work.wait()
+        self.send = None  # the exchange is done with it
+        return self.recv
+
+
+def _to_heads(x: torch.Tensor, rows: torch.Tensor, p: int) -> torch.Tensor:
+    """Rows ``rows`` of the shard ``x`` ``[B, n, H, D]`` as ``[P * B * r, H/P, D]``: block ``i`` (rank
+    ``i``'s heads of those rows, batch-major) first to last."""
+    b, _, h, d = x.shape
+    picked = x.index_select(1, rows)  # [B, r, H, D]
+    return picked.view(b, -1, p, h // p, d).permute(2, 0, 1, 3, 4).reshape(-1, h // p, d)
+
+
+def _whole_group(recv: torch.Tensor, counts, b: int) -> torch.Tensor:
+    """Received blocks (rank ``j``'s ``counts[j]`` rows, batch-major) as the group's packed sequence
+    ``[B, N_g, h, D]`` (a view for one batch row)."""
+    if b == 1:
+        return recv.unsqueeze(0)
+    blocks = torch.split(recv, [b * c for c in counts])
+    return torch.cat([x.view(b, c, *x.shape[1:]) for x, c in zip(blocks, counts)], 1)
+
+
+def _to_ranks(x: torch.Tensor, counts) -> torch.Tensor:
+    """A group's packed ``[B, N_g, h, D]`` as ``[B * N_g, h, D]`` in blocks of rank ``j``'s rows
+    (batch-major; a view for one batch row)."""
+    b = x.shape[0]
+    if b == 1:
+        return x[0]
+    return torch.cat([y.reshape(-1, *x.shape[2:]) for y in torch.split(x, list(counts), 1)])
+
+
+def _into_rows(dst: torch.Tensor, recv: torch.Tensor, rows: torch.Tensor, p: int) -> None:
+    """Put received ``[P * B * r, h, D]`` (rank ``i``'s heads of this rank's ``rows`` in block ``i``)
+    into ``dst`` ``[B, n, P * h, D]`` at ``rows``."""
+    b, _, _, d = dst.shape
+    h = recv.shape[1]
+    got = recv.view(p, b, -1, h, d).permute(1, 2, 0, 3, 4).reshape(b, -1, p * h, d)
+    dst.index_copy_(1, rows, got)
+
+
+@dataclass
+class DocumentGroupCall:
+    """One pipelined call: ``attend(q, k, v, cu)`` on a group's packed documents (all of this rank's
+    heads), the groups' :class:`RowGroup` s, over ``group``, counted in ``stats``."""
+    attend: Callable
+    groups: list
+    group: object
+    stats: CommStats
+
+
+class _AttendByDocumentGroups(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, call: DocumentGroupCall):
+        p, b = dist.get_world_size(call.group), q.shape[0]
+
+        def send(x, rg):
+            mine = rg.counts[dist.get_rank(call.group)]
+            return _Exchange(_to_heads(x, rg.rows, p), [b * mine] * p, [b * c for c in rg.counts], call.group,
+                             call.stats)
+
+        inputs = [[send(x, rg) for x in (q, k, v)] for rg in call.groups]  # every input exchange at once
+        grad = any(ctx.needs_input_grad[:3])
+        graphs, back = [], []
+        for rg, exchanges in zip(call.groups, inputs):
+            qkv = [_whole_group(ex.wait(), rg.counts, b) for ex in exchanges]
+            if grad:
+                with torch.enable_grad():
+                    leaves = [x.detach().requires_grad_() for x in qkv]
+                    og = call.attend(*leaves, rg.cu)
+                graphs.append((leaves, og))
+            else:
+                og = call.attend(*qkv, rg.cu)
+            back.append(_back(og.detach(), rg, call, b))
+        out = q.new_empty(*q.shape[:3], v.shape[3])
+        for rg, ex in zip(call.groups, back):
+            _into_rows(out, ex.wait(), rg.rows, p)
+        ctx.call, ctx.graphs = call, graphs
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        call, graphs = ctx.call, ctx.graphs
+        ctx.graphs = None  # each group's graph is used once
+        p, b = dist.get_world_size(call.group), dout.shape[0]
+        me = dist.get_rank(call.group)
+        dout = dout.contiguous()
+        d_in = [_Exchange(_to_heads(dout, rg.rows, p), [b * rg.counts[me]] * p, [b * c for c in rg.counts],
+                          call.group, call.stats) for rg in call.groups]
+        back = []
+        for rg, ex, (leaves, og) in zip(call.groups, d_in, graphs):
+            grads = torch.autograd.grad(og, leaves, _whole_group(ex.wait(), rg.counts, b))
+            back.append([_back(g, rg, call, b) for g in grads])
+        out = [dout.new_empty(s) for s in ctx.shapes]
+        for rg, exchanges in zip(call.groups, back):
+            for dst, ex in zip(out, exchanges):
+                _into_rows(dst, ex.wait(), rg.rows, p)
+        return *out, None
+
+
+def _back(x: torch.Tensor, rg: RowGroup, call: DocumentGroupCall, b: int):
+    """The exchange that sends a group's packed ``x`` (this rank's heads) back: rank ``j`` its rows."""
+    p, me = dist.get_world_size(call.group), dist.get_rank(call.group)
+    return _Exchange(_to_ranks(x, rg.counts), [b * c for c in rg.counts], [b * rg.counts[me]] * p, call.group,
+                     call.stats)
+
+
+def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable, *,
+                              cu: list[int], groups: list[list[int]], group, stats: CommStats) -> torch.Tensor:
+    """``attend(q, k, v, cu)`` on the packed documents of each of ``groups`` (lists of document
+    indices of the global cumulative lengths ``cu``; every document in exactly one group), this
+    rank's heads, from and to contiguous sequence shards, differentiable. ``q`` ``[B, N/P, H, D]``,
+    ``k``, ``v`` ``[B, N/P, H_kv, D]`` with ``H`` and ``H_kv`` divisible by ``P``; ``attend`` takes
+    ``[B, N_g, h, D]`` and the group's cumulative lengths. Returns this rank's ``[B, N/P, H, D]``."""
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
+    rgs = row_groups(cu, groups, rank, p, q.device)
+    call = DocumentGroupCall(attend, rgs, group, stats)
+    return _AttendByDocumentGroups.apply(q.contiguous(), k.contiguous(), v.contiguous(), call)
