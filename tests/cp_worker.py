@@ -415,10 +415,11 @@ def ulysses_document_groups(rank, world):
     from dilated.parallel.document_groups import document_groups_for
 
     n = 16 * world
-    # buckets: the longest (n - 20 ..) first, the second longest last, the short ones between
-    cu = [0, 3, 4, 9, 9 + (n - 20), n - 8, n]
-    for causal in (False, True):
-        groups = document_groups_for(cu, causal)
+    # the longest document (n - 20 rows) first, the second longest (8) last, the short ones between;
+    # then eight of one length (a group of one document first and last)
+    mixes = ([0, 3, 4, 9, 9 + (n - 20), n - 8, n], list(range(0, n + 1, 2 * world)))
+    for causal, cu in ((False, mixes[0]), (True, mixes[0]), (True, mixes[1])):
+        groups = document_groups_for(cu)
         assert len(groups) == 3 and sorted(d for g in groups for d in g) == list(range(len(cu) - 1)), groups
         for h, hkv in ((4 * world, 2 * world), (2 * world, 1)):
             q, k, v = _full(31 + hkv, n, h, hkv)
@@ -436,8 +437,9 @@ def ulysses_document_groups(rank, world):
     from dilated.parallel.sharding import CommStats
 
     q, k, v = _full(5, n, 2 * world, 2 * world, b=1)
+    cu = mixes[0]
     ql, kl, vl = (dilated.UlyssesAttention().shard(t) for t in (q, k, v))
-    groups = document_groups_for(cu, True)
+    groups = document_groups_for(cu)
 
     def attend(qg, kg, vg, cu_g):
         return dilated.attention(qg, kg, vg, causal=True, backend="manual",

@@ -88,7 +88,7 @@ RING_IMPLEMENTATIONS = {
         "ulysses_document_groups", "dense", "contiguous",
         lambda c, b, g: dilated.UlyssesAttention(causal=c.causal, backend=b, group=g, document_groups="auto"),
         "UlyssesAttention, document_groups='auto': on packed documents, the all-to-alls pipelined with attention by "
-        "groups of documents (the longest bucket's first, the second longest's last)", splits_heads=True),
+        "groups of documents (the longest first, the next longest last)", splits_heads=True),
     "documents": _make("documents", "dense", "documents",
                        lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b, group=g),
                        "DocumentParallelAttention: documents balanced over the ranks (DocumentLayout), only "

@@ -6,12 +6,12 @@ input exchange at once (each rank sends the rows of its shard that belong to the
 to every rank its heads); group ``g`` attends while later groups' rows arrive and group ``g - 1``'s
 output goes back, so only the first group's inputs and the last group's output are waited for.
 Backward mirrors it. Unlike head groups (:mod:`dilated.parallel.head_groups`), a group's attention
-holds all of the rank's heads: where each group is a set of whole document-length buckets, the
-kernel calls are the ones one exchange would run, only in other order.
+holds all of the rank's heads: the kernel calls are about the ones of one exchange (a length's
+batched call split where a group boundary falls inside it).
 
-:func:`document_groups_for` picks the groups: the documents of the longest bucket first (few rows
-to wait for, much attention to hide the others' exchanges behind), the second longest last (its
-attention hides the middle group's output), the rest between.
+:func:`document_groups_for` picks the groups: the longest documents up to an eighth of the rows
+first (few rows to wait for, the most attention per row to hide the others' exchanges behind), the
+next longest as many last (their attention hides the middle group's output), the rest between.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..packed import bucket_length
 from .sharding import CommStats
 
 
@@ -33,19 +32,24 @@ def check_document_groups(document_groups) -> None:
                          f"got {document_groups!r}")
 
 
-def document_groups_for(cu: list[int], causal: bool) -> list[list[int]]:
-    """Documents (indices into ``cu``'s documents) in the order their groups attend: the longest
-    bucket's (:func:`dilated.packed.bucket_length`; without causality, the longest length's), then
-    every bucket but the two longest, then the second longest's; fewer groups where there are fewer
-    buckets."""
-    by_bucket: dict[int, list[int]] = {}
-    for d, (a, b) in enumerate(zip(cu, cu[1:])):
-        by_bucket.setdefault(bucket_length(b - a) if causal else b - a, []).append(d)
-    order = sorted(by_bucket, reverse=True)
-    if len(order) < 3:
-        return [by_bucket[x] for x in order]
-    middle = sorted(d for x in order[2:] for d in by_bucket[x])
-    return [by_bucket[order[0]], middle, by_bucket[order[1]]]
+#: the first and the last group each take the longest documents up to about this share of the rows
+EDGE_SHARE = 1 / 8
+
+
+def document_groups_for(cu: list[int]) -> list[list[int]]:
+    """Documents (indices into ``cu``'s documents, each group in sequence order) in the order their
+    groups attend: the longest documents up to :data:`EDGE_SHARE` of the rows (at least one) first,
+    the next longest as many last, the rest between; fewer groups where there are fewer documents."""
+    longest = sorted(range(len(cu) - 1), key=lambda d: cu[d] - cu[d + 1])  # longest first, ties in order
+    edges, at = [], 0
+    for _ in range(2):
+        rows, group = 0, []
+        while at < len(longest) - 1 and (not group or rows < EDGE_SHARE * cu[-1]):
+            group.append(longest[at])
+            rows += cu[longest[at] + 1] - cu[longest[at]]
+            at += 1
+        edges.append(sorted(group))
+    return [g for g in (edges[0], sorted(longest[at:]), edges[1]) if g]
 
 
 @dataclass(frozen=True)

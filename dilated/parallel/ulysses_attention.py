@@ -66,8 +66,8 @@ class UlyssesAttention(nn.Module):
             exchange per tensor, nothing overlapped; ``"auto"``: two where packed documents run in one
             varlen kernel call per group, else one (:func:`~dilated.parallel.head_groups.head_groups_for`).
         document_groups: with packed documents, ``"auto"`` pipelines the all-to-alls with attention by
-            groups of documents instead (:mod:`dilated.parallel.document_groups`: the longest bucket's
-            documents first, the second longest's last, each group on all of this rank's heads);
+            groups of documents instead (:mod:`dilated.parallel.document_groups`: the longest documents
+            first, the next longest last, the rest between, each group on all of this rank's heads);
             ``1`` (default): not. Not combined with ``head_groups`` above 1.
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
@@ -103,7 +103,7 @@ class UlyssesAttention(nn.Module):
         get_backend(self.backend, qh, kh, self.causal, v=vh)
         by_docs = None
         if docs is not None and self.document_groups == "auto":
-            by_docs = document_groups_for(docs, self.causal)
+            by_docs = document_groups_for(docs)
             by_docs = by_docs if len(by_docs) > 1 else None
         one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
         groups = 1 if by_docs else head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)

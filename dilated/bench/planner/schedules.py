@@ -370,7 +370,7 @@ class Model:
         (backward: its output gradient in, its q, k, v gradients back); an exchange takes the time
         of the rank with the most of the group's rows."""
         p, cu = len(ranks), list(problem.cu_seqlens())
-        groups = document_groups_for(cu, problem.causal)
+        groups = document_groups_for(cu)
         if len(groups) < 2:
             return self._ulysses(problem, ranks, 1)
         b, d, h = problem.batch, problem.head_dim, problem.heads
