@@ -15,6 +15,7 @@ next longest as many last (their attention hides the middle group's output), the
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .document_layout import ranges_to_positions
 from .sharding import CommStats
 
 
@@ -63,9 +65,14 @@ class RowGroup:
     cu: tuple
 
 
-def row_groups(cu: list[int], groups: list[list[int]], rank: int, p: int, device) -> list[RowGroup]:
+def row_groups(cu: list[int], groups: list[list[int]], rank: int, p: int, device) -> tuple[RowGroup, ...]:
     """The :class:`RowGroup` of each group of documents (``groups``) for ``rank``'s contiguous shard of
-    the ``cu[-1]`` positions over ``p`` ranks."""
+    the ``cu[-1]`` positions over ``p`` ranks (the last few kept: a mix is met again every step)."""
+    return _row_groups(tuple(cu), tuple(map(tuple, groups)), rank, p, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=8)
+def _row_groups(cu: tuple, groups: tuple, rank: int, p: int, device: str) -> tuple[RowGroup, ...]:
     n = cu[-1] // p
     out = []
     for docs in groups:
@@ -79,13 +86,11 @@ def row_groups(cu: list[int], groups: list[list[int]], rank: int, p: int, device
                 if j == rank:
                     starts.append(lo - j * n)
                     lengths.append(hi - lo)
-        rows = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, lengths)]) if starts else \
-            torch.zeros(0, dtype=torch.int64)
         packed = [0]
         for d in docs:
             packed.append(packed[-1] + cu[d + 1] - cu[d])
-        out.append(RowGroup(rows.to(device), tuple(counts), tuple(packed)))
-    return out
+        out.append(RowGroup(ranges_to_positions(starts, lengths, device), tuple(counts), tuple(packed)))
+    return tuple(out)
 
 
 class _Exchange:
@@ -110,10 +115,9 @@ class _Exchange:
 
 def _to_heads(x: torch.Tensor, rows: torch.Tensor, p: int) -> torch.Tensor:
     """Rows ``rows`` of the shard ``x`` ``[B, n, H, D]`` as ``[P * B * r, H/P, D]``: block ``i`` (rank
-    ``i``'s heads of those rows, batch-major) first to last."""
-    b, _, h, d = x.shape
-    picked = x.index_select(1, rows)  # [B, r, H, D]
-    return picked.view(b, -1, p, h // p, d).permute(2, 0, 1, 3, 4).reshape(-1, h // p, d)
+    ``i``'s heads of those rows, batch-major) first to last (one copy)."""
+    b, n, h, d = x.shape
+    return x.view(b, n, p, h // p, d).permute(2, 0, 1, 3, 4).index_select(2, rows).view(-1, h // p, d)
 
 
 def _whole_group(recv: torch.Tensor, counts, b: int) -> torch.Tensor:
@@ -136,11 +140,10 @@ def _to_ranks(x: torch.Tensor, counts) -> torch.Tensor:
 
 def _into_rows(dst: torch.Tensor, recv: torch.Tensor, rows: torch.Tensor, p: int) -> None:
     """Put received ``[P * B * r, h, D]`` (rank ``i``'s heads of this rank's ``rows`` in block ``i``)
-    into ``dst`` ``[B, n, P * h, D]`` at ``rows``."""
-    b, _, _, d = dst.shape
+    into ``dst`` ``[B, n, P * h, D]`` at ``rows`` (one copy)."""
+    b, n, _, d = dst.shape
     h = recv.shape[1]
-    got = recv.view(p, b, -1, h, d).permute(1, 2, 0, 3, 4).reshape(b, -1, p * h, d)
-    dst.index_copy_(1, rows, got)
+    dst.view(b, n, p, h, d).index_copy_(1, rows, recv.view(p, b, -1, h, d).permute(1, 2, 0, 3, 4))
 
 
 @dataclass
