@@ -16,13 +16,13 @@ next longest as many last (their attention hides the middle group's output), the
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from .all_to_all import AllToAll
 from .document_layout import ranges_to_positions
 from .sharding import CommStats
 
@@ -93,26 +93,6 @@ def _row_groups(cu: tuple, groups: tuple, rank: int, p: int, device: str) -> tup
     return tuple(out)
 
 
-class _Exchange:
-    """One all-to-all of rows in flight: ``send`` ``[R, ...]`` in blocks of ``send_counts[i]`` rows for
-    rank ``i``, received in blocks of ``recv_counts[j]`` rows from rank ``j``. The compute stream
-    waits on it only at :meth:`wait`."""
-
-    def __init__(self, send: torch.Tensor, send_counts, recv_counts, group, stats: CommStats):
-        self.send, self.stats = send, stats
-        self.recv = send.new_empty(sum(recv_counts), *send.shape[1:])
-        self.work = dist.all_to_all_single(self.recv, send, list(recv_counts), list(send_counts), group=group,
-                                           async_op=True)
-        kept, row_bytes = send_counts[dist.get_rank(group)], math.prod(send.shape[1:]) * send.element_size()
-        stats.sent((send.shape[0] - kept) * row_bytes, collective=True)
-
-    def wait(self) -> torch.Tensor:
-        with self.stats.waiting(self.recv.device):
-            self.work.wait()
-        self.send = None  # the exchange is done with it
-        return self.recv
-
-
 def _to_heads(x: torch.Tensor, rows: torch.Tensor, p: int) -> torch.Tensor:
     """Rows ``rows`` of the shard ``x`` ``[B, n, H, D]`` as ``[P * B * r, H/P, D]``: block ``i`` (rank
     ``i``'s heads of those rows, batch-major) first to last (one copy)."""
@@ -163,8 +143,8 @@ class _AttendByDocumentGroups(torch.autograd.Function):
 
         def send(x, rg):
             mine = rg.counts[dist.get_rank(call.group)]
-            return _Exchange(_to_heads(x, rg.rows, p), [b * mine] * p, [b * c for c in rg.counts], call.group,
-                             call.stats)
+            return AllToAll(_to_heads(x, rg.rows, p), call.group, call.stats, [b * mine] * p,
+                            [b * c for c in rg.counts])
 
         inputs = [[send(x, rg) for x in (q, k, v)] for rg in call.groups]  # every input exchange at once
         grad = any(ctx.needs_input_grad[:3])
@@ -193,8 +173,8 @@ class _AttendByDocumentGroups(torch.autograd.Function):
         p, b = dist.get_world_size(call.group), dout.shape[0]
         me = dist.get_rank(call.group)
         dout = dout.contiguous()
-        d_in = [_Exchange(_to_heads(dout, rg.rows, p), [b * rg.counts[me]] * p, [b * c for c in rg.counts],
-                          call.group, call.stats) for rg in call.groups]
+        d_in = [AllToAll(_to_heads(dout, rg.rows, p), call.group, call.stats, [b * rg.counts[me]] * p,
+                         [b * c for c in rg.counts]) for rg in call.groups]
         back = []
         for rg, ex, (leaves, og) in zip(call.groups, d_in, graphs):
             grads = torch.autograd.grad(og, leaves, _whole_group(ex.wait(), rg.counts, b))
@@ -209,8 +189,8 @@ class _AttendByDocumentGroups(torch.autograd.Function):
 def _back(x: torch.Tensor, rg: RowGroup, call: DocumentGroupCall, b: int):
     """The exchange that sends a group's packed ``x`` (this rank's heads) back: rank ``j`` its rows."""
     p, me = dist.get_world_size(call.group), dist.get_rank(call.group)
-    return _Exchange(_to_ranks(x, rg.counts), [b * c for c in rg.counts], [b * rg.counts[me]] * p, call.group,
-                     call.stats)
+    return AllToAll(_to_ranks(x, rg.counts), call.group, call.stats, [b * c for c in rg.counts],
+                    [b * rg.counts[me]] * p)
 
 
 def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable, *,

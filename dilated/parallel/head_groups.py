@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .all_to_all import AllToAll
 from .sharding import CommStats
 
 
@@ -70,22 +71,6 @@ def head_groups_for(head_groups, q_heads: int, kv_heads: int, one_call: bool) ->
         except ValueError:  # the heads do not split in two
             pass
     return 1
-
-
-class _Exchange:
-    """One all-to-all in flight: ``send`` ``[P, ...]``, block ``i`` to rank ``i``; :meth:`wait`
-    gives block ``j`` from rank ``j``. The compute stream waits on it only at :meth:`wait`."""
-
-    def __init__(self, send: torch.Tensor, group, stats: CommStats):
-        self.send, self.recv, self.stats = send, torch.empty_like(send), stats
-        self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
-        stats.sent(send.numel() * send.element_size() * (send.shape[0] - 1) // send.shape[0], collective=True)
-
-    def wait(self) -> torch.Tensor:
-        with self.stats.waiting(self.recv.device):
-            self.work.wait()
-        self.send = None  # the exchange is done with it
-        return self.recv
 
 
 def _to_heads_blocks(x: torch.Tensor, p: int, groups: int, g: int) -> torch.Tensor:
@@ -132,7 +117,7 @@ class _AttendByHeadGroups(torch.autograd.Function):
         p, groups, kv_groups = dist.get_world_size(call.group), call.groups, call.kv_of[-1] + 1
 
         def send(x, count, g):
-            return _Exchange(_to_heads_blocks(x, p, count, g), call.group, call.stats)
+            return AllToAll(_to_heads_blocks(x, p, count, g), call.group, call.stats)
 
         q_in, kv_in = [], {}
         for g, j in enumerate(call.kv_of):  # every input exchange at once, each kv group before its first reader
@@ -152,7 +137,7 @@ class _AttendByHeadGroups(torch.autograd.Function):
                 graphs.append((leaves, og))
             else:
                 og = call.attend(qg, *kv[j])
-            back.append(_Exchange(_to_sequence_blocks(og.detach(), p), call.group, call.stats))
+            back.append(AllToAll(_to_sequence_blocks(og.detach(), p), call.group, call.stats))
         b, n, h, _ = q.shape
         out = None
         for g, ex in enumerate(back):
@@ -169,16 +154,16 @@ class _AttendByHeadGroups(torch.autograd.Function):
         ctx.graphs = None  # each group's graph is used once
         p, groups, kv_groups = dist.get_world_size(call.group), call.groups, call.kv_of[-1] + 1
         dout = dout.contiguous()
-        d_in = [_Exchange(_to_heads_blocks(dout, p, groups, g), call.group, call.stats) for g in range(groups)]
+        d_in = [AllToAll(_to_heads_blocks(dout, p, groups, g), call.group, call.stats) for g in range(groups)]
         last_reader = {j: g for g, j in enumerate(call.kv_of)}
         dkv_sum, dq_back, dkv_back = {}, [], {}
         for g, j in enumerate(call.kv_of):
             leaves, og = graphs[g]
             grads = torch.autograd.grad(og, leaves, _whole_sequence(d_in[g].wait()))
-            dq_back.append(_Exchange(_to_sequence_blocks(grads[0], p), call.group, call.stats))
+            dq_back.append(AllToAll(_to_sequence_blocks(grads[0], p), call.group, call.stats))
             dkv_sum[j] = grads[1:] if j not in dkv_sum else [a + c for a, c in zip(dkv_sum[j], grads[1:])]
             if last_reader[j] == g:  # the kv group's gradients are whole
-                dkv_back[j] = [_Exchange(_to_sequence_blocks(x, p), call.group, call.stats) for x in dkv_sum.pop(j)]
+                dkv_back[j] = [AllToAll(_to_sequence_blocks(x, p), call.group, call.stats) for x in dkv_sum.pop(j)]
         grads = [dout.new_empty(b, n, p, count, h // (p * count), d)
                  for (b, n, h, d), count in zip(ctx.shapes, (groups, kv_groups, kv_groups))]
         for g, ex in enumerate(dq_back):
