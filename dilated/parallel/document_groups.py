@@ -71,25 +71,28 @@ def row_groups(cu: list[int], groups: list[list[int]], rank: int, p: int, device
     return _row_groups(tuple(cu), tuple(map(tuple, groups)), rank, p, str(torch.device(device)))
 
 
+def group_spans(cu, docs, p: int) -> tuple[list[list[tuple[int, int]]], tuple]:
+    """Where the documents ``docs`` of ``cu`` lie on ``p`` contiguous shards: per rank its ``(local
+    start, length)`` ranges of them, and their cumulative lengths packed in sequence order."""
+    n = cu[-1] // p
+    spans, packed = [[] for _ in range(p)], [0]
+    for d in sorted(docs):
+        a, b = cu[d], cu[d + 1]
+        for j in range(a // n, (b - 1) // n + 1):
+            lo, hi = max(a, j * n), min(b, (j + 1) * n)
+            spans[j].append((lo - j * n, hi - lo))
+        packed.append(packed[-1] + b - a)
+    return spans, tuple(packed)
+
+
 @functools.lru_cache(maxsize=8)
 def _row_groups(cu: tuple, groups: tuple, rank: int, p: int, device: str) -> tuple[RowGroup, ...]:
-    n = cu[-1] // p
     out = []
     for docs in groups:
-        docs = sorted(docs)
-        counts, starts, lengths = [0] * p, [], []
-        for d in docs:
-            a, b = cu[d], cu[d + 1]
-            for j in range(a // n, (b - 1) // n + 1):
-                lo, hi = max(a, j * n), min(b, (j + 1) * n)
-                counts[j] += hi - lo
-                if j == rank:
-                    starts.append(lo - j * n)
-                    lengths.append(hi - lo)
-        packed = [0]
-        for d in docs:
-            packed.append(packed[-1] + cu[d + 1] - cu[d])
-        out.append(RowGroup(ranges_to_positions(starts, lengths, device), tuple(counts), tuple(packed)))
+        spans, packed = group_spans(cu, docs, p)
+        counts = tuple(sum(m for _, m in mine) for mine in spans)
+        rows = ranges_to_positions([s for s, _ in spans[rank]], [m for _, m in spans[rank]], device)
+        out.append(RowGroup(rows, counts, packed))
     return tuple(out)
 
 

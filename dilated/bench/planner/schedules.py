@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ...parallel.document_attention import rank_plan
-from ...parallel.document_groups import document_groups_for
+from ...parallel.document_groups import document_groups_for, group_spans
 from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
@@ -379,14 +379,8 @@ class Model:
         time = compute = sent = 0.0
         per_group = []
         for docs in groups:
-            docs = sorted(docs)
-            rows = [0] * p
-            for i in docs:
-                for j in range(cu[i] // n, (cu[i + 1] - 1) // n + 1):
-                    rows[j] += min(cu[i + 1], (j + 1) * n) - max(cu[i], j * n)
-            cu_g = [0]
-            for i in docs:
-                cu_g.append(cu_g[-1] + cu[i + 1] - cu[i])
+            spans, cu_g = group_spans(cu, docs, p)
+            rows = [sum(m for _, m in mine) for mine in spans]
             most = max(rows)
             q_ms = net.all_to_all_ms(b * most * h * d * ELEM, ranks)
             kv_ms = net.all_to_all_ms(b * most * hkv * d * ELEM, ranks)
