@@ -388,12 +388,16 @@ def random_strategies(rank, world, port, seed, count):
 def steady_calls_do_not_sync(rank, world, port):
     """On GPUs (NCCL): every sequence-parallel module's third call, forward and backward, makes the
     host wait for the GPU nowhere (``torch.cuda.set_sync_debug_mode("error")``), with and without
-    packed documents (``cu_seqlens`` a host tensor)."""
+    packed documents (``cu_seqlens`` a host tensor). A group of ranks 0 and 1 made first leaves the
+    ranks with different numbers of groups: the world's host group must still be made without a
+    wait (a group made by its own ranks only would be named after those numbers, and hang)."""
+    faulthandler.dump_traceback_later(240, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
                             timeout=datetime.timedelta(seconds=120))
+    dist.new_group([0, 1])
     n, h = 1024 * world, 4 * world
     cu = torch.tensor([0, 100, 700, n // 2 + 3, n], dtype=torch.int32)
     modules = [(f"ring {layout} {transport} causal={causal}",
@@ -439,6 +443,7 @@ def steady_calls_do_not_sync(rank, world, port):
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _documents_reference(q, k, v, cu, causal):
@@ -537,3 +542,45 @@ def strategy_calls(rank, world, port):
     assert all(torch.equal(e, slowest) for e in every)
     assert any(line.startswith("strategy hybrid") and "left out" in line for line in said)
     dist.destroy_process_group()
+
+
+def host_groups_never_wait_on_group_counts(rank, world, port):
+    """:func:`dilated.parallel.agreement.host_group` on real gloo groups, its backend names read as
+    NCCL's (the NCCL case needs GPUs; the choice does not): the world's host group is made by every
+    rank of the world, without a group-local rendezvous (whose group names count each rank's groups
+    and differ where the ranks made different groups before), even after a group of ranks 0 and 1;
+    that subgroup gets none (the check goes to the GPU, said once); a group with a gloo backend
+    beside NCCL's serves itself. A rank still waiting after 60 s prints its stack and exits."""
+    from dilated.parallel import agreement
+
+    faulthandler.dump_traceback_later(60, exit=True)
+    init(rank, world, port)
+    made = []
+    real_new_group, real_get_backend = dist.new_group, dist.get_backend
+
+    def new_group(*args, **kwargs):
+        made.append(kwargs)
+        return real_new_group(*args, **kwargs)
+
+    sub = real_new_group([0, 1])  # ranks 0 and 1 now hold one group more than the others
+    backend_name = {"name": "nccl"}
+    dist.new_group = new_group
+    dist.get_backend = lambda group=None: backend_name["name"]
+    try:
+        host = agreement.host_group(None)
+        assert host is not None and host is not dist.group.WORLD
+        assert made == [{"backend": "gloo"}], made  # made by every rank, not group-locally
+        t = torch.tensor([rank])
+        real_all_reduce = dist.all_reduce
+        real_all_reduce(t, group=host)
+        assert int(t) == sum(range(world))
+        assert agreement.host_group(None) is host and len(made) == 1  # made once
+        if rank < 2:
+            assert agreement.host_group(sub) is None and len(made) == 1
+            backend_name["name"] = "cpu:gloo,cuda:nccl"
+            assert agreement.host_group(sub) is sub and len(made) == 1
+    finally:
+        dist.new_group, dist.get_backend = real_new_group, real_get_backend
+    dist.barrier()
+    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import dilated
-from dilated.parallel.agreement import all_gather_text, group_device
+from dilated.parallel.agreement import all_gather_text, group_device, host_and_device_backend
 
 from .registry import Case, Implementation
 from .results import trusted, untrusted_reason
@@ -283,7 +283,9 @@ def run_scaling_sweep(sweep: ScalingSweep, opts: RunOptions, writer, script: str
     # the largest group first: then every rank has joined the same groups (in the same order) when
     # a subgroup sets up symmetric memory (see dilated.parallel.peer_copy.prepare)
     for p in sorted(world_sizes, reverse=True):
-        group = dist.new_group(list(range(p))) if p < world else None  # collective: every rank calls it
+        # collective: every rank calls it; with a gloo backend beside NCCL's, so that the modules'
+        # per-call agreement runs on the host (see dilated.parallel.agreement.host_group)
+        group = dist.new_group(list(range(p)), backend=host_and_device_backend()) if p < world else None
         jobs = []
         for impl in impls:
             for case in cases_for(p, impl):

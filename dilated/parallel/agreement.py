@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 import zlib
 from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 
-from .sharding import _world
+from .sharding import nccl_group, rank_and_size
 
 
 _AGREE_BYTES = 2048
@@ -39,7 +40,7 @@ class RankMismatchError(ValueError):
 def all_gather_text(group, text: str, device: torch.device) -> list[str]:
     """Every rank's ``text`` (at most ``_AGREE_BYTES`` bytes of UTF-8 each), in rank order: one
     all-gather of a small buffer and one host synchronisation."""
-    _, p = _world(group)
+    _, p = rank_and_size(group)
     payload = text.encode()[:_AGREE_BYTES]
     buf = torch.zeros(_AGREE_BYTES + 2, dtype=torch.uint8)
     buf[0], buf[1] = len(payload) // 256, len(payload) % 256
@@ -60,8 +61,7 @@ def all_gather_text(group, text: str, device: torch.device) -> list[str]:
 
 def group_device(group) -> torch.device:
     """Where ``group``'s collectives take tensors: this rank's GPU for NCCL, else the CPU."""
-    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if nccl_group(group) else torch.device("cpu")
 
 
 def check_ranks_agree(group, fields: dict, device: torch.device, what: str) -> None:
@@ -70,7 +70,7 @@ def check_ranks_agree(group, fields: dict, device: torch.device, what: str) -> N
     one host synchronisation: callers do it once per new input signature, not per step. A field
     ``"error"`` carries a rank's own validation failure, so that the others stop too instead of
     waiting for it in the next collective."""
-    rank, p = _world(group)
+    rank, p = rank_and_size(group)
     if p == 1:
         if "error" in fields:
             raise RankMismatchError(f"{what}: {fields['error']}")
@@ -121,30 +121,59 @@ class AgreedSignatures:
 
 
 _HOST_GROUPS: dict = {}  # ranks -> a gloo group of them (the per-call digest travels there)
+_DEVICE_CHECKED: set = set()  # groups told once that their per-call check waits for the GPU
 
 
-def _host_group(group):
-    """A group of ``group``'s ranks whose collectives run on the host (``group`` itself where it is
-    gloo; else a gloo group made once, by these ranks only), so that the per-call check makes no
-    GPU work and no host wait for the GPU."""
-    if dist.get_backend(group) == "gloo":
+def host_group(group):
+    """A group of ``group``'s ranks whose collectives of CPU tensors run on the host, so that the
+    per-call check makes no GPU work and no host wait for the GPU; ``None`` where none can be had.
+
+    ``group`` itself where it has a gloo backend (``"gloo"``, ``"cpu:gloo,cuda:nccl"``). For an NCCL
+    group of every rank of the world, a gloo group made once by all of them (every rank of the world
+    calls the module, so ``new_group``'s rule that every rank calls it in one order holds). An NCCL
+    group of some of the world's ranks gets ``None``: only its ranks call, and a gloo group made by
+    them alone (``use_local_synchronization``) is named after how many groups each rank has made, so
+    ranks that made different numbers of groups before would wait for each other forever. Such a
+    group made with ``backend="cpu:gloo,cuda:nccl"`` has its own host backend."""
+    if "gloo" in dist.get_backend(group):
         return group
-    # by its ranks: a gloo group made this way is named after them, so one serves every group of the
-    # same ranks (and a world torn down and made again gets new ones: the old group is no longer valid)
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    if len(ranks) < dist.get_world_size():
+        return None
     key = (dist.group.WORLD, ranks)  # the world object itself: a world made again is another key
     if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        _HOST_GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
     return _HOST_GROUPS[key]
+
+
+def host_and_device_backend() -> str | None:
+    """The backend to make a subgroup with so that :func:`host_group` finds a host backend in it:
+    ``"cpu:gloo,cuda:nccl"`` in an NCCL-only world, else ``None`` (the world's own)."""
+    return "cpu:gloo,cuda:nccl" if dist.get_backend() == "nccl" else None
 
 
 def _same_everywhere(group, key: str, known: bool) -> bool:
     """Whether every rank of ``group`` has this ``key`` and has agreed on it before: one all-reduce
-    of 24 bytes on the host group (the key's digest, its negation and a flag), made by every rank on
-    every call, so that the ranks take the same path whatever each has seen before."""
+    of 24 bytes (the key's digest, its negation and a flag), made by every rank on every call, so
+    that the ranks take the same path whatever each has seen before. On the host where the group
+    has a host group (:func:`host_group`); else on the GPU, whose result the host then waits for
+    (said once per group, with the fix)."""
     digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "big")  # < 2**56: an int64
     t = torch.tensor([digest, -digest, 0 if known else 1], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group(group))
+    host = host_group(group)
+    if host is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host)
+    else:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks not in _DEVICE_CHECKED:
+            _DEVICE_CHECKED.add(ranks)
+            warnings.warn(f"the process group of ranks {list(ranks)} is NCCL only and not the whole world: each "
+                          f"call's agreement check waits for the GPU; make the group with "
+                          f"dist.new_group(ranks, backend='cpu:gloo,cuda:nccl') to keep it on the host",
+                          stacklevel=4)
+        on_device = t.to(group_device(group))
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+        t = on_device.cpu()
     return int(t[0]) == digest and -int(t[1]) == digest and int(t[2]) == 0
 
 
@@ -161,7 +190,7 @@ def validate_on_all_ranks(group, checked: AgreedSignatures, what: str, validate)
     except (ValueError, TypeError, RuntimeError) as e:
         result, fields, err = None, {"error": f"{type(e).__name__}: {e}"}, e
     key = json.dumps(fields, sort_keys=True, default=str)
-    if _world(group)[1] > 1 and _same_everywhere(group, key, err is None and key in checked):
+    if rank_and_size(group)[1] > 1 and _same_everywhere(group, key, err is None and key in checked):
         return result
     try:
         check_ranks_agree(group, fields, group_device(group), what)

@@ -35,7 +35,7 @@ from .._checks import acc_dtype, check_causal, check_qkv, check_scale, check_sch
 from ..backends import get_backend
 from ..backends.graph_shapes import one_operation
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .sharding import CommStats
+from .sharding import CommStats, nccl_group
 from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
 from ..longnet.dilated_calls import backward_calls, forward_calls
 from ..longnet.pattern_cache import PatternCache
@@ -108,7 +108,7 @@ def _reduce_scatter_flat(parts, group, lens, me, stats):
     for dst, src in zip(padded, parts):
         dst[:, :src.shape[1]] = src
     with stats.waiting(parts[0].device):
-        if dist.get_backend(group) == "nccl":
+        if nccl_group(group):
             mine = torch.empty_like(padded[0])
             dist.reduce_scatter(mine, padded, group=group)
         else:  # gloo has no reduce_scatter

@@ -126,10 +126,17 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> tu
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _world(group):
+def rank_and_size(group) -> tuple[int, int]:
+    """This rank's index in ``group`` and the group's size; ``(0, 1)`` without a process group."""
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def nccl_group(group) -> bool:
+    """Whether ``group`` runs collectives of CUDA tensors on NCCL: a group of backend ``"nccl"``, or
+    of several backends one of which is NCCL (``"cpu:gloo,cuda:nccl"``)."""
+    return dist.is_initialized() and "nccl" in dist.get_backend(group)
 
 
 def _check_layout(layout, n, p):
@@ -150,7 +157,7 @@ def _check_document_layout(layout: DocumentLayout, n: int, p: int) -> None:
 
 def shard(x: torch.Tensor, group=None, layout: str | DocumentLayout = "contiguous", dim: int = 1) -> torch.Tensor:
     """This rank's part of the full tensor ``x`` along ``dim``."""
-    rank, p = _world(group)
+    rank, p = rank_and_size(group)
     if isinstance(layout, DocumentLayout):
         _check_document_layout(layout, x.shape[dim], p)
         return x.index_select(dim, layout.positions(rank, x.device)).contiguous()
@@ -172,7 +179,7 @@ def _check_same_shards(x: torch.Tensor, group, p: int) -> None:
         raise ValueError(f"unshard takes tensors of at most {_MAX_DIMS} dimensions, got {x.dim()}")
     code = zlib.crc32(str(x.dtype).encode())
     meta = torch.tensor([x.dim(), code, *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
+    if nccl_group(group):
         meta = meta.to(x.device)
     metas = [torch.empty_like(meta) for _ in range(p)]
     dist.all_gather(metas, meta, group=group)
@@ -187,7 +194,7 @@ def _check_same_shards(x: torch.Tensor, group, p: int) -> None:
 def unshard(x_local: torch.Tensor, group=None, layout: str | DocumentLayout = "contiguous",
             dim: int = 1) -> torch.Tensor:
     """All-gather the shards and put the full sequence back in order (differentiable is not needed here)."""
-    rank, p = _world(group)
+    rank, p = rank_and_size(group)
     if isinstance(layout, DocumentLayout):
         _check_document_layout(layout, x_local.shape[dim] * p, p)
         whole = x_local if p == 1 else None

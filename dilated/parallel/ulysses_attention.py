@@ -28,7 +28,7 @@ from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .document_groups import attend_by_document_groups, check_document_groups, document_groups_for
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
-from .sharding import CommStats, _world
+from .sharding import CommStats, rank_and_size
 from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
@@ -90,7 +90,7 @@ class UlyssesAttention(nn.Module):
 
     def _validate(self, q, k, v, cu_seqlens):
         check_qkv(q, k, v)
-        _, p = _world(self.group)
+        _, p = rank_and_size(self.group)
         docs = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q.shape[1] * p)
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")

@@ -117,6 +117,10 @@ def test_ring_copy_engine_pulls_match_send_recv_on_gpus():
     spawn(dist_worker.copy_engine_matches_p2p, args=(world, free_port()), nprocs=world)
 
 
+def test_host_groups_are_made_by_every_rank_of_the_world_and_never_by_a_subgroup_alone():
+    spawn(dist_worker.host_groups_never_wait_on_group_counts, args=(4, free_port()), nprocs=4)
+
+
 def test_ring_and_distributed_dilated_take_strided_shards():
     spawn(dist_worker.strided_inputs, args=(2, free_port()), nprocs=2)
 
