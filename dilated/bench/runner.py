@@ -437,6 +437,8 @@ class _RowRun:
         name += f"-B{cfg['batch']}-H{cfg['num_heads']}-D{cfg['head_dim']}-{cfg['dtype']}"
         if cfg.get("q_len"):
             name += f"-Nq{cfg['q_len']}"
+        if cfg.get("documents"):  # each document mix a trace of its own
+            name += f"-docs-{cfg['documents']}"
         if cfg.get("input_scale", 1.0) != 1.0:
             name += f"-x{cfg['input_scale']:g}"
         if dist.is_available() and dist.is_initialized():

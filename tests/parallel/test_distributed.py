@@ -216,11 +216,14 @@ def test_document_parallel_attention_matches_float64_per_document(world):
 def test_document_mixes_one_after_another_under_torchrun(tmp_path):
     """Several document mixes (draws #1, #2 of one distribution) are rows one after another; the
     rows of the strategies on the documents' layout (all-gather and ring) pass the float64 check and
-    their work is more even than zigzag's."""
+    their work is more even than zigzag's; each mix's profile is a trace of its own on every rank."""
     mixes = "lognormal:96,1.0#1;lognormal:96,1.0#2"
+    traces = tmp_path / "traces"
     rows, stdout = _torchrun("benchmarks/specialized/benchmark_ring_attention.py", 2, tmp_path, "--seq-lengths", "1024",
                              "--causal", "--mode", "fwd_bwd", "--doc-lengths", mixes,
-                             "--implementations", "documents,ring_documents,ring_zigzag")
+                             "--implementations", "documents,ring_documents,ring_zigzag", "--profile", str(traces))
+    ring_traces = sorted(p.name for p in traces.iterdir() if p.name.startswith("ring_documents-"))
+    assert len(ring_traces) == 4 and sum("rank0" in n for n in ring_traces) == 2, ring_traces  # 2 mixes x 2 ranks
     docs = [r for r in rows if r["implementation"] in ("documents", "ring_documents")]
     assert sorted(r["config"]["documents"] for r in docs) == sorted(mixes.split(";") * 2)
     from dilated.bench.documents import cu_seqlens_of
