@@ -218,7 +218,7 @@ def test_auto_takes_flash_attn_4s_varlen_entry_point_wherever_it_runs(monkeypatc
 
     real_reason = varlen.varlen_reason
     fa4_runs = [True]
-    monkeypatch.setattr(flash_attn_4, "_import", lambda: varlen_standins.FA4)
+    monkeypatch.setattr(flash_attn_4, "cute_interface", lambda: varlen_standins.FA4)
     monkeypatch.setattr(varlen, "dense_kernel", lambda q, k, v, backend, causal: "manual" if backend == "auto" else backend)
     monkeypatch.setattr(varlen, "varlen_reason", lambda q, k, v, backend, causal=False: (
         (None if fa4_runs[0] else "flash-attn 4 is not installed") if backend == "flash_attn_4"

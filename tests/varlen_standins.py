@@ -152,7 +152,7 @@ def install(monkeypatch_or_none, kernel: str, release: str = "new"):
     if kernel == "torch":
         patches.append((varlen, "torch_varlen_ops", lambda: TORCH_OPS[release]))
     else:
-        patches.append((flash_attn_4, "_import", lambda: FA4))
+        patches.append((flash_attn_4, "cute_interface", lambda: FA4))
     for module, name, value in patches:
         if monkeypatch_or_none is None:
             setattr(module, name, value)

@@ -36,7 +36,8 @@ from ._signature import call_by_name
 from .base import Backend, cuda_library_reason, head_dim_reason, needs_half
 
 
-def _import():
+def cute_interface():
+    """flash-attn 4's ``flash_attn.cute.interface`` module (ImportError where it is not installed)."""
     from flash_attn.cute import interface
 
     return interface
@@ -91,7 +92,7 @@ class FlashAttn4Backend(Backend):
         self._compiled: set = set()  # (device, dtype, head dims, heads per kv head, causal) whose variants ran
 
     def unavailable_reason(self, device):
-        return cuda_library_reason(device, "flash-attn 4 (flash_attn.cute)", _import)
+        return cuda_library_reason(device, "flash-attn 4 (flash_attn.cute)", cute_interface)
 
     def input_reason(self, q, k, causal):
         # its own check, an assertion: "head_dim and head_dim_v must be between 8 and 256 and divisible by 8"
@@ -104,7 +105,7 @@ class FlashAttn4Backend(Backend):
         return q.device.type == "cuda" and (q.shape[-1] * q.element_size()) % 16 == 0
 
     def forward(self, q, k, v, causal, scale):
-        fa4 = _import()
+        fa4 = cute_interface()
         out, lse = call_by_name(fa4._flash_attn_fwd, dict(
             q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True),
             required=("q", "k", "v", "softmax_scale", "causal", "return_lse"))[:2]
@@ -118,7 +119,7 @@ class FlashAttn4Backend(Backend):
         return padded_backward(run, dout.to(q.dtype), q, k, v, out.to(q.dtype))
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
-        fa4 = _import()
+        fa4 = cute_interface()
         dq, dk, dv = call_by_name(fa4._flash_attn_bwd, dict(
             q=q, k=k, v=v, out=out, dout=dout, lse=lse.contiguous(), softmax_scale=scale,
             causal=causal),
@@ -139,13 +140,13 @@ class FlashAttn4Backend(Backend):
         return None
 
     def block_sparse_forward(self, q, k, v, lists, scale):
-        fa4 = _import()
+        fa4 = cute_interface()
         out, lse = fa4._flash_attn_fwd(q=q, k=k, v=v, softmax_scale=scale, causal=False, return_lse=True,
                                        block_sparse_tensors=_block_sparse_tensors(lists))[:2]
         return out, lse.float()
 
     def block_sparse_backward(self, dout, q, k, v, out, lse, lists, scale):
-        fa4 = _import()
+        fa4 = cute_interface()
         dq, dk, dv = fa4._flash_attn_bwd(q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype),
                                          lse=lse.contiguous(), softmax_scale=scale, causal=False,
                                          block_sparse_tensors=_block_sparse_tensors(lists))[:3]

@@ -142,19 +142,20 @@ class FlashAttn4Varlen(VarlenKernel):
                     max_seqlen_k=bucketed_max_seqlen(call.max_k), softmax_scale=call.scale, causal=call.causal)
 
     def forward(self, q, k, v, call):
-        from .flash_attn_4 import _import
+        from .flash_attn_4 import cute_interface
 
-        out, lse = call_by_name(_import()._flash_attn_fwd, dict(self._args(call), q=q, k=k, v=v, return_lse=True),
+        fwd = cute_interface()._flash_attn_fwd
+        out, lse = call_by_name(fwd, dict(self._args(call), q=q, k=k, v=v, return_lse=True),
                                 required=("q", "k", "v", "cu_seqlens_q", "causal", "return_lse"))[:2]
         return out, _lse_rows_last(lse, q.shape[0], q.shape[1])
 
     def backward(self, dout, q, k, v, out, lse, call, dlse=None):
-        from .flash_attn_4 import _import, padded_backward
+        from .flash_attn_4 import cute_interface, padded_backward
 
         def run(dout, q, k, v, out):  # head dims padded as the dense backend's (flash_attn_4.py says why)
             args = dict(self._args(call), q=q, k=k, v=v, out=out.contiguous(), dout=dout.contiguous(),
                         lse=lse.contiguous(), dlse=None if dlse is None else dlse.contiguous())
-            return call_by_name(_import()._flash_attn_bwd, args,
+            return call_by_name(cute_interface()._flash_attn_bwd, args,
                                 required=("q", "k", "v", "out", "dout", "lse", "cu_seqlens_q", "causal", "dlse"))[:3]
 
         return padded_backward(run, dout.to(q.dtype), q, k, v, out.to(q.dtype))

@@ -99,9 +99,9 @@ class _FA4Module:
 
 
 ADAPTERS = {
-    "flash_attn": (fa2_mod, "FlashAttn2Backend", lambda: (fa2_flash_attn_func, fa2_backward)),
-    "flash_attn_3": (fa3_mod, "FlashAttn3Backend", lambda: _FA3Module),
-    "flash_attn_4": (fa4_mod, "FlashAttn4Backend", lambda: _FA4Module),
+    "flash_attn": (fa2_mod, "FlashAttn2Backend", lambda: (fa2_flash_attn_func, fa2_backward), "_import"),
+    "flash_attn_3": (fa3_mod, "FlashAttn3Backend", lambda: _FA3Module, "_import"),
+    "flash_attn_4": (fa4_mod, "FlashAttn4Backend", lambda: _FA4Module, "cute_interface"),
 }
 
 
@@ -109,8 +109,8 @@ ADAPTERS = {
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_adapter_forward_and_backward_against_float64(name, causal, hkv, monkeypatch, gen):
-    module, cls, standin = ADAPTERS[name]
-    monkeypatch.setattr(module, "_import", standin)
+    module, cls, standin, loader = ADAPTERS[name]
+    monkeypatch.setattr(module, loader, standin)
     backend = getattr(module, cls)()
     q = rand(2, 24, 4, 16, gen=gen)
     k, v = rand(2, 24, hkv, 16, gen=gen), rand(2, 24, hkv, 16, gen=gen)
@@ -126,7 +126,7 @@ def test_adapter_forward_and_backward_against_float64(name, causal, hkv, monkeyp
 
 
 def test_flash_attn_4_gets_out_and_dout_in_q_dtype(monkeypatch, gen):
-    monkeypatch.setattr(fa4_mod, "_import", lambda: _FA4Module)
+    monkeypatch.setattr(fa4_mod, "cute_interface", lambda: _FA4Module)
     q, k, v = (rand(1, 16, 2, 8, gen=gen) for _ in range(3))
     out, lse = fa4_mod.FlashAttn4Backend().forward(q, k, v, True, 0.35)
     dq, _, _ = fa4_mod.FlashAttn4Backend().backward(rand(1, 16, 2, 8, gen=gen, dtype=torch.float64), q, k, v,
@@ -146,7 +146,7 @@ def test_flash_attn_4_compiles_its_backward_variants_once_per_class(monkeypatch,
             rows.append((q.shape[1], q.shape[2] // k.shape[2], causal))
             return _FA4Module._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal)
 
-    monkeypatch.setattr(fa4_mod, "_import", lambda: Counting)
+    monkeypatch.setattr(fa4_mod, "cute_interface", lambda: Counting)
     backend = fa4_mod.FlashAttn4Backend()
     n = fa4_mod.VARIANT_ROWS[-1] + 1
     q, k, v = rand(1, n, 4, 8, gen=gen), rand(1, n, 2, 8, gen=gen), rand(1, n, 2, 8, gen=gen)
@@ -315,7 +315,7 @@ def test_flash_attn_4_backward_runs_at_head_dims_of_multiples_of_32(d, dv, monke
             assert q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0, "wrong gradients at these head dims"
             return _FA4Module._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal)
 
-    monkeypatch.setattr(fa4_mod, "_import", lambda: Hopper)
+    monkeypatch.setattr(fa4_mod, "cute_interface", lambda: Hopper)
     backend = fa4_mod.FlashAttn4Backend()
     q, k, v = rand(2, 24, 4, d, gen=gen), rand(2, 24, 2, d, gen=gen), rand(2, 24, 2, dv, gen=gen)
     out, lse = backend.forward(q, k, v, True, 0.3)
