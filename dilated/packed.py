@@ -27,6 +27,7 @@ import torch
 from .indexed_rows import place_rows_
 from ._transfer import host_values_on
 from .backends import get_backend
+from .backends.graph_shapes import build_at_first_call
 from .backends.kernel_log import note_kernel
 from .backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel
 from .dense import attention_backward, attention_forward
@@ -220,7 +221,8 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
         lse[:, :, pos] = l
     for length, count, pos, pad, real, at in _document_rows(calls, q.device):
         qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
-        o, l = attend(qg, kg, vg)
+        with build_at_first_call():  # a bounded set of shapes that new mixes meet again
+            o, l = attend(qg, kg, vg)
         h = l.shape[1]
         l = _real(l.reshape(b, count, h, length).transpose(1, 2).reshape(b, h, count * length), real, pad, 2)
         if out is None:  # every position is in one call: all of it is written
@@ -263,7 +265,9 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
                               for x in (dout, q, k, v, out))
         lg, dlg = (None if x is None else _gather(x, pos, pad, 2).reshape(b, h, count, length).transpose(1, 2)
                    .reshape(b * count, h, length).contiguous() for x in (lse, dlse))
-        call_grads = backward(dg, qg, kg, vg, og, lg) if dlg is None else backward(dg, qg, kg, vg, og, lg, dlse=dlg)
+        extra = {} if dlg is None else {"dlse": dlg}
+        with build_at_first_call():
+            call_grads = backward(dg, qg, kg, vg, og, lg, **extra)
         for i, (x, gi) in enumerate(zip((q, k, v), call_grads)):
             if grads[i] is None:  # every position is in one call: all of it is written
                 grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)

@@ -24,6 +24,12 @@ its calls there take the kernel its first one took.
 
 ``DILATED_CUDNN_BUILD_AFTER`` sets ``build_after`` (default 2; 1: a shape's first call builds,
 as torch does; calls under :func:`no_build` still take the flash kernel).
+
+Calls inside :func:`build_at_first_call` build at a shape's first call whatever ``build_after``:
+packed documents' batched calls (:func:`dilated.packed.documents_forward`), whose shapes (a
+bucket length and a power-of-two count of documents) are a bounded set that every new document
+mix draws from again, so a graph built at once serves the mixes that follow, where a first call
+on the flash kernel costs every new mix that meets a new shape.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ def build_after_from_env() -> int:
 
 _OPERATION: contextvars.ContextVar = contextvars.ContextVar("dilated_operation", default=None)
 _NO_BUILD: contextvars.ContextVar = contextvars.ContextVar("dilated_no_build", default=False)
+_AT_FIRST_CALL: contextvars.ContextVar = contextvars.ContextVar("dilated_build_at_first_call", default=False)
 
 
 @contextlib.contextmanager
@@ -56,6 +63,21 @@ def no_build(active: bool = True):
     finally:
         if token is not None:
             _NO_BUILD.reset(token)
+
+
+@contextlib.contextmanager
+def build_at_first_call():
+    """The kernel calls inside build a shape's graph at its first call (``build_after`` 1)."""
+    token = _AT_FIRST_CALL.set(True)
+    try:
+        yield
+    finally:
+        _AT_FIRST_CALL.reset(token)
+
+
+def building_at_first_call() -> bool:
+    """Whether this call is inside :func:`build_at_first_call`."""
+    return _AT_FIRST_CALL.get()
 
 
 class one_operation(contextlib.ContextDecorator):
@@ -81,13 +103,13 @@ class GraphShapes:
 
     def __init__(self, build_after: int | None = None):
         self.build_after = build_after
-        self._seen: dict = {}  # key -> (operations, the last of them)
+        self._seen: dict = {}  # key -> (operations, the last of them, built)
 
     def build(self, key) -> bool:
         if self.build_after is None:
             self.build_after = build_after_from_env()
-        n, last = self._seen.get(key, (0, None))
-        if n >= self.build_after:  # built: no more counting
+        n, last, built = self._seen.get(key, (0, None, False))
+        if built:  # no more counting
             return True
         if _NO_BUILD.get():
             return False
@@ -96,8 +118,9 @@ class GraphShapes:
             return False
         if len(self._seen) >= _MAX_SHAPES:
             self._seen.clear()
-        self._seen[key] = (n + 1, operation)
-        return n + 1 >= self.build_after
+        built = n + 1 >= (1 if _AT_FIRST_CALL.get() else self.build_after)
+        self._seen[key] = (n + 1, operation, built)
+        return built
 
 
 def shape_key(tensors, *flags) -> tuple:

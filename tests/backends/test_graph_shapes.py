@@ -6,7 +6,8 @@ import torch
 
 import dilated
 from dilated.backends import get_backend, record_kernels
-from dilated.backends.graph_shapes import ENV, GraphShapes, build_after_from_env, no_build, one_operation, shape_key
+from dilated.backends.graph_shapes import (ENV, GraphShapes, build_after_from_env, build_at_first_call,
+                                          building_at_first_call, no_build, one_operation, shape_key)
 from dilated.reference import dilated_reference
 
 from conftest import TOL, rand, rel_err
@@ -132,3 +133,45 @@ def test_gpu_cudnn_first_calls_run_flash_then_build(name, n, causal, gen, monkey
         assert second["flash"] == second["flash_bwd"] > 0 and second["flash"] + second["cudnn"] == first["flash"]
     else:
         assert set(second) == {"cudnn", "cudnn_bwd"} and ran[1] == {"sdpa_cudnn"}
+
+
+def test_calls_that_build_at_their_first_call():
+    """Inside build_at_first_call a new shape builds at once (packed documents' batched calls);
+    outside, the same object counts to build_after; a shape built inside stays built."""
+    shapes = GraphShapes(3)
+    with build_at_first_call():
+        assert building_at_first_call()
+        assert shapes.build("a") and shapes.build("a")
+    assert not building_at_first_call()
+    assert shapes.build("a")  # built inside: built outside too
+    assert [shapes.build("b") for _ in range(3)] == [False, False, True]
+    assert not shapes.build("c")  # once outside (the flash kernel) ...
+    with build_at_first_call():
+        assert shapes.build("c")  # ... then inside: builds now
+    with no_build(), build_at_first_call():
+        assert not shapes.build("d")  # no_build still wins over a shape not built
+
+
+def test_packed_documents_batched_calls_build_at_their_first_call():
+    """dilated.packed's batched calls run inside build_at_first_call, forward and backward; a single
+    document (one dense call) does not."""
+    from dilated.packed import documents_backward, documents_forward
+
+    seen = []
+
+    def attend(q, k, v):
+        seen.append(("fwd", building_at_first_call()))
+        return q.clone(), q.new_zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def backward(dout, q, k, v, out, lse):
+        seen.append(("bwd", building_at_first_call()))
+        return q.clone(), k.clone(), v.clone()
+
+    q = torch.randn(1, 64, 2, 8)
+    cu = [0, 10, 30, 64]
+    out, lse = documents_forward(q, q, q, cu, attend, True)
+    documents_backward((q, q, q, q, out, lse), cu, backward, True)
+    assert seen and all(inside for _, inside in seen) and {"fwd", "bwd"} == {d for d, _ in seen}
+    seen.clear()
+    documents_forward(q, q, q, [0, 64], attend, True)
+    assert seen == [("fwd", False)]
