@@ -122,9 +122,11 @@ class KernelModel:
             # that has two), but no call takes longer than the least-work one
             two = by_len[n] if len(pts) > 1 else by_len[min((m for m in lengths if len(by_len[m]) > 1),
                                                             key=lambda m: abs(math.log(m / n)), default=n)]
-            if len(two) < 2:
+            (a0, b0) = two[0]
+            more = [pt for pt in two[1:] if pt[0] > a0]  # calls of as little work tell no slope
+            if not more:
                 return r0
-            (a0, b0), (a1, b1) = two[0], two[1]
+            (a1, b1) = more[0]
             slope = (b1 - b0) / math.log(a1 / a0)
             return max(r0 + slope * math.log(work / w0), r0 * work / w0)
         return log_interp(length, lengths, [at(n) for n in lengths])

@@ -122,3 +122,17 @@ def test_torchs_varlen_kernel_named_by_an_auto_calibration_leaves_documents_in_b
     want = _varlen_want([b - a for a, b in zip(cu, cu[1:])], 32, False, "fwd")
     assert named.documents_ms(cu, 1, 32, 8, 128, False, "fwd") == pytest.approx(want, rel=1e-9)
 
+
+
+def test_calls_of_less_work_than_calibrated_with_a_tie_among_the_least_work_points():
+    """Two head shapes of one GQA ratio whose least-work calls at a length do the same work (32/8 at
+    batch 1, 8/2 at batch 4) tell no slope between them: a call of less work takes the slope from
+    the next point of more work, not a division by zero."""
+    from dilated.bench.planner.calibration import KernelPoint
+
+    cal = calibration()
+    n = 4096
+    extra = [KernelPoint(8, 2, 128, True, "fwd", n, 4, true_ms(4, n, n, 8, 128, True, "fwd"))]
+    cal.kernels = extra + cal.kernels
+    ms = KernelModel(cal).call_ms(n, n, 1, 4, 1, 128, True, "fwd")  # a quarter of the least work at 4K
+    assert 0 < ms < KernelModel(cal).call_ms(n, n, 1, 32, 8, 128, True, "fwd")
