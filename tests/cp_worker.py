@@ -423,7 +423,7 @@ def ulysses_document_groups(rank, world):
         assert len(groups) == 3 and sorted(d for g in groups for d in g) == list(range(len(cu) - 1)), groups
         for h, hkv in ((4 * world, 2 * world), (2 * world, 1)):
             q, k, v = _full(31 + hkv, n, h, hkv)
-            module = dilated.UlyssesAttention(causal=causal, backend="manual", document_groups="auto")
+            module = dilated.UlyssesAttention(causal=causal, backend="manual", document_groups="always")
             dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
             ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
             module.stats.reset()
@@ -432,6 +432,20 @@ def ulysses_document_groups(rank, world):
             out.backward(module.shard(dout))
             _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
                                   f"ulysses document groups P={world} causal={causal} H={h}/{hkv}")
+    # "auto": groups only where they make about one exchange's kernel calls; these tiny documents make
+    # one varlen-sized call in one exchange and one per group in groups, so none, unless the share allows it
+    from dilated.parallel import document_groups as dg
+
+    q, k, v = _full(7, n, 2 * world, 2 * world, b=1)
+    cu_t = torch.tensor(mixes[0], dtype=torch.int32)
+    for share, collectives in ((dg.CALLS_SHARE, 4), (10.0, 4 * len(document_groups_for(mixes[0])))):
+        dg.CALLS_SHARE, before = share, dg.CALLS_SHARE
+        try:
+            module = dilated.UlyssesAttention(causal=True, backend="manual", document_groups="auto")
+            module(*(module.shard(t) for t in (q, k, v)), cu_seqlens=cu_t)
+            assert module.stats.collectives == collectives, (share, module.stats.as_dict())
+        finally:
+            dg.CALLS_SHARE = before
     # a wrong grouping (a document attended in no group) gives rows that no group wrote
     from dilated.parallel.document_groups import attend_by_document_groups
     from dilated.parallel.sharding import CommStats
@@ -452,7 +466,9 @@ def ulysses_document_groups(rank, world):
         assert _rel(got[:, mine[0]], ref[:, mine[0]]) > 1e-3, "a document in no group came out right"
     # bad values name the argument; head groups and document groups are one or the other
     for kw, says in (({"document_groups": 3}, "document_groups must be"),
-                     ({"document_groups": "auto", "head_groups": 2}, "give one of them")):
+                     ({"document_groups": True}, "document_groups must be"),
+                     ({"document_groups": "auto", "head_groups": 2}, "give one of them"),
+                     ({"document_groups": "always", "head_groups": 2}, "give one of them")):
         try:
             dilated.UlyssesAttention(**kw)
         except ValueError as e:

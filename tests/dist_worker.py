@@ -404,7 +404,7 @@ def steady_calls_do_not_sync(rank, world, port):
                 dilated.RingAttention(causal=causal, layout=layout, transport=transport), True)
                for layout in ("contiguous", "zigzag") for transport in ("copy_engine", "p2p") for causal in (False, True)]
     modules += [(f"ulysses causal={causal}", dilated.UlyssesAttention(causal=causal), True) for causal in (False, True)]
-    modules += [("ulysses document groups", dilated.UlyssesAttention(causal=True, document_groups="auto"), True)]
+    modules += [("ulysses document groups", dilated.UlyssesAttention(causal=True, document_groups="always"), True)]
     modules += [(f"hybrid {u}x{world // u}", dilated.HybridAttention(u, world // u, causal=True), True)
                 for u in (1, world)]
     modules += [("distributed dilated", dilated.DistributedDilatedAttention([512, 1024, 2048], [1, 2, 4]), False)]

@@ -86,8 +86,8 @@ RING_IMPLEMENTATIONS = {
     **{name: _ulysses_impl(name, groups) for name, groups in ULYSSES_HEAD_GROUPS.items()},
     "ulysses_document_groups": _make(
         "ulysses_document_groups", "dense", "contiguous",
-        lambda c, b, g: dilated.UlyssesAttention(causal=c.causal, backend=b, group=g, document_groups="auto"),
-        "UlyssesAttention, document_groups='auto': on packed documents, the all-to-alls pipelined with attention by "
+        lambda c, b, g: dilated.UlyssesAttention(causal=c.causal, backend=b, group=g, document_groups="always"),
+        "UlyssesAttention, document_groups='always': on packed documents, the all-to-alls pipelined with attention by "
         "groups of documents (the longest first, the next longest last)", splits_heads=True),
     "documents": _make("documents", "dense", "documents",
                        lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b, group=g),

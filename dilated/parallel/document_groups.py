@@ -16,22 +16,24 @@ next longest as many last (their attention hides the middle group's output), the
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..packed import document_calls, split_small_calls
 from .all_to_all import AllToAll
 from .document_layout import ranges_to_positions
 from .sharding import CommStats
 
 
 def check_document_groups(document_groups) -> None:
-    """``document_groups`` is ``"auto"`` or 1."""
-    if document_groups not in ("auto", 1) or isinstance(document_groups, bool):
-        raise ValueError(f"document_groups must be 'auto' (pipelined by groups of packed documents) or 1, "
-                         f"got {document_groups!r}")
+    """``document_groups`` is 1, ``"auto"`` or ``"always"``."""
+    if document_groups not in (1, "auto", "always") or isinstance(document_groups, bool):
+        raise ValueError(f"document_groups must be 1 (one exchange), 'auto' (by groups of packed documents where "
+                         f"that makes about the kernel calls of one exchange) or 'always', got {document_groups!r}")
 
 
 #: the first and the last group each take the longest documents up to about this share of the rows
@@ -52,6 +54,31 @@ def document_groups_for(cu: list[int]) -> list[list[int]]:
             at += 1
         edges.append(sorted(group))
     return [g for g in (edges[0], sorted(longest[at:]), edges[1]) if g]
+
+
+#: ``"auto"`` takes the groups where they make at most this many times one exchange's kernel calls
+CALLS_SHARE = 1.25
+
+
+def groups_that_pay(cu: list[int], heads: int, head_dim: int, causal: bool, one_call: bool) -> list[list[int]] | None:
+    """:func:`document_groups_for` where it pays (``document_groups="auto"``), else None. A group's
+    documents attend in calls of their own, so the groups pay where they make about the kernel calls
+    of one exchange: not where the documents run in one varlen call (``one_call``: one call per
+    group instead), nor where they make more than :data:`CALLS_SHARE` times the batched calls of one
+    exchange (documents of one length: one batched call becomes one per group). ``heads``: this
+    rank's query heads after the exchange."""
+    groups = document_groups_for(cu)
+    if one_call or len(groups) < 2:
+        return None
+
+    def calls(lengths):
+        big, small = split_small_calls(document_calls([0, *itertools.accumulate(lengths)], causal), heads,
+                                       head_dim, causal)
+        return len(big) + bool(small)
+
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    grouped = sum(calls([lengths[d] for d in g]) for g in groups)
+    return groups if grouped <= CALLS_SHARE * calls(lengths) else None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from torch import nn
 
 from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .document_groups import attend_by_document_groups, check_document_groups, document_groups_for
+from .document_groups import (attend_by_document_groups, check_document_groups, document_groups_for,
+                              groups_that_pay)
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, rank_and_size
 from ..functional import attention
@@ -65,10 +66,13 @@ class UlyssesAttention(nn.Module):
             overlapping the others' attention (:mod:`dilated.parallel.head_groups`); ``1``: one
             exchange per tensor, nothing overlapped; ``"auto"``: two where packed documents run in one
             varlen kernel call per group, else one (:func:`~dilated.parallel.head_groups.head_groups_for`).
-        document_groups: with packed documents, ``"auto"`` pipelines the all-to-alls with attention by
-            groups of documents instead (:mod:`dilated.parallel.document_groups`: the longest documents
-            first, the next longest last, the rest between, each group on all of this rank's heads);
-            ``1`` (default): not. Not combined with ``head_groups`` above 1.
+        document_groups: with packed documents, ``"always"`` pipelines the all-to-alls with attention
+            by groups of documents instead (:mod:`dilated.parallel.document_groups`: the longest
+            documents first, the next longest last, the rest between, each group on all of this rank's
+            heads); ``"auto"``: only where the groups make about the kernel calls of one exchange (not
+            on one varlen call, nor on documents of one length:
+            :func:`~dilated.parallel.document_groups.groups_that_pay`); ``1`` (default): not. Not
+            combined with ``head_groups`` above 1.
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
     """
@@ -80,9 +84,10 @@ class UlyssesAttention(nn.Module):
         check_scale(scale)
         check_head_groups(head_groups)
         check_document_groups(document_groups)
-        if document_groups == "auto" and head_groups not in ("auto", 1):
-            raise ValueError(f"document_groups='auto' pipelines by documents, head_groups={head_groups!r} by heads: "
-                             "give one of them (head_groups='auto' or 1 with document_groups='auto')")
+        if document_groups != 1 and head_groups not in ("auto", 1):
+            raise ValueError(f"document_groups={document_groups!r} pipelines by documents, head_groups={head_groups!r} "
+                             f"by heads: give one of them (head_groups='auto' or 1 with document_groups="
+                             f"{document_groups!r})")
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
         self.head_groups, self.document_groups = head_groups, document_groups
         self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
@@ -101,11 +106,13 @@ class UlyssesAttention(nn.Module):
         scale = default_scale(q.shape[-1], self.scale)
         qh, kh, vh = q[:, :, :q.shape[2] // p], k[:, :, :hkv // p], v[:, :, :hkv // p]
         get_backend(self.backend, qh, kh, self.causal, v=vh)
+        one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
         by_docs = None
-        if docs is not None and self.document_groups == "auto":
+        if docs is not None and self.document_groups == "always":
             by_docs = document_groups_for(docs)
             by_docs = by_docs if len(by_docs) > 1 else None
-        one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
+        elif docs is not None and self.document_groups == "auto":
+            by_docs = groups_that_pay(docs, qh.shape[2], q.shape[3], self.causal, one_call)
         groups = 1 if by_docs else head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
         return (hkv, groups, scale, docs, by_docs), signature(q, k, v, causal=self.causal, scale=scale,
                                                               algorithm="ulysses", documents=docs, head_groups=groups,

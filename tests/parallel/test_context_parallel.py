@@ -272,3 +272,22 @@ def test_hybrid_on_the_document_layout_work_by_hand():
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ulysses_by_groups_of_documents_is_exact(world):
     spawn(cp_worker.ulysses_document_groups, args=(world, free_port()), nprocs=world)
+
+
+@pytest.mark.parametrize("spec, n, one_call, grouped", [
+    ("lognormal:8k,1.0", 1 << 18, False, True),   # documents of many lengths: about one exchange's calls
+    ("lognormal:8k,1.0", 1 << 20, False, True),
+    ("fixed:8k", 1 << 18, False, False),          # one batched call would become one per group
+    ("fixed:32k", 1 << 20, False, False),
+    ("lognormal:8k,1.0", 1 << 18, True, False),   # one varlen call would become one per group
+])
+def test_document_groups_auto_takes_groups_only_where_the_calls_stay_about_the_same(spec, n, one_call, grouped):
+    """``document_groups="auto"`` on the mixes measured both ways (Llama-3-8B heads at P=4: 8 query
+    heads a rank after the exchange): groups on the documents of many lengths in batched calls, one
+    exchange on documents of one length or where one varlen call serves them all."""
+    from dilated.bench.documents import cu_seqlens_of
+    from dilated.parallel.document_groups import document_groups_for, groups_that_pay
+
+    cu = cu_seqlens_of(spec, n)
+    got = groups_that_pay(cu, 8, 128, True, one_call)
+    assert got == (document_groups_for(cu) if grouped else None)
