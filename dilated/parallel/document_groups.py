@@ -60,15 +60,23 @@ def document_groups_for(cu: list[int]) -> list[list[int]]:
 CALLS_SHARE = 1.25
 
 
-def groups_that_pay(cu: list[int], heads: int, head_dim: int, causal: bool, one_call: bool) -> list[list[int]] | None:
-    """:func:`document_groups_for` where it pays (``document_groups="auto"``), else None. A group's
-    documents attend in calls of their own, so the groups pay where they make about the kernel calls
-    of one exchange: not where the documents run in one varlen call (``one_call``: one call per
-    group instead), nor where they make more than :data:`CALLS_SHARE` times the batched calls of one
-    exchange (documents of one length: one batched call becomes one per group). ``heads``: this
-    rank's query heads after the exchange."""
+def groups_to_use(setting, cu: list[int], heads: int, head_dim: int, causal: bool,
+                  one_call: bool) -> list[list[int]] | None:
+    """The groups a ``document_groups=setting`` call pipelines by (None: one exchange). ``"always"``:
+    :func:`document_groups_for` wherever it makes two groups or more. ``"auto"``: only where they
+    pay. A group's documents attend in calls of their own, so the groups pay where they make about
+    the kernel calls of one exchange: not where the documents run in one varlen call (``one_call``:
+    one call per group instead), nor where they make more than :data:`CALLS_SHARE` times the batched
+    calls of one exchange (documents of one length: one batched call becomes one per group).
+    ``heads``: this rank's query heads after the exchange."""
+    if setting == 1:
+        return None
     groups = document_groups_for(cu)
-    if one_call or len(groups) < 2:
+    if len(groups) < 2:
+        return None
+    if setting == "always":
+        return groups
+    if one_call:
         return None
 
     def calls(lengths):

@@ -26,8 +26,7 @@ from torch import nn
 
 from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .document_groups import (attend_by_document_groups, check_document_groups, document_groups_for,
-                              groups_that_pay)
+from .document_groups import attend_by_document_groups, check_document_groups, groups_to_use
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, rank_and_size
 from ..functional import attention
@@ -71,7 +70,7 @@ class UlyssesAttention(nn.Module):
             documents first, the next longest last, the rest between, each group on all of this rank's
             heads); ``"auto"``: only where the groups make about the kernel calls of one exchange (not
             on one varlen call, nor on documents of one length:
-            :func:`~dilated.parallel.document_groups.groups_that_pay`); ``1`` (default): not. Not
+            :func:`~dilated.parallel.document_groups.groups_to_use`); ``1`` (default): not. Not
             combined with ``head_groups`` above 1.
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
@@ -107,12 +106,8 @@ class UlyssesAttention(nn.Module):
         qh, kh, vh = q[:, :, :q.shape[2] // p], k[:, :, :hkv // p], v[:, :, :hkv // p]
         get_backend(self.backend, qh, kh, self.causal, v=vh)
         one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
-        by_docs = None
-        if docs is not None and self.document_groups == "always":
-            by_docs = document_groups_for(docs)
-            by_docs = by_docs if len(by_docs) > 1 else None
-        elif docs is not None and self.document_groups == "auto":
-            by_docs = groups_that_pay(docs, qh.shape[2], q.shape[3], self.causal, one_call)
+        by_docs = None if docs is None else groups_to_use(self.document_groups, docs, qh.shape[2], q.shape[3],
+                                                          self.causal, one_call)
         groups = 1 if by_docs else head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
         return (hkv, groups, scale, docs, by_docs), signature(q, k, v, causal=self.causal, scale=scale,
                                                               algorithm="ulysses", documents=docs, head_groups=groups,

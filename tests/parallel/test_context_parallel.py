@@ -286,8 +286,9 @@ def test_document_groups_auto_takes_groups_only_where_the_calls_stay_about_the_s
     heads a rank after the exchange): groups on the documents of many lengths in batched calls, one
     exchange on documents of one length or where one varlen call serves them all."""
     from dilated.bench.documents import cu_seqlens_of
-    from dilated.parallel.document_groups import document_groups_for, groups_that_pay
+    from dilated.parallel.document_groups import document_groups_for, groups_to_use
 
     cu = cu_seqlens_of(spec, n)
-    got = groups_that_pay(cu, 8, 128, True, one_call)
-    assert got == (document_groups_for(cu) if grouped else None)
+    assert groups_to_use("auto", cu, 8, 128, True, one_call) == (document_groups_for(cu) if grouped else None)
+    assert groups_to_use("always", cu, 8, 128, True, one_call) == document_groups_for(cu)
+    assert groups_to_use(1, cu, 8, 128, True, one_call) is None
