@@ -407,6 +407,72 @@ def decode(rank, world, seed):
 
 
 @worker
+def ulysses_local_documents(rank, world):
+    """Ulysses with documents that lie whole within one rank's shard attended there: exact against
+    every document alone in float64, forward and gradients, GQA split or replicated, batch 2; documents
+    of one length on the shards' boundaries move nothing; with a document across each boundary only
+    those cross (one exchange of q, k, v and one of the output), the others stay; "auto" exchanges
+    every document where keeping them would leave the ranks' work uneven."""
+    n = 16 * world
+    aligned = list(range(0, n * world + 1, 4))  # documents of 4 rows, shards of 16
+    # one document across each boundary; the local ones between (3 + 2 + 3 + ... rows)
+    crossing = [0, 3, 5, *[x for r in range(1, world) for x in (r * n - 3, r * n + 3, r * n + 5)], n * world]
+    for causal, cu, setting, collectives in ((True, aligned, "auto", 0), (False, aligned, "always", 0),
+                                             (True, crossing, "always", 4), (False, crossing, "always", 4)):
+        for h, hkv in ((2 * world, world), (2 * world, 1)):
+            q, k, v = _full(41 + hkv, n * world, h, hkv)
+            module = dilated.UlyssesAttention(causal=causal, backend="manual", local_documents=setting)
+            dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+            ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
+            module.stats.reset()
+            out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+            assert module.stats.collectives == collectives, (cu, module.stats.as_dict())
+            out.backward(module.shard(dout))
+            _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
+                                  f"ulysses local documents P={world} causal={causal} H={h}/{hkv} {cu}")
+    # uneven: one rank's shard holds a long document, the others short ones: "auto" exchanges them all
+    uneven = [0, n, *range(n + 2, n * world + 1, 2)]
+    q, k, v = _full(9, n * world, world, world, b=1)
+    for setting, collectives in (("auto", 4), ("always", 0), (False, 4)):
+        module = dilated.UlyssesAttention(causal=True, backend="manual", local_documents=setting,
+                                          document_groups=1, head_groups=1)
+        out = module(*(module.shard(t) for t in (q, k, v)), cu_seqlens=torch.tensor(uneven, dtype=torch.int32))
+        assert module.stats.collectives == collectives, (setting, module.stats.as_dict())
+        assert _rel(module.unshard(out), _per_document(q, k, v, uneven, True)) < 1e-9, setting
+    if world == 4:  # the hybrid on the documents' layout: where every document is whole in a rank's part
+        _hybrid_local_documents(n)
+    for bad in (True, 1, "sometimes"):
+        try:
+            dilated.UlyssesAttention(local_documents=bad)
+        except ValueError as e:
+            assert "local_documents must be" in str(e), str(e)
+        else:
+            raise AssertionError(f"local_documents={bad!r} was accepted")
+
+
+def _hybrid_local_documents(n):
+    """HybridAttention(2, 2, layout="documents"): documents of one length, whole in each rank's part,
+    attended there (nothing sent); a document across two ranks' parts makes every document go the
+    usual way; exact against every document alone, forward and gradients."""
+    whole = list(range(0, 4 * n + 1, 4))
+    across = [0, n // 2 + 1, *range(n // 2 + 4, 4 * n + 1, 4)]
+    for cu, setting, moves in ((whole, "auto", False), (whole, False, True), (across, "always", True)):
+        for causal in (True, False):
+            module = dilated.HybridAttention(2, 2, causal=causal, layout="documents", backend="manual",
+                                             local_documents=setting)
+            layout = module.document_layout(cu)
+            q, k, v = _full(17, 4 * n, 4, 2)
+            dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=q.dtype)
+            ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
+            module.stats.reset()
+            out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+            assert (module.stats.bytes_sent > 0) == moves, (cu, setting, module.stats.as_dict())
+            out.backward(module.shard(dout))
+            _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
+                                  f"hybrid local documents causal={causal} {setting} {cu}")
+
+
+@worker
 def ulysses_document_groups(rank, world):
     """Ulysses pipelined by groups of packed documents: exact against every document alone in float64,
     forward and gradients, GQA split or replicated, batch 2, documents inside one shard and across
@@ -423,7 +489,8 @@ def ulysses_document_groups(rank, world):
         assert len(groups) == 3 and sorted(d for g in groups for d in g) == list(range(len(cu) - 1)), groups
         for h, hkv in ((4 * world, 2 * world), (2 * world, 1)):
             q, k, v = _full(31 + hkv, n, h, hkv)
-            module = dilated.UlyssesAttention(causal=causal, backend="manual", document_groups="always")
+            module = dilated.UlyssesAttention(causal=causal, backend="manual", document_groups="always",
+                                              local_documents=False)
             dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
             ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
             module.stats.reset()
@@ -441,7 +508,8 @@ def ulysses_document_groups(rank, world):
     for share, collectives in ((dg.CALLS_SHARE, 4), (10.0, 4 * len(document_groups_for(mixes[0])))):
         dg.CALLS_SHARE, before = share, dg.CALLS_SHARE
         try:
-            module = dilated.UlyssesAttention(causal=True, backend="manual", document_groups="auto")
+            module = dilated.UlyssesAttention(causal=True, backend="manual", document_groups="auto",
+                                              local_documents=False)
             module(*(module.shard(t) for t in (q, k, v)), cu_seqlens=cu_t)
             assert module.stats.collectives == collectives, (share, module.stats.as_dict())
         finally:

@@ -30,7 +30,7 @@ from dilated.parallel.agreement import all_gather_text, group_device, host_and_d
 
 from .registry import Case, Implementation
 from .results import trusted, untrusted_reason
-from .workload import (WithDocuments, document_layout_work, grid_work_per_rank, imbalance, ulysses_size_for,
+from .workload import (WithDocuments, document_layout_work, grid_work_per_rank, imbalance, kept_local, ulysses_size_for,
                        work_per_rank)
 from .runner import RunOptions, run_sweep
 
@@ -133,6 +133,7 @@ class DistributedImplementation(Implementation):
     factory: object = None  # factory(case, backend, group) -> module
     takes_documents: bool = False  # forward(q, k, v, cu_seqlens=...)
     splits_heads: bool = False  # each rank computes every query for a share of the heads (Ulysses)
+    local_documents: object = False  # the module's local_documents (dilated.parallel.local_documents)
 
     def __post_init__(self):
         super().__post_init__()
@@ -185,6 +186,9 @@ class DistributedImplementation(Implementation):
         query), or None where not known."""
         if self.problem.name != "dense":
             return None
+        kept = kept_local(case, p, self.layout, self.local_documents)
+        if kept is not None:  # documents attended where they lie, the others by heads
+            return list(kept.work)
         if self.splits_heads:  # every rank: all queries, H/P heads
             return [work_per_rank(case, 1, "contiguous")[0] / p] * p
         if self.layout == "documents":  # the queries DocumentLayout gives each rank

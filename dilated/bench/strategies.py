@@ -23,48 +23,63 @@ def _distributed_dilated(case, backend, group):
                                                backend=backend, group=group)
 
 
-def _make(name, problem, layout, factory, description, documents=True, splits_heads=False):
+def _make(name, problem, layout, factory, description, documents=True, splits_heads=False, local=False):
     return DistributedImplementation(name, problem, None, description, layout=layout, factory=factory,
-                                     takes_documents=documents, splits_heads=splits_heads)
+                                     takes_documents=documents, splits_heads=splits_heads, local_documents=local)
 
 
 #: Ulysses' benchmark names and the head groups each runs (:mod:`dilated.parallel.head_groups`)
-ULYSSES_HEAD_GROUPS = {"ulysses": "auto", "ulysses_no_overlap": 1, "ulysses_head_groups_2": 2,
-                       "ulysses_head_groups_4": 4, "ulysses_head_groups_8": 8}
+ULYSSES_HEAD_GROUPS = {"ulysses": "auto", "ulysses_exchange_all": "auto", "ulysses_no_overlap": 1,
+                       "ulysses_head_groups_2": 2, "ulysses_head_groups_4": 4, "ulysses_head_groups_8": 8}
 #: the hybrid's benchmark names and the head groups each runs
 HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_head_groups_2": 2, "hybrid_head_groups_4": 4,
-                      "hybrid_documents": "auto", "hybrid_documents_no_overlap": 1,
-                      "hybrid_documents_head_groups_2": 2, "hybrid_documents_head_groups_4": 4}
+                      "hybrid_documents": "auto", "hybrid_documents_exchange_all": "auto",
+                      "hybrid_documents_no_overlap": 1, "hybrid_documents_head_groups_2": 2,
+                      "hybrid_documents_head_groups_4": 4}
+#: the Ulysses and hybrid names that run the modules' default ``local_documents="auto"`` (packed
+#: documents whole within a rank attended there: :mod:`dilated.parallel.local_documents`); the other
+#: names measure their exchanges' schedule on every document (``local_documents=False``)
+LOCAL_DOCUMENTS = {"ulysses", "hybrid_documents"}
 
 
-def _ulysses(case, backend, group, head_groups="auto"):
-    return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group, head_groups=head_groups)
+def local_documents_of(name: str):
+    """The ``local_documents`` setting the benchmark's Ulysses or hybrid ``name`` runs."""
+    return "auto" if name in LOCAL_DOCUMENTS else False
 
 
-def _hybrid(case, backend, group, layout="zigzag", head_groups="auto"):
+def _ulysses(case, backend, group, head_groups="auto", local="auto"):
+    return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group, head_groups=head_groups,
+                                    local_documents=local)
+
+
+def _hybrid(case, backend, group, layout="zigzag", head_groups="auto", local="auto"):
     p = dist.get_world_size(group)
     ulysses = ulysses_size_for(p, case.num_heads)
     if ulysses is None:
         raise NotImplementedError(f"a Ulysses x ring grid needs 2 or more ranks in both directions: {p} ranks with "
                                   f"{case.num_heads} heads have none (launch 4 or more ranks)")
     return dilated.HybridAttention(ulysses, p // ulysses, causal=case.causal, layout=layout, backend=backend,
-                                   group=group, head_groups=head_groups)
+                                   group=group, head_groups=head_groups, local_documents=local)
 
 
 def _ulysses_impl(name, groups):
     what = {1: "nothing overlapped", "auto": "two pipelined groups where packed documents run in one varlen call "
             "each, else one"}.get(groups, "exchanges pipelined with attention")
-    return _make(name, "dense", "contiguous", lambda c, b, g: _ulysses(c, b, g, groups),
+    local = local_documents_of(name)
+    return _make(name, "dense", "contiguous", lambda c, b, g: _ulysses(c, b, g, groups, local),
                  f"UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank), head_groups={groups!r}: "
-                 f"{what}", splits_heads=True)
+                 f"{what}; local_documents={local!r}", splits_heads=True, local=local)
 
 
 def _hybrid_impl(name, groups):
     documents = name.startswith("hybrid_documents")
     ring = "a ring on the documents' DocumentLayout" if documents else "zigzag ring"
+    local = local_documents_of(name)
     return _make(name, "dense", "hybrid_documents" if documents else "hybrid",
-                 lambda c, b, g: _hybrid(c, b, g, layout="documents" if documents else "zigzag", head_groups=groups),
-                 f"HybridAttention: Ulysses inside a row, {ring} across rows of the rank grid, head_groups={groups!r}")
+                 lambda c, b, g: _hybrid(c, b, g, layout="documents" if documents else "zigzag", head_groups=groups,
+                                         local=local),
+                 f"HybridAttention: Ulysses inside a row, {ring} across rows of the rank grid, head_groups={groups!r}, "
+                 f"local_documents={local!r}", local=local)
 
 
 RING_IMPLEMENTATIONS = {
@@ -86,7 +101,8 @@ RING_IMPLEMENTATIONS = {
     **{name: _ulysses_impl(name, groups) for name, groups in ULYSSES_HEAD_GROUPS.items()},
     "ulysses_document_groups": _make(
         "ulysses_document_groups", "dense", "contiguous",
-        lambda c, b, g: dilated.UlyssesAttention(causal=c.causal, backend=b, group=g, document_groups="always"),
+        lambda c, b, g: dilated.UlyssesAttention(causal=c.causal, backend=b, group=g, document_groups="always",
+                                                 local_documents=False),
         "UlyssesAttention, document_groups='always': on packed documents, the all-to-alls pipelined with attention by "
         "groups of documents (the longest first, the next longest last)", splits_heads=True),
     "documents": _make("documents", "dense", "documents",

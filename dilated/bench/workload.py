@@ -80,6 +80,28 @@ def grid_work_per_rank(case, p: int, ulysses: int, ring_layout: str) -> list[flo
     return [ring[r // ulysses] / ulysses for r in range(p)]
 
 
+def kept_local(case, p: int, layout: str, setting):
+    """The :class:`~dilated.parallel.local_documents.LocalDocuments` a Ulysses (``layout``
+    ``"contiguous"``) or hybrid-on-documents (``"hybrid_documents"``) module of ``local_documents=setting``
+    runs the case's documents with on ``p`` ranks, or None where it exchanges every document."""
+    from dilated import DocumentLayout
+    from dilated.parallel.local_documents import contiguous_ranges, grid_part_ranges, local_documents
+
+    from .documents import cu_seqlens_of
+
+    if not case.documents or not setting or layout not in ("contiguous", "hybrid_documents"):
+        return None
+    cu = cu_seqlens_of(case.documents, case.seq_len)
+    if layout == "contiguous":
+        return local_documents(setting, cu, contiguous_ranges(case.seq_len, p), case.causal)
+    u = ulysses_size_for(p, case.num_heads)
+    if u is None:
+        return None
+    kept = local_documents(setting, cu, grid_part_ranges(DocumentLayout.balance(cu, p // u, case.causal), u),
+                           case.causal)
+    return kept if kept is not None and not kept.crossing else None  # the hybrid keeps all or none
+
+
 def imbalance(work: list[float] | None) -> float | None:
     """Slowest rank's work over the mean (1.0: balanced)."""
     if not work or sum(work) == 0:

@@ -167,11 +167,24 @@ def _into_rows(dst: torch.Tensor, recv: torch.Tensor, rows: torch.Tensor, p: int
 @dataclass
 class DocumentGroupCall:
     """One pipelined call: ``attend(q, k, v, cu)`` on a group's packed documents (all of this rank's
-    heads), the groups' :class:`RowGroup` s, over ``group``, counted in ``stats``."""
+    heads), the groups' :class:`RowGroup` s, over ``group``, counted in ``stats``; ``local``: this
+    rank's rows ``lo .. hi - 1`` of documents it attends where they lie, and their cumulative lengths
+    (:mod:`dilated.parallel.local_documents`), or None."""
     attend: Callable
     groups: list
     group: object
     stats: CommStats
+    local: tuple | None = None
+
+
+def _attend_graph(attend, qkv, cu, grad: bool):
+    """``attend(*qkv, cu)``, and with ``grad`` the leaves and output whose graph the backward differentiates."""
+    if not grad:
+        return attend(*qkv, cu), None
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_() for x in qkv]
+        og = attend(*leaves, cu)
+    return og.detach(), (leaves, og)
 
 
 class _AttendByDocumentGroups(torch.autograd.Function):
@@ -186,38 +199,43 @@ class _AttendByDocumentGroups(torch.autograd.Function):
 
         inputs = [[send(x, rg) for x in (q, k, v)] for rg in call.groups]  # every input exchange at once
         grad = any(ctx.needs_input_grad[:3])
+        local = None
+        if call.local is not None:  # this rank's own documents, on all its heads, while the exchanges run
+            lo, hi, cu = call.local
+            local = _attend_graph(call.attend, [x[:, lo:hi] for x in (q, k, v)], cu, grad)
         graphs, back = [], []
         for rg, exchanges in zip(call.groups, inputs):
-            qkv = [_whole_group(ex.wait(), rg.counts, b) for ex in exchanges]
-            if grad:
-                with torch.enable_grad():
-                    leaves = [x.detach().requires_grad_() for x in qkv]
-                    og = call.attend(*leaves, rg.cu)
-                graphs.append((leaves, og))
-            else:
-                og = call.attend(*qkv, rg.cu)
-            back.append(_back(og.detach(), rg, call, b))
+            og, graph = _attend_graph(call.attend, [_whole_group(ex.wait(), rg.counts, b) for ex in exchanges],
+                                      rg.cu, grad)
+            graphs.append(graph)
+            back.append(_back(og, rg, call, b))
         out = q.new_empty(*q.shape[:3], v.shape[3])
+        if local is not None:
+            out[:, call.local[0]:call.local[1]] = local[0]
         for rg, ex in zip(call.groups, back):
             _into_rows(out, ex.wait(), rg.rows, p)
-        ctx.call, ctx.graphs = call, graphs
+        ctx.call, ctx.graphs, ctx.local_graph = call, graphs, None if local is None else local[1]
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        call, graphs = ctx.call, ctx.graphs
-        ctx.graphs = None  # each group's graph is used once
+        call, graphs, local_graph = ctx.call, ctx.graphs, ctx.local_graph
+        ctx.graphs = ctx.local_graph = None  # each graph is used once
         p, b = dist.get_world_size(call.group), dout.shape[0]
         me = dist.get_rank(call.group)
         dout = dout.contiguous()
         d_in = [AllToAll(_to_heads(dout, rg.rows, p), call.group, call.stats, [b * rg.counts[me]] * p,
                          [b * c for c in rg.counts]) for rg in call.groups]
+        out = [dout.new_empty(s) for s in ctx.shapes]
+        if local_graph is not None:
+            lo, hi, _ = call.local
+            for dst, g in zip(out, torch.autograd.grad(local_graph[1], local_graph[0], dout[:, lo:hi])):
+                dst[:, lo:hi] = g
         back = []
         for rg, ex, (leaves, og) in zip(call.groups, d_in, graphs):
             grads = torch.autograd.grad(og, leaves, _whole_group(ex.wait(), rg.counts, b))
             back.append([_back(g, rg, call, b) for g in grads])
-        out = [dout.new_empty(s) for s in ctx.shapes]
         for rg, exchanges in zip(call.groups, back):
             for dst, ex in zip(out, exchanges):
                 _into_rows(dst, ex.wait(), rg.rows, p)
@@ -232,13 +250,17 @@ def _back(x: torch.Tensor, rg: RowGroup, call: DocumentGroupCall, b: int):
 
 
 def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable, *,
-                              cu: list[int], groups: list[list[int]], group, stats: CommStats) -> torch.Tensor:
+                              cu: list[int], groups: list[list[int]], group, stats: CommStats,
+                              local: tuple | None = None) -> torch.Tensor:
     """``attend(q, k, v, cu)`` on the packed documents of each of ``groups`` (lists of document
-    indices of the global cumulative lengths ``cu``; every document in exactly one group), this
-    rank's heads, from and to contiguous sequence shards, differentiable. ``q`` ``[B, N/P, H, D]``,
-    ``k``, ``v`` ``[B, N/P, H_kv, D]`` with ``H`` and ``H_kv`` divisible by ``P``; ``attend`` takes
-    ``[B, N_g, h, D]`` and the group's cumulative lengths. Returns this rank's ``[B, N/P, H, D]``."""
+    indices of the global cumulative lengths ``cu``), this rank's heads, from and to contiguous
+    sequence shards, differentiable. ``q`` ``[B, N/P, H, D]``, ``k``, ``v`` ``[B, N/P, H_kv, D]`` with
+    ``H`` and ``H_kv`` divisible by ``P``; ``attend`` takes ``[B, N_g, h, D]`` and the group's
+    cumulative lengths. ``local``: ``(lo, hi, cu_local)``, rows of this rank's shard whose documents
+    (cumulative lengths ``cu_local``) it attends where they lie on all its heads, issued after the
+    groups' input exchanges so that they run beside them. Every document is in exactly one group or
+    in some rank's ``local``. Returns this rank's ``[B, N/P, H, D]``."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     rgs = row_groups(cu, groups, rank, p, q.device)
-    call = DocumentGroupCall(attend, rgs, group, stats)
+    call = DocumentGroupCall(attend, rgs, group, stats, local)
     return _AttendByDocumentGroups.apply(q.contiguous(), k.contiguous(), v.contiguous(), call)

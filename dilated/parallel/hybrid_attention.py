@@ -10,7 +10,10 @@ Layout (:meth:`HybridAttention.shard`): the global sequence is cut into ``ring_s
 in ``layout`` (``zigzag`` balances causal work over the ring), and each ring shard into
 ``ulysses_size`` contiguous parts, one per rank of its grid row; ``layout="documents"``: the ring
 shards are those of the :class:`~dilated.DocumentLayout` of each call's documents over the
-``ring_size`` rows, and the ring relays only crossing documents' rows (:mod:`dilated.parallel.document_attention`).
+``ring_size`` rows, and the ring relays only crossing documents' rows (:mod:`dilated.parallel.document_attention`);
+where every document then lies whole within one rank's part (and the ranks' work stays balanced:
+``local_documents``), each rank attends its own documents on all its heads and nothing moves
+(:mod:`dilated.parallel.local_documents`).
 Construct it on every rank of the default process group (it creates the row and column groups, a
 collective).
 """
@@ -25,6 +28,7 @@ from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, shard, unshard
 from .document_layout import DocumentLayout
+from .local_documents import check_local_documents, grid_part_ranges, local_documents
 from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
@@ -47,13 +51,18 @@ class HybridAttention(nn.Module):
         head_groups: a row's all-to-alls pipelined with the ring by head groups
             (:mod:`dilated.parallel.head_groups`); ``"auto"``: one (a ring call per group costs more
             than the exchanges it hides).
+        local_documents: ``layout="documents"``: where every document lies whole within one rank's
+            part, each rank attends its own on all its heads, without the row's exchange or the ring;
+            ``"auto"`` (default): where the slowest rank's work also stays within
+            :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` of the mean; ``"always"``:
+            wherever every document lies whole within a rank; ``False``: never.
 
     ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """
 
     def __init__(self, ulysses_size: int, ring_size: int, *, causal=False, scale=None, layout="zigzag", group=None,
                  backend="auto", transport: str = "auto", measure_comm: bool = False,
-                 head_groups: int | str = "auto"):
+                 head_groups: int | str = "auto", local_documents: bool | str = "auto"):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("HybridAttention needs torch.distributed initialised (see dilated.init_distributed)")
@@ -69,7 +78,8 @@ class HybridAttention(nn.Module):
         check_causal(causal)
         check_scale(scale)
         check_head_groups(head_groups)
-        self.head_groups = head_groups
+        check_local_documents(local_documents)
+        self.head_groups, self.local_documents = head_groups, local_documents
         self.ulysses_size, self.ring_size, self.layout, self.group = ulysses_size, ring_size, layout, group
         self.causal, self.scale, self.backend = causal, scale, backend
         me = ranks.index(dist.get_rank())
@@ -116,9 +126,15 @@ class HybridAttention(nn.Module):
             cu_seqlens = layout.cu_seqlens
         docs = None if cu_seqlens is None else check_cu_seqlens(
             cu_seqlens, q.shape[1] * self.ulysses_size * self.ring_size)
-        return (hkv, groups), signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout,
-                                        algorithm="hybrid", grid=[self.ring_size, self.ulysses_size], documents=docs,
-                                        head_groups=groups)
+        own = None
+        if docs is not None and self.layout == "documents":
+            layout = layout or self.document_layout(docs)
+            own = local_documents(self.local_documents, docs, grid_part_ranges(layout, self.ulysses_size), self.causal)
+            own = (own.spans[self.ring_rank * self.ulysses_size + self.ulysses_rank][2], layout) \
+                if own and not own.crossing else None
+        return (hkv, groups, own), signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout,
+                                             algorithm="hybrid", grid=[self.ring_size, self.ulysses_size],
+                                             documents=docs, head_groups=groups, local_documents=own is not None)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths,
@@ -126,8 +142,12 @@ class HybridAttention(nn.Module):
         or ``layout``, their :class:`~dilated.DocumentLayout` over the ring (:meth:`document_layout`)."""
         # every rank of the grid agrees before any row or column communicates (a row that stopped
         # alone would leave the ring of the others waiting)
-        hkv, groups = validate_on_all_ranks(self.group, self._agreed, "HybridAttention",
-                                            lambda: self._validate(q, k, v, cu_seqlens, layout))
+        hkv, groups, own = validate_on_all_ranks(self.group, self._agreed, "HybridAttention",
+                                                 lambda: self._validate(q, k, v, cu_seqlens, layout))
+        if own is not None:  # every document whole within its rank's part: nothing to exchange
+            self.ring.last_layout = own[1]  # what shard and unshard take by default
+            return attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,
+                             cu_seqlens=torch.tensor(own[0], dtype=torch.int32))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
 
@@ -150,3 +170,4 @@ class HybridAttention(nn.Module):
         """The global tensor from every rank's part (all-gathers along the row, then the column)."""
         ring_part = unshard(x_local, group=self.ulysses_group, layout="contiguous")
         return self.ring.unshard(ring_part, layout)
+

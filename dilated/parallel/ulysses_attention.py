@@ -15,6 +15,10 @@ sequence) cost nothing extra: the local attention sees the whole sequence and it
 GQA: kv heads are split like q heads when ``H_kv`` is divisible by ``P``; else each kv head is
 repeated to the smallest count that ``P`` divides and that divides ``H`` (so every q head still
 reads its own kv head), which costs kv traffic but no extra attention work.
+
+Packed documents that lie whole within one rank's shard need no exchange: with ``local_documents``
+(default ``"auto"``: where that keeps the ranks' work balanced) a rank attends them where they lie,
+on all its heads, beside the exchange of the other documents (:mod:`dilated.parallel.local_documents`).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .document_groups import attend_by_document_groups, check_document_groups, groups_to_use
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
+from .local_documents import check_local_documents, contiguous_ranges, local_documents
 from .sharding import CommStats, rank_and_size
 from ..functional import attention
 from ..dense import default_scale
@@ -72,23 +77,31 @@ class UlyssesAttention(nn.Module):
             on one varlen call, nor on documents of one length:
             :func:`~dilated.parallel.document_groups.groups_to_use`); ``1`` (default): not. Not
             combined with ``head_groups`` above 1.
+        local_documents: with packed documents, those that lie whole within one rank's shard attend
+            there on all its heads, without an exchange; the others go through one exchange (no head
+            or document groups). ``"auto"`` (default): where the slowest rank's work stays within
+            :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` of the mean (on documents of one
+            length whose boundaries meet the shards': all of them, nothing exchanged); ``"always"``:
+            wherever one lies whole within a rank; ``False``: every document exchanged.
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
     """
 
     def __init__(self, *, causal=False, scale=None, backend="auto", group=None, measure_comm: bool = False,
-                 head_groups: int | str = "auto", document_groups: int | str = 1):
+                 head_groups: int | str = "auto", document_groups: int | str = 1,
+                 local_documents: bool | str = "auto"):
         super().__init__()
         check_causal(causal)
         check_scale(scale)
         check_head_groups(head_groups)
         check_document_groups(document_groups)
+        check_local_documents(local_documents)
         if document_groups != 1 and head_groups not in ("auto", 1):
             raise ValueError(f"document_groups={document_groups!r} pipelines by documents, head_groups={head_groups!r} "
                              f"by heads: give one of them (head_groups='auto' or 1 with document_groups="
                              f"{document_groups!r})")
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
-        self.head_groups, self.document_groups = head_groups, document_groups
+        self.head_groups, self.document_groups, self.local_documents = head_groups, document_groups, local_documents
         self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
         self.stats = CommStats(measure_comm)
 
@@ -105,30 +118,37 @@ class UlyssesAttention(nn.Module):
         scale = default_scale(q.shape[-1], self.scale)
         qh, kh, vh = q[:, :, :q.shape[2] // p], k[:, :, :hkv // p], v[:, :, :hkv // p]
         get_backend(self.backend, qh, kh, self.causal, v=vh)
+        local = None if docs is None else local_documents(self.local_documents, docs,
+                                                          contiguous_ranges(docs[-1], p), self.causal)
         one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
-        by_docs = None if docs is None else groups_to_use(self.document_groups, docs, qh.shape[2], q.shape[3],
-                                                          self.causal, one_call)
-        groups = 1 if by_docs else head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
-        return (hkv, groups, scale, docs, by_docs), signature(q, k, v, causal=self.causal, scale=scale,
-                                                              algorithm="ulysses", documents=docs, head_groups=groups,
-                                                              document_groups=len(by_docs) if by_docs else 1)
+        by_docs = None if docs is None or local else groups_to_use(self.document_groups, docs, qh.shape[2],
+                                                                   q.shape[3], self.causal, one_call)
+        groups = 1 if by_docs or local else head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
+        return (hkv, groups, scale, docs, by_docs, local), signature(
+            q, k, v, causal=self.causal, scale=scale, algorithm="ulysses", documents=docs, head_groups=groups,
+            document_groups=len(by_docs) if by_docs else 1, local_documents=local is not None)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
         ``[0, ..., N]``, the same on every rank); attention stays within each document."""
         if not dist.is_initialized():
             raise RuntimeError("UlyssesAttention needs torch.distributed initialised (see dilated.init_distributed)")
-        hkv, groups, scale, docs, by_docs = validate_on_all_ranks(self.group, self._agreed, "UlyssesAttention",
-                                                                  lambda: self._validate(q, k, v, cu_seqlens))
+        hkv, groups, scale, docs, by_docs, local = validate_on_all_ranks(
+            self.group, self._agreed, "UlyssesAttention", lambda: self._validate(q, k, v, cu_seqlens))
+
+        def attend_documents(qg, kg, vg, cu):
+            cu_t = torch.tensor(cu, dtype=torch.int32)
+            return attention(qg, kg, vg, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_t)
+
+        mine = local.spans[rank_and_size(self.group)[0]] if local else None
+        if local and not local.crossing:  # every document where it lies: nothing to exchange
+            return attend_documents(q, k, v, mine[2])
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
-        if by_docs:
-            def attend_documents(qg, kg, vg, cu):
-                cu_t = torch.tensor(cu, dtype=torch.int32)
-                return attention(qg, kg, vg, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_t)
-
-            return attend_by_document_groups(q, k, v, attend_documents, cu=docs, groups=by_docs, group=self.group,
-                                             stats=self.stats)
+        if local or by_docs:
+            return attend_by_document_groups(q, k, v, attend_documents, cu=docs,
+                                             groups=[list(local.crossing)] if local else by_docs, group=self.group,
+                                             stats=self.stats, local=mine)
 
         def attend(qh, kh, vh):
             return attention(qh, kh, vh, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_seqlens)

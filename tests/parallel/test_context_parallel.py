@@ -270,6 +270,11 @@ def test_hybrid_on_the_document_layout_work_by_hand():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_attends_documents_where_they_lie_exactly(world):
+    spawn(cp_worker.ulysses_local_documents, args=(world, free_port()), nprocs=world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ulysses_by_groups_of_documents_is_exact(world):
     spawn(cp_worker.ulysses_document_groups, args=(world, free_port()), nprocs=world)
 

@@ -17,8 +17,11 @@ kv heads (:func:`dilated.parallel.ulysses_attention.kv_heads_for`), the local do
   runs while the local documents' backward computes;
 * Ulysses: its all-to-alls pipelined with attention by head groups
   (:mod:`dilated.parallel.head_groups`): the first group's inputs and the last group's output are
-  exposed, the rest overlaps the other groups' attention;
-* the hybrid: Ulysses inside each row of the grid, its ring across rows on each head group;
+  exposed, the rest overlaps the other groups' attention; packed documents that stay where they lie
+  (:mod:`dilated.parallel.local_documents`, as the module decides) attend on all of their rank's
+  heads while the crossing documents' inputs move, the crossing documents after them;
+* the hybrid: Ulysses inside each row of the grid, its ring across rows on each head group; on the
+  documents' layout with every document whole within a rank's part, each rank's own documents only;
 * decode: each rank's read of its cache shard, then one all-gather of ``B x Tq x H x (D + 1)``
   float32 numbers.
 
@@ -39,10 +42,11 @@ from ...parallel.document_groups import document_groups_for, group_spans
 from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
+from ...parallel.local_documents import contiguous_ranges, grid_part_ranges, local_documents
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
-from ..strategies import HYBRID_HEAD_GROUPS, ULYSSES_HEAD_GROUPS
+from ..strategies import HYBRID_HEAD_GROUPS, ULYSSES_HEAD_GROUPS, local_documents_of
 from ..workload import ulysses_size_for
 from .calibration import Curve, log_interp
 from .kernel_model import ELEM, KernelModel
@@ -354,14 +358,50 @@ class Model:
         extra += 2 * problem.batch * n * (heads + hkv) * problem.head_dim * ELEM
         return _Timeline(time, compute, sent, extra)
 
-    def _ulysses(self, problem: Problem, ranks: list[int], head_groups: int | str = "auto") -> _Timeline:
+    def _ulysses(self, problem: Problem, ranks: list[int], head_groups: int | str = "auto",
+                 local: bool | str = False) -> _Timeline:
         cu, b, d = problem.cu_seqlens(), problem.batch, problem.head_dim
+        kept = local_documents(local, cu, contiguous_ranges(problem.seq_len, len(ranks)), problem.causal) \
+            if problem.has_documents else None
+        if kept is not None:
+            return self._ulysses_local(problem, ranks, kept)
 
         def attend(heads, kv_heads, mode):
             ms = self.kernels.documents_ms(cu, b, heads, kv_heads, d, problem.causal, mode)
             return _Timeline(ms, ms)
 
         return self._by_head_groups(problem, ranks, problem.heads, problem.kv_heads, attend, head_groups, True)
+
+    def _ulysses_local(self, problem: Problem, ranks: list[int], kept) -> _Timeline:
+        """Ulysses with documents that stay where they lie (``kept``, a
+        :class:`~dilated.parallel.local_documents.LocalDocuments`): each rank attends its own on all
+        its heads while the crossing documents' q, k and v rows move (one exchange each), then the
+        crossing documents on its share of the heads, then their output goes back (backward: the
+        output gradient in, the q, k, v gradients back); an exchange takes the time of the rank with
+        the most crossing rows. Without crossing documents nothing moves."""
+        p, cu = len(ranks), list(problem.cu_seqlens())
+        b, d, h = problem.batch, problem.head_dim, problem.heads
+        hkv = kv_heads_for(h, problem.kv_heads, p) if kept.crossing else problem.kv_heads
+        q_ms = kv_ms = cross_rows = 0.0
+        if kept.crossing:
+            spans, cu_x = group_spans(cu, kept.crossing, p)
+            rows = [sum(m for _, m in mine) for mine in spans]
+            cross_rows = max(rows)
+            q_ms = self.network.all_to_all_ms(b * cross_rows * h * d * ELEM, ranks)
+            kv_ms = self.network.all_to_all_ms(b * cross_rows * hkv * d * ELEM, ranks)
+        time = compute = sent = 0.0
+        for mode in (("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)):
+            cross = (self.kernels.documents_ms(cu_x, b, h // p, hkv // p, d, problem.causal, mode)
+                     if kept.crossing else 0.0)
+            ins, outs = (q_ms + 2 * kv_ms, q_ms) if mode == "fwd" else (q_ms, q_ms + 2 * kv_ms)
+            times, computes = [], []
+            for span in kept.spans:
+                own = self.kernels.documents_ms(span[2], b, h, hkv, d, problem.causal, mode) if span else 0.0
+                times.append(max(own, ins) + cross + outs if kept.crossing else own)
+                computes.append(own + cross)
+            time, compute = time + max(times), compute + max(computes)
+            sent += 2 * b * cross_rows * (h + hkv) * d * ELEM * (p - 1) / p
+        return _Timeline(time, compute, sent, 2 * b * cross_rows * (h + hkv) * d * ELEM)
 
     def _ulysses_by_documents(self, problem: Problem, ranks: list[int]) -> _Timeline:
         """Ulysses pipelined by groups of packed documents (:mod:`dilated.parallel.document_groups`):
@@ -399,8 +439,15 @@ class Model:
         extra = 2 * b * n * (h + hkv) * d * ELEM
         return _Timeline(time, compute, sent, extra)
 
-    def _hybrid(self, problem: Problem, u: int, r: int, ring_layout: str, head_groups: int | str = "auto") -> _Timeline:
+    def _hybrid(self, problem: Problem, u: int, r: int, ring_layout: str, head_groups: int | str = "auto",
+                local: bool | str = False) -> _Timeline:
         column = [i * u for i in range(r)]
+        if ring_layout == "documents" and local and problem.has_documents:
+            cu = problem.cu_seqlens()
+            kept = local_documents(local, cu, grid_part_ranges(DocumentLayout.balance(cu, r, problem.causal), u),
+                                   problem.causal)
+            if kept is not None and not kept.crossing:  # every rank its own documents, nothing moves
+                return self._ulysses_local(problem, list(range(u * r)), kept)
 
         def ring(heads, kv_heads, mode):
             one = replace(problem, mode=mode)
@@ -510,7 +557,7 @@ class Model:
         if strategy in ULYSSES_HEAD_GROUPS:
             if problem.heads % world:
                 raise ValueError(f"Ulysses splits {problem.heads} heads over {world} ranks: not divisible")
-            return self._ulysses(problem, ranks, ULYSSES_HEAD_GROUPS[strategy])
+            return self._ulysses(problem, ranks, ULYSSES_HEAD_GROUPS[strategy], local_documents_of(strategy))
         if strategy in HYBRID_HEAD_GROUPS:
             u, r = grid or (None, None)
             if not u or not r or u * r != world or u < 2 or r < 2:
@@ -519,7 +566,7 @@ class Model:
                 raise ValueError(f"the hybrid splits {problem.heads} heads over rows of {u}: not divisible")
             kv_heads_for(problem.heads, problem.kv_heads, u)
             return self._hybrid(problem, u, r, "documents" if strategy.startswith("hybrid_documents") else "zigzag",
-                                HYBRID_HEAD_GROUPS[strategy])
+                                HYBRID_HEAD_GROUPS[strategy], local_documents_of(strategy))
         layout, overlap, transport = STRATEGIES[strategy]
         if transport == "copy_engine" and self.network.spans_nodes(ranks):
             transport = "p2p"  # copy-engine pulls reach the GPUs of one host only

@@ -87,9 +87,39 @@ def test_ulysses_without_a_varlen_kernel_exposes_all_of_its_exchanges():
     links = free_links()
     links["all_to_all"] = link(latency=0.0, per_ms=per_ms)
     m = model(links)
-    for name in ("ulysses", "ulysses_no_overlap"):
+    for name in ("ulysses_exchange_all", "ulysses_no_overlap"):
         assert m.predict(name, prob, 2).exposed_ms == pytest.approx((2 * q + kv) / per_ms, rel=1e-3)
     assert m.predict("ulysses_head_groups_4", prob, 2).exposed_ms == pytest.approx((2 * q + kv) / 4 / per_ms, rel=1e-3)
+
+
+def test_ulysses_on_documents_of_one_length_on_the_shards_boundaries_moves_nothing():
+    """Ulysses (``local_documents="auto"``) and the hybrid on the documents' layout attend every
+    document on its rank, all heads: each rank's four 8K documents, like the documents strategy."""
+    m = model()
+    prob = Problem(1 << 17, 32, 8, 128, causal=True, mode="fwd_bwd", documents="fixed:8k")
+    for name, world, grid in (("ulysses", 4, None), ("hybrid_documents", 4, (2, 2))):
+        p = m.predict(name, prob, world, grid)
+        assert p.bytes_sent == 0.0 and p.exposed_ms == 0.0, name
+        assert p.time_ms == pytest.approx(true_ms(4, 8192, 8192, 32, 128, True, "fwd_bwd"), rel=1e-6), name
+    assert m.predict("ulysses_exchange_all", prob, 4).bytes_sent > 0
+    assert m.predict("hybrid_documents_exchange_all", prob, 4, (2, 2)).bytes_sent > 0
+
+
+def test_ulysses_attends_its_own_documents_while_the_crossing_ones_move():
+    """One document across the shards' boundary, the others whole: each rank's own documents on all
+    heads hide the crossing rows' inputs (a slow link: its latency shows once per exchange that no
+    own documents hide); the crossing document's attention and its output's exchange follow."""
+    cu = (0, 4096, 8192, 12288, 16384 + 4096, 24576, 28672, 32768)  # document 3 crosses 16384
+    a = 1000.0
+    links = free_links()
+    links["all_to_all"] = link(latency=a, per_ms=1e30)
+    m = model(links)
+    prob = Problem(32768, 32, 8, 128, causal=True, mode="fwd", cu=cu)
+    own = true_ms(3, 4096, 4096, 32, 128, True, "fwd")  # each rank's three 4K documents
+    cross = true_ms(1, 8192, 8192, 16, 128, True, "fwd")  # the crossing one on a rank's half of the heads
+    p = m.predict("ulysses", prob, 2)
+    assert p.time_ms == pytest.approx(max(own, 3 * a) + cross + a, rel=1e-6)
+    assert p.bytes_sent > 0
 
 
 def test_documents_that_stay_whole_move_nothing():
