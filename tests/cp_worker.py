@@ -407,6 +407,31 @@ def decode(rank, world, seed):
 
 
 @worker
+def ring_uneven_documents_warn(rank, world):
+    """A zigzag ring on documents that leave its ranks uneven (short documents, then a long one)
+    warns once, naming layout='documents'; one document (zigzag's own case) and the documents'
+    layout do not warn."""
+    import warnings
+
+    n = 32 * world
+    uneven = torch.tensor([0, *range(2, n // 2 + 1, 2), n], dtype=torch.int32)
+    one = torch.tensor([0, n], dtype=torch.int32)
+    q, k, v = _full(3, n, 2, 2)
+    cases = ((dilated.RingAttention(causal=True, layout="zigzag", backend="manual"), [uneven, uneven], 1),
+             (dilated.RingAttention(causal=True, layout="zigzag", backend="manual"), [one], 0),
+             (dilated.RingAttention(causal=True, layout="documents", backend="manual"), [uneven], 0))
+    for module, mixes, warned in cases:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for cu in mixes:
+                layout = module.document_layout(cu) if module.layout == "documents" else None
+                module(*(module.shard(t, layout) if layout else module.shard(t) for t in (q, k, v)), cu_seqlens=cu)
+        said = [str(w.message) for w in seen if "packed documents" in str(w.message)]
+        assert len(said) == warned, (module.layout, said)
+        assert all("layout='documents'" in m for m in said), said
+
+
+@worker
 def ulysses_local_documents(rank, world):
     """Ulysses with documents that lie whole within one rank's shard attended there: exact against
     every document alone in float64, forward and gradients, GQA split or replicated, batch 2; documents
@@ -535,7 +560,6 @@ def ulysses_document_groups(rank, world):
     # bad values name the argument; head groups and document groups are one or the other
     for kw, says in (({"document_groups": 3}, "document_groups must be"),
                      ({"document_groups": True}, "document_groups must be"),
-                     ({"document_groups": "auto", "head_groups": 2}, "give one of them"),
                      ({"document_groups": "always", "head_groups": 2}, "give one of them")):
         try:
             dilated.UlyssesAttention(**kw)

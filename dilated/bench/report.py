@@ -337,13 +337,14 @@ def format_scaling(rows: list[dict], compare: bool = False) -> str:
     out = []
     head = (f"{'P':>3}{'N':>10}{'N/rank':>10}{'time ms':>12}{'TFLOP/s/rank':>14}{'efficiency':>12}{'work eff':>10}"
             f"{'work imb':>9}{'time imb':>9}{'exposed comm':>14}{'MiB sent/rank':>15}{'peak MiB':>10}  check")
+    width = max([26, *(len(r["implementation"]) + 2 for r in rows)])  # the implementation column
     for key, grp in groups.items():
         if compare:
             mode, causal, scaling, n, (h, hkv, d) = key
             out += ["", f"{mode} {'causal' if causal else 'non-causal'} {scaling} scaling, "
                         f"{'N' if scaling != 'weak' else 'N/rank'}={n}, H={h}{f'/{hkv}' if hkv != h else ''} D={d}: "
                         "every implementation",
-                    f"{'implementation':<26}{'backend':<16}" + head]
+                    f"{'implementation':<{width}}{'backend':<16}" + head]
             order = sorted(grp, key=lambda r: (r.get("world_size", 1), (r.get("time_ms") or {}).get("median") or 1e30))
         else:
             impl, backend, mode, causal = key
@@ -356,7 +357,7 @@ def format_scaling(rows: list[dict], compare: bool = False) -> str:
         if bases:
             out.append("efficiency against the fastest single-device run of the problem: " + "; ".join(bases))
         for r in order:
-            lead = f"{r['implementation']:<26}{r['backend']:<16}" if compare else ""
+            lead = f"{r['implementation']:<{width}}{r['backend']:<16}" if compare else ""
             out.append(lead + _scaling_line(r))
     return "\n".join(out)
 

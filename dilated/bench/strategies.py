@@ -36,9 +36,10 @@ HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_head_gro
                       "hybrid_documents": "auto", "hybrid_documents_exchange_all": "auto",
                       "hybrid_documents_no_overlap": 1, "hybrid_documents_head_groups_2": 2,
                       "hybrid_documents_head_groups_4": 4}
-#: the Ulysses and hybrid names that run the modules' default ``local_documents="auto"`` (packed
-#: documents whole within a rank attended there: :mod:`dilated.parallel.local_documents`); the other
-#: names measure their exchanges' schedule on every document (``local_documents=False``)
+#: the Ulysses and hybrid names that run the modules' defaults: ``local_documents="auto"`` (packed
+#: documents whole within a rank attended there: :mod:`dilated.parallel.local_documents`) and
+#: Ulysses' ``document_groups="auto"``; the other names measure their exchanges' schedule on every
+#: document (``local_documents=False``, ``document_groups=1``)
 LOCAL_DOCUMENTS = {"ulysses", "hybrid_documents"}
 
 
@@ -49,7 +50,7 @@ def local_documents_of(name: str):
 
 def _ulysses(case, backend, group, head_groups="auto", local="auto"):
     return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group, head_groups=head_groups,
-                                    local_documents=local)
+                                    local_documents=local, document_groups="auto" if local else 1)
 
 
 def _hybrid(case, backend, group, layout="zigzag", head_groups="auto", local="auto"):

@@ -34,6 +34,7 @@ harness does) can stop them all together.
 from __future__ import annotations
 
 import bisect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,10 @@ from .ring_exchange import RingExchange
 
 
 TRANSPORTS = ("auto", "copy_engine", "p2p")
+#: a contiguous or zigzag ring warns where packed documents give its slowest rank this much over the mean work
+UNEVEN_DOCUMENTS = 1.25
+#: ... judged on the first this many calls with documents of a module (a host cost of O(documents) each)
+DOCUMENT_MIXES_CHECKED = 8
 #: shard layouts of RingAttention: those of :func:`dilated.shard`, and ``"documents"`` (a
 #: :class:`~dilated.DocumentLayout` of each call's documents, see :mod:`dilated.parallel.document_attention`)
 RING_LAYOUTS = ("contiguous", "zigzag", "documents")
@@ -178,6 +183,18 @@ def _pulled_blocks(ring: RingExchange, k, v, n: int, causal: bool, layout: str, 
         yield (*got[0], steps[step]) if got is not None else (None, None, [])
         ring.stats.steps += 1
     cur.wait_stream(side)
+
+
+def shard_work(cu, p: int, layout: str, causal: bool) -> list[int]:
+    """The (query, key) pairs each of ``p`` ranks' queries attend within the packed documents ``cu``
+    (global cumulative lengths) on ``"contiguous"`` or ``"zigzag"`` shards."""
+    chunks = 2 * p if layout == "zigzag" else p
+    c, work = cu[-1] // chunks, [0] * chunks
+    for a, b in zip(cu, cu[1:]):
+        for j in range(a // c, (b - 1) // c + 1):
+            lo, hi = max(a, j * c), min(b, (j + 1) * c)  # the document's queries in chunk j
+            work[j] += (hi - lo) * (lo + hi + 1 - 2 * a) // 2 if causal else (hi - lo) * (b - a)
+    return work if layout != "zigzag" else [work[r] + work[chunks - 1 - r] for r in range(p)]
 
 
 def step_calls(step: int, rank: int, p: int, n: int, causal: bool, layout: str, cu=None):
@@ -344,6 +361,7 @@ class RingAttention(nn.Module):
         self.overlap, self.transport, self.transport_used = overlap, transport, None
         self.stats = CommStats(measure_comm)
         self.last_layout = None
+        self._mixes_checked = 0  # calls with documents whose balance on this layout was judged
 
     def document_layout(self, cu_seqlens) -> DocumentLayout:
         """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` (global cumulative
@@ -373,6 +391,16 @@ class RingAttention(nn.Module):
             self.group)))
         fields = signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout, transport=self.transport,
                            overlap=self.overlap, documents=docs)
+        if docs is not None and self._mixes_checked < DOCUMENT_MIXES_CHECKED:
+            self._mixes_checked += 1
+            work = shard_work(docs, dist.get_world_size(self.group), self.layout, self.causal)
+            uneven = max(work) / (sum(work) / len(work))
+            if uneven > UNEVEN_DOCUMENTS:
+                self._mixes_checked = DOCUMENT_MIXES_CHECKED  # once per module
+                warnings.warn(f"RingAttention(layout={self.layout!r}) on these packed documents: its slowest rank "
+                              f"attends {uneven:.2f}x the mean work (the {self.layout} layout balances one sequence, "
+                              "not documents); layout='documents' balances them (dilated.DocumentLayout)",
+                              stacklevel=4)
         varlen = None if docs is None else varlen_kernel(q, k, v, self.backend, self.causal)
         small = None
         if docs is not None and varlen is None and self.backend == "auto":

@@ -73,10 +73,10 @@ class UlyssesAttention(nn.Module):
         document_groups: with packed documents, ``"always"`` pipelines the all-to-alls with attention
             by groups of documents instead (:mod:`dilated.parallel.document_groups`: the longest
             documents first, the next longest last, the rest between, each group on all of this rank's
-            heads); ``"auto"``: only where the groups make about the kernel calls of one exchange (not
-            on one varlen call, nor on documents of one length:
-            :func:`~dilated.parallel.document_groups.groups_to_use`); ``1`` (default): not. Not
-            combined with ``head_groups`` above 1.
+            heads); ``"auto"`` (default): only where the groups make about the kernel calls of one
+            exchange (not on one varlen call, nor on documents of one length:
+            :func:`~dilated.parallel.document_groups.groups_to_use`) and ``head_groups`` is not a
+            number above 1; ``1``: not. ``"always"`` is not combined with ``head_groups`` above 1.
         local_documents: with packed documents, those that lie whole within one rank's shard attend
             there on all its heads, without an exchange; the others go through one exchange (no head
             or document groups). ``"auto"`` (default): where the slowest rank's work stays within
@@ -88,7 +88,7 @@ class UlyssesAttention(nn.Module):
     """
 
     def __init__(self, *, causal=False, scale=None, backend="auto", group=None, measure_comm: bool = False,
-                 head_groups: int | str = "auto", document_groups: int | str = 1,
+                 head_groups: int | str = "auto", document_groups: int | str = "auto",
                  local_documents: bool | str = "auto"):
         super().__init__()
         check_causal(causal)
@@ -96,7 +96,7 @@ class UlyssesAttention(nn.Module):
         check_head_groups(head_groups)
         check_document_groups(document_groups)
         check_local_documents(local_documents)
-        if document_groups != 1 and head_groups not in ("auto", 1):
+        if document_groups == "always" and head_groups not in ("auto", 1):
             raise ValueError(f"document_groups={document_groups!r} pipelines by documents, head_groups={head_groups!r} "
                              f"by heads: give one of them (head_groups='auto' or 1 with document_groups="
                              f"{document_groups!r})")
@@ -121,8 +121,8 @@ class UlyssesAttention(nn.Module):
         local = None if docs is None else local_documents(self.local_documents, docs,
                                                           contiguous_ranges(docs[-1], p), self.causal)
         one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
-        by_docs = None if docs is None or local else groups_to_use(self.document_groups, docs, qh.shape[2],
-                                                                   q.shape[3], self.causal, one_call)
+        by_docs = None if docs is None or local or self.head_groups not in ("auto", 1) else groups_to_use(
+            self.document_groups, docs, qh.shape[2], q.shape[3], self.causal, one_call)
         groups = 1 if by_docs or local else head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
         return (hkv, groups, scale, docs, by_docs, local), signature(
             q, k, v, causal=self.causal, scale=scale, algorithm="ulysses", documents=docs, head_groups=groups,

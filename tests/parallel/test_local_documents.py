@@ -76,3 +76,4 @@ def test_documents_of_one_length_on_the_shards_boundaries_all_stay():
     cu = [0, (1 << 16) + 1, *range((1 << 16) + 8192, (1 << 18) + 1, 8192)]
     got = local_documents("always", cu, contiguous_ranges(1 << 18, 4), True)
     assert got.crossing == (0,) and got.spans[0] is None and got.spans[1][0] == 1
+

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ...parallel.document_attention import rank_plan
-from ...parallel.document_groups import document_groups_for, group_spans
+from ...parallel.document_groups import document_groups_for, group_spans, groups_to_use
 from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
@@ -365,6 +365,9 @@ class Model:
             if problem.has_documents else None
         if kept is not None:
             return self._ulysses_local(problem, ranks, kept)
+        if local and problem.has_documents and head_groups in ("auto", 1) and groups_to_use(
+                "auto", list(cu), problem.heads // len(ranks), d, problem.causal, self.kernels.varlen_documents):
+            return self._ulysses_by_documents(problem, ranks)  # the module's defaults take document groups here
 
         def attend(heads, kv_heads, mode):
             ms = self.kernels.documents_ms(cu, b, heads, kv_heads, d, problem.causal, mode)
@@ -557,6 +560,8 @@ class Model:
         if strategy in ULYSSES_HEAD_GROUPS:
             if problem.heads % world:
                 raise ValueError(f"Ulysses splits {problem.heads} heads over {world} ranks: not divisible")
+            # the benchmark's "ulysses" runs the module's defaults (documents kept local, document groups
+            # where they pay: local_documents_of says "auto"); its other names, every document exchanged
             return self._ulysses(problem, ranks, ULYSSES_HEAD_GROUPS[strategy], local_documents_of(strategy))
         if strategy in HYBRID_HEAD_GROUPS:
             u, r = grid or (None, None)
