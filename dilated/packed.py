@@ -202,12 +202,6 @@ def _gather(x: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None, dim: i
     return rows if pad is None else rows.index_fill_(dim, pad, 0)
 
 
-#: new cuDNN graphs one packed attention's batched calls build, forward or backward (the longest calls
-#: first); new shapes past it take the flash kernel there and build at a later call
-#: (:func:`dilated.backends.graph_shapes.build_at_first_call`)
-NEW_GRAPHS_PER_CALL = 1
-
-
 def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
     """:func:`packed_attention` on validated cumulative lengths ``cu`` (a list): documents of one
     length (causal: one bucket) in one call of ``attend``; ``small = (varlen kernel, scale)``: the
@@ -225,17 +219,17 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
         out, lse = o.new_empty(b, n, *o.shape[2:]), l.new_empty(b, l.shape[1], n)
         place_rows_(out, pos, o)
         lse[:, :, pos] = l
-    with build_at_first_call(NEW_GRAPHS_PER_CALL):  # a bounded set of shapes that new mixes meet again
-        for length, count, pos, pad, real, at in _document_rows(calls, q.device):
-            qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
+    for length, count, pos, pad, real, at in _document_rows(calls, q.device):
+        qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
+        with build_at_first_call():  # a bounded set of shapes that new mixes meet again
             o, l = attend(qg, kg, vg)
-            h = l.shape[1]
-            l = _real(l.reshape(b, count, h, length).transpose(1, 2).reshape(b, h, count * length), real, pad, 2)
-            if out is None:  # every position is in one call: all of it is written
-                out = o.new_empty(b, n, *o.shape[2:])
-                lse = l.new_empty(b, h, n)
-            place_rows_(out, at, o, None if pad is None else real)  # the call's real rows, read where they lie
-            lse[:, :, at] = l
+        h = l.shape[1]
+        l = _real(l.reshape(b, count, h, length).transpose(1, 2).reshape(b, h, count * length), real, pad, 2)
+        if out is None:  # every position is in one call: all of it is written
+            out = o.new_empty(b, n, *o.shape[2:])
+            lse = l.new_empty(b, h, n)
+        place_rows_(out, at, o, None if pad is None else real)  # the call's real rows, read where they lie
+        lse[:, :, at] = l
     return out, lse
 
 
@@ -266,18 +260,18 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
                 small[0], rows, cu_rest, causal, small[1], None if dlse is None else dlse.index_select(2, pos)))):
             grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
             place_rows_(grads[i], pos, gi)
-    with build_at_first_call(NEW_GRAPHS_PER_CALL):
-        for length, count, pos, pad, real, at in _document_rows(calls, q.device):
-            dg, qg, kg, vg, og = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:])
-                                  for x in (dout, q, k, v, out))
-            lg, dlg = (None if x is None else _gather(x, pos, pad, 2).reshape(b, h, count, length).transpose(1, 2)
-                       .reshape(b * count, h, length).contiguous() for x in (lse, dlse))
-            extra = {} if dlg is None else {"dlse": dlg}
+    for length, count, pos, pad, real, at in _document_rows(calls, q.device):
+        dg, qg, kg, vg, og = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:])
+                              for x in (dout, q, k, v, out))
+        lg, dlg = (None if x is None else _gather(x, pos, pad, 2).reshape(b, h, count, length).transpose(1, 2)
+                   .reshape(b * count, h, length).contiguous() for x in (lse, dlse))
+        extra = {} if dlg is None else {"dlse": dlg}
+        with build_at_first_call():
             call_grads = backward(dg, qg, kg, vg, og, lg, **extra)
-            for i, (x, gi) in enumerate(zip((q, k, v), call_grads)):
-                if grads[i] is None:  # every position is in one call: all of it is written
-                    grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
-                place_rows_(grads[i], at, gi, None if pad is None else real)
+        for i, (x, gi) in enumerate(zip((q, k, v), call_grads)):
+            if grads[i] is None:  # every position is in one call: all of it is written
+                grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
+            place_rows_(grads[i], at, gi, None if pad is None else real)
     return tuple(grads)
 
 

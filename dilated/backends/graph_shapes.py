@@ -29,10 +29,7 @@ Calls inside :func:`build_at_first_call` build at a shape's first call whatever 
 packed documents' batched calls (:func:`dilated.packed.documents_forward`), whose shapes (a
 bucket length and a power-of-two count of documents) are a bounded set that every new document
 mix draws from again, so a graph built at once serves the mixes that follow, where a first call
-on the flash kernel costs every new mix that meets a new shape. A budget bounds the graphs built
-inside one such context (the batched calls of one packed attention, forward or backward): the
-new shapes past it take the flash kernel and build at a later call, so that a new mix waits for
-at most that many graphs while the set fills up.
+on the flash kernel costs every new mix that meets a new shape.
 """
 from __future__ import annotations
 
@@ -54,7 +51,7 @@ def build_after_from_env() -> int:
 
 _OPERATION: contextvars.ContextVar = contextvars.ContextVar("dilated_operation", default=None)
 _NO_BUILD: contextvars.ContextVar = contextvars.ContextVar("dilated_no_build", default=False)
-_AT_FIRST_CALL: contextvars.ContextVar = contextvars.ContextVar("dilated_build_at_first_call", default=None)
+_AT_FIRST_CALL: contextvars.ContextVar = contextvars.ContextVar("dilated_build_at_first_call", default=False)
 
 
 @contextlib.contextmanager
@@ -68,23 +65,10 @@ def no_build(active: bool = True):
             _NO_BUILD.reset(token)
 
 
-class _Budget:
-    """Graphs a :func:`build_at_first_call` context may still build (None: any)."""
-
-    __slots__ = ("left",)
-
-    def __init__(self, left: int | None):
-        self.left = left
-
-
 @contextlib.contextmanager
-def build_at_first_call(budget: int | None = None):
-    """The kernel calls inside build a shape's graph at its first call (``build_after`` 1), at most
-    ``budget`` new graphs in all (None: any); a new shape past it takes the flash kernel, and builds
-    at its first call inside a later context with budget left."""
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-        raise ValueError(f"budget must be None or an int >= 0, got {budget!r}")
-    token = _AT_FIRST_CALL.set(_Budget(budget))
+def build_at_first_call():
+    """The kernel calls inside build a shape's graph at its first call (``build_after`` 1)."""
+    token = _AT_FIRST_CALL.set(True)
     try:
         yield
     finally:
@@ -93,7 +77,7 @@ def build_at_first_call(budget: int | None = None):
 
 def building_at_first_call() -> bool:
     """Whether this call is inside :func:`build_at_first_call`."""
-    return _AT_FIRST_CALL.get() is not None
+    return _AT_FIRST_CALL.get()
 
 
 class one_operation(contextlib.ContextDecorator):
@@ -134,13 +118,7 @@ class GraphShapes:
             return False
         if len(self._seen) >= _MAX_SHAPES:
             self._seen.clear()
-        budget = _AT_FIRST_CALL.get()
-        if budget is None:
-            built = n + 1 >= self.build_after
-        else:
-            built = budget.left is None or budget.left > 0
-            if built and budget.left is not None:
-                budget.left -= 1
+        built = n + 1 >= (1 if _AT_FIRST_CALL.get() else self.build_after)
         self._seen[key] = (n + 1, operation, built)
         return built
 

@@ -152,24 +152,6 @@ def test_calls_that_build_at_their_first_call():
         assert not shapes.build("d")  # no_build still wins over a shape not built
 
 
-def test_a_budget_bounds_the_graphs_built_at_first_calls():
-    """Inside build_at_first_call(budget) at most ``budget`` new shapes build; the others take the
-    flash kernel and build inside a later context with budget left; built shapes cost none."""
-    shapes = GraphShapes(3)
-    with build_at_first_call(1):
-        assert [shapes.build(k) for k in ("a", "b", "c", "a")] == [True, False, False, True]
-    with build_at_first_call(1):
-        assert [shapes.build(k) for k in ("a", "b", "c")] == [True, True, False]
-    with build_at_first_call(0):
-        assert not shapes.build("c")
-    with build_at_first_call(2):
-        assert shapes.build("c") and shapes.build("d") and not shapes.build("e")
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="budget"):
-            with build_at_first_call(bad):
-                pass
-
-
 def test_packed_documents_batched_calls_build_at_their_first_call():
     """dilated.packed's batched calls run inside build_at_first_call, forward and backward; a single
     document (one dense call) does not."""
@@ -193,23 +175,3 @@ def test_packed_documents_batched_calls_build_at_their_first_call():
     seen.clear()
     documents_forward(q, q, q, [0, 64], attend, True)
     assert seen == [("fwd", False)]
-
-
-def test_a_packed_attention_builds_at_most_its_budget_of_new_graphs():
-    """One packed attention's batched calls (three new shapes) build NEW_GRAPHS_PER_CALL graphs, the
-    longest call first; the next calls build the next shapes, one call at a time."""
-    from dilated import packed
-
-    shapes, built = GraphShapes(2), []
-
-    def attend(q, k, v):
-        built.append((q.shape[:2], shapes.build(q.shape[:2])))
-        return q.clone(), q.new_zeros(q.shape[0], q.shape[2], q.shape[1])
-
-    q = torch.randn(1, 64, 2, 8)
-    cu = [0, 10, 30, 64]  # three documents in three bucket lengths: three shapes
-    for call in range(3):
-        built.clear()
-        packed.documents_forward(q, q, q, cu, attend, True)
-        assert len(built) == 3 and [b for _, b in built].count(True) == packed.NEW_GRAPHS_PER_CALL + call, built
-        assert built[0][1] and built[0][0][1] == max(s[1] for s, _ in built)  # the longest call builds first
