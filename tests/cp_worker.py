@@ -455,15 +455,26 @@ def ulysses_local_documents(rank, world):
             out.backward(module.shard(dout))
             _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
                                   f"ulysses local documents P={world} causal={causal} H={h}/{hkv} {cu}")
-    # uneven: one rank's shard holds a long document, the others short ones: "auto" exchanges them all
+    # uneven: one rank's shard holds a long document, the others short ones: "auto" exchanges the long one
+    # (fewer bytes than every document), "always" none; and one long document in the middle of rank 0's
+    # shard between short ones: its own documents are two runs of rows, gathered and put back
     uneven = [0, n, *range(n + 2, n * world + 1, 2)]
-    q, k, v = _full(9, n * world, world, world, b=1)
-    for setting, collectives in (("auto", 4), ("always", 0), (False, 4)):
+    middle = [0, 2, 4, n - 4, n - 2, *range(n, n * world + 1)]
+    for cu, setting, collectives in ((uneven, "auto", 4), (uneven, "always", 0), (uneven, False, 4),
+                                     (middle, "auto", 4)):
+        q, k, v = _full(9, n * world, world, world)
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6), dtype=q.dtype)
         module = dilated.UlyssesAttention(causal=True, backend="manual", local_documents=setting,
                                           document_groups=1, head_groups=1)
-        out = module(*(module.shard(t) for t in (q, k, v)), cu_seqlens=torch.tensor(uneven, dtype=torch.int32))
+        ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
+        out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
         assert module.stats.collectives == collectives, (setting, module.stats.as_dict())
-        assert _rel(module.unshard(out), _per_document(q, k, v, uneven, True)) < 1e-9, setting
+        sent = module.stats.bytes_sent
+        if setting == "auto" and cu is uneven:
+            assert 0 < sent < _sent_by_every_document(q, k, v, cu, world), sent
+        out.backward(module.shard(dout))
+        _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, True,
+                              f"ulysses local documents P={world} {setting} {cu}")
     if world == 4:  # the hybrid on the documents' layout: where every document is whole in a rank's part
         _hybrid_local_documents(n)
     for bad in (True, 1, "sometimes"):
@@ -473,6 +484,14 @@ def ulysses_local_documents(rank, world):
             assert "local_documents must be" in str(e), str(e)
         else:
             raise AssertionError(f"local_documents={bad!r} was accepted")
+
+
+def _sent_by_every_document(q, k, v, cu, world):
+    """Bytes a rank sends forward with every document exchanged."""
+    module = dilated.UlyssesAttention(causal=True, backend="manual", local_documents=False, document_groups=1,
+                                      head_groups=1)
+    module(*(module.shard(t) for t in (q, k, v)), cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    return module.stats.bytes_sent
 
 
 def _hybrid_local_documents(n):

@@ -99,7 +99,7 @@ def kept_local(case, p: int, layout: str, setting):
         return None
     kept = local_documents(setting, cu, grid_part_ranges(DocumentLayout.balance(cu, p // u, case.causal), u),
                            case.causal)
-    return kept if kept is not None and not kept.crossing else None  # the hybrid keeps all or none
+    return kept if kept is not None and not kept.exchanged else None  # the hybrid keeps all or none
 
 
 def imbalance(work: list[float] | None) -> float | None:

@@ -168,13 +168,25 @@ def _into_rows(dst: torch.Tensor, recv: torch.Tensor, rows: torch.Tensor, p: int
 class DocumentGroupCall:
     """One pipelined call: ``attend(q, k, v, cu)`` on a group's packed documents (all of this rank's
     heads), the groups' :class:`RowGroup` s, over ``group``, counted in ``stats``; ``local``: this
-    rank's rows ``lo .. hi - 1`` of documents it attends where they lie, and their cumulative lengths
-    (:mod:`dilated.parallel.local_documents`), or None."""
+    rank's rows of documents it attends where they lie (a slice, or an index tensor) and their
+    cumulative lengths packed in that order (:mod:`dilated.parallel.local_documents`), or None."""
     attend: Callable
     groups: list
     group: object
     stats: CommStats
     local: tuple | None = None
+
+
+def _take_rows(x: torch.Tensor, rows) -> torch.Tensor:
+    """Rows ``rows`` (a slice: a view; an index tensor: a copy) of ``x`` ``[B, n, ...]``."""
+    return x[:, rows] if isinstance(rows, slice) else x.index_select(1, rows)
+
+
+def _put_rows(dst: torch.Tensor, rows, x: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        dst[:, rows] = x
+    else:
+        dst.index_copy_(1, rows, x)
 
 
 def _attend_graph(attend, qkv, cu, grad: bool):
@@ -201,8 +213,8 @@ class _AttendByDocumentGroups(torch.autograd.Function):
         grad = any(ctx.needs_input_grad[:3])
         local = None
         if call.local is not None:  # this rank's own documents, on all its heads, while the exchanges run
-            lo, hi, cu = call.local
-            local = _attend_graph(call.attend, [x[:, lo:hi] for x in (q, k, v)], cu, grad)
+            rows, cu = call.local
+            local = _attend_graph(call.attend, [_take_rows(x, rows) for x in (q, k, v)], cu, grad)
         graphs, back = [], []
         for rg, exchanges in zip(call.groups, inputs):
             og, graph = _attend_graph(call.attend, [_whole_group(ex.wait(), rg.counts, b) for ex in exchanges],
@@ -211,7 +223,7 @@ class _AttendByDocumentGroups(torch.autograd.Function):
             back.append(_back(og, rg, call, b))
         out = q.new_empty(*q.shape[:3], v.shape[3])
         if local is not None:
-            out[:, call.local[0]:call.local[1]] = local[0]
+            _put_rows(out, call.local[0], local[0])
         for rg, ex in zip(call.groups, back):
             _into_rows(out, ex.wait(), rg.rows, p)
         ctx.call, ctx.graphs, ctx.local_graph = call, graphs, None if local is None else local[1]
@@ -229,9 +241,9 @@ class _AttendByDocumentGroups(torch.autograd.Function):
                          [b * c for c in rg.counts]) for rg in call.groups]
         out = [dout.new_empty(s) for s in ctx.shapes]
         if local_graph is not None:
-            lo, hi, _ = call.local
-            for dst, g in zip(out, torch.autograd.grad(local_graph[1], local_graph[0], dout[:, lo:hi])):
-                dst[:, lo:hi] = g
+            rows = call.local[0]
+            for dst, g in zip(out, torch.autograd.grad(local_graph[1], local_graph[0], _take_rows(dout, rows))):
+                _put_rows(dst, rows, g)
         back = []
         for rg, ex, (leaves, og) in zip(call.groups, d_in, graphs):
             grads = torch.autograd.grad(og, leaves, _whole_group(ex.wait(), rg.counts, b))
@@ -256,9 +268,10 @@ def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     indices of the global cumulative lengths ``cu``), this rank's heads, from and to contiguous
     sequence shards, differentiable. ``q`` ``[B, N/P, H, D]``, ``k``, ``v`` ``[B, N/P, H_kv, D]`` with
     ``H`` and ``H_kv`` divisible by ``P``; ``attend`` takes ``[B, N_g, h, D]`` and the group's
-    cumulative lengths. ``local``: ``(lo, hi, cu_local)``, rows of this rank's shard whose documents
-    (cumulative lengths ``cu_local``) it attends where they lie on all its heads, issued after the
-    groups' input exchanges so that they run beside them. Every document is in exactly one group or
+    cumulative lengths. ``local``: ``(rows, cu_local)``, rows of this rank's shard (a slice or an
+    index tensor) whose documents (cumulative lengths ``cu_local``, packed in that order) it attends
+    where they lie on all its heads, issued after the groups' input exchanges so that they run
+    beside them. Every document is in exactly one group or
     in some rank's ``local``. Returns this rank's ``[B, N/P, H, D]``."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     rgs = row_groups(cu, groups, rank, p, q.device)

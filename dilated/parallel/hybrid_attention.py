@@ -130,8 +130,8 @@ class HybridAttention(nn.Module):
         if docs is not None and self.layout == "documents":
             layout = layout or self.document_layout(docs)
             own = local_documents(self.local_documents, docs, grid_part_ranges(layout, self.ulysses_size), self.causal)
-            own = (own.spans[self.ring_rank * self.ulysses_size + self.ulysses_rank][2], layout) \
-                if own and not own.crossing else None
+            own = (own.local_cu(self.ring_rank * self.ulysses_size + self.ulysses_rank), layout) \
+                if own and not own.exchanged else None
         return (hkv, groups, own), signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout,
                                              algorithm="hybrid", grid=[self.ring_size, self.ulysses_size],
                                              documents=docs, head_groups=groups, local_documents=own is not None)

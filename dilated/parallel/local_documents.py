@@ -2,15 +2,17 @@
 
 Ulysses trades the sequence split for a head split so that every rank sees whole documents; a
 document that already lies whole within one rank's positions needs no trade: that rank can attend
-it on all of its heads, where it is, and only the other (*crossing*) documents go through the
-all-to-alls, their attention split over the ranks by heads. On documents of one length whose
-boundaries meet the shards' (``fixed:8k`` packed into shards of a multiple of 8K), nothing moves.
+it on all of its heads, where it is, and only the other documents go through the all-to-alls,
+their attention split over the ranks by heads. On documents of one length whose boundaries meet the
+shards' (``fixed:8k`` packed into shards of a multiple of 8K), nothing moves.
 
 What it costs is balance: a rank's work becomes its own documents' work plus a ``1/P`` share of the
-crossing documents' (the exchange balances by heads; the local documents by where they lie).
-:func:`local_documents` with ``"auto"`` keeps documents local only where the slowest rank's work
-stays within :data:`LOCAL_IMBALANCE` of the mean; ``"always"`` wherever a document lies whole within
-one rank; ``False`` never.
+exchanged documents' (the exchange balances by heads; the local documents by where they lie).
+:func:`local_documents` with ``"auto"`` therefore exchanges, besides the documents that cross ranks,
+the heaviest documents of the slowest rank, one at a time, until the slowest rank's work is within
+:data:`LOCAL_IMBALANCE` of the mean: the few long documents that unbalance a mix move, the many
+short ones stay. ``"always"`` keeps every document that lies whole within a rank where it is;
+``False`` exchanges them all.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import bisect
 import functools
 from dataclasses import dataclass
 
-#: ``"auto"`` keeps documents local only where the slowest rank's work is at most this over the mean
-LOCAL_IMBALANCE = 1.05
+#: ``"auto"`` exchanges the slowest rank's heaviest documents until its work is at most this over the mean
+LOCAL_IMBALANCE = 1.02
 
 SETTINGS = (False, "auto", "always")
 
@@ -28,19 +30,18 @@ def check_local_documents(setting) -> None:
     """``setting`` is False, ``"auto"`` or ``"always"``."""
     if setting is True or setting not in SETTINGS:
         raise ValueError(f"local_documents must be False (every document exchanged), 'auto' (documents that lie "
-                         f"whole within one rank attend there where that keeps the ranks' work within "
-                         f"{LOCAL_IMBALANCE} of the mean) or 'always', got {setting!r}")
+                         f"whole within one rank attend there, but for the longest where the ranks' work would be "
+                         f"more than {LOCAL_IMBALANCE} x the mean) or 'always', got {setting!r}")
 
 
 @dataclass(frozen=True)
 class LocalDocuments:
-    """Which documents stay where they lie. ``crossing``: the other documents (indices, in order),
-    exchanged. ``spans[r]``: rank ``r``'s local documents as ``(lo, hi, cu)``, the rows ``lo .. hi - 1``
-    of its positions (in its local order) that hold them and their cumulative lengths ``(0, ..., hi -
-    lo)``; None where it holds none whole. ``work[r]``: the (query, key) pairs rank ``r`` attends, over
-    all heads (its local documents', and ``1/P`` of the crossing documents')."""
+    """Which documents stay where they lie. ``exchanged``: the other documents (indices, in order).
+    ``spans[r]``: rank ``r``'s local documents as ``(local start, length)`` in its local order (rows
+    of its positions), ``()`` where it keeps none. ``work[r]``: the (query, key) pairs rank ``r``
+    attends, over all heads (its local documents', and ``1/P`` of the exchanged documents')."""
 
-    crossing: tuple
+    exchanged: tuple
     spans: tuple
     work: tuple
 
@@ -50,6 +51,22 @@ class LocalDocuments:
         mean = sum(self.work) / len(self.work)
         return max(self.work) / mean if mean else 1.0
 
+    def local_cu(self, rank: int) -> tuple:
+        """Cumulative lengths ``(0, ...)`` of rank ``rank``'s local documents packed in its local order."""
+        cu = [0]
+        for _, m in self.spans[rank]:
+            cu.append(cu[-1] + m)
+        return tuple(cu)
+
+    def local_rows(self, rank: int):
+        """Rank ``rank``'s rows of local documents: a ``slice`` where they are one run, else the
+        ``(starts, lengths)`` of their runs."""
+        mine = self.spans[rank]
+        lo, hi = mine[0][0], mine[-1][0] + mine[-1][1]
+        if sum(m for _, m in mine) == hi - lo:
+            return slice(lo, hi)
+        return [a for a, _ in mine], [m for _, m in mine]
+
 
 def _work(m: int, causal: bool) -> int:
     return m * (m + 1) // 2 if causal else m * m
@@ -58,17 +75,16 @@ def _work(m: int, causal: bool) -> int:
 def local_documents(setting, cu, ranges, causal: bool) -> LocalDocuments | None:
     """The :class:`LocalDocuments` of the documents ``cu`` (global cumulative lengths) over ranks whose
     positions are ``ranges[r]`` (``(global start, length)`` runs in the rank's local order; together
-    they cover ``0 .. N - 1`` once), or None where ``setting`` keeps none local: ``False``; no document
-    lies whole within a rank, or a rank's whole documents are not one run of its rows; ``"auto"`` where
-    the slowest rank's work (its local documents' plus ``1/P`` of the crossing ones') is more than
-    :data:`LOCAL_IMBALANCE` over the mean."""
+    they cover ``0 .. N - 1`` once), or None where ``setting`` keeps none local: ``False``, or no
+    document stays whole within a rank. ``"auto"``: the documents across ranks exchanged, and the
+    heaviest local document of the slowest rank after them, one at a time, while that rank's work
+    (its local documents' plus ``1/P`` of the exchanged ones') is more than :data:`LOCAL_IMBALANCE`
+    over the mean; ``"always"``: every document whole within a rank stays."""
     check_local_documents(setting)
     if setting is False:
         return None
-    found = _local(tuple(cu), tuple(tuple(map(tuple, mine)) for mine in ranges), bool(causal))
-    if found is None or (setting == "auto" and found.imbalance > LOCAL_IMBALANCE):
-        return None
-    return found
+    return _local(tuple(cu), tuple(tuple(map(tuple, mine)) for mine in ranges), bool(causal),
+                  LOCAL_IMBALANCE if setting == "auto" else None)
 
 
 def contiguous_ranges(n: int, p: int) -> list[list[tuple[int, int]]]:
@@ -96,37 +112,37 @@ def grid_part_ranges(layout, ulysses_size: int) -> list[list[tuple[int, int]]]:
 
 
 @functools.lru_cache(maxsize=16)
-def _local(cu: tuple, ranges: tuple, causal: bool) -> LocalDocuments | None:
+def _local(cu: tuple, ranges: tuple, causal: bool, target: float | None) -> LocalDocuments | None:
     runs = sorted((start, length, r, off) for r, mine in enumerate(ranges)
                   for start, length, off in _with_offsets(mine))
     starts = [x[0] for x in runs]
-    mine = [[] for _ in ranges]  # per rank: (local start, length) of its whole documents
-    crossing, cross_work = [], 0
+    p = len(ranges)
+    mine = [[] for _ in ranges]  # per rank: (work, local start, length, document) of its whole documents
+    exchanged, moved = [], 0
     for d, (a, b) in enumerate(zip(cu, cu[1:])):
         start, length, r, off = runs[bisect.bisect_right(starts, a) - 1]
         if b <= start + length:
-            mine[r].append((off + a - start, b - a))
+            mine[r].append((_work(b - a, causal), off + a - start, b - a, d))
         else:
-            crossing.append(d)
-            cross_work += _work(b - a, causal)
-    p = len(ranges)
-    work = [sum(_work(m, causal) for _, m in docs) + cross_work / p for docs in mine]
-    spans = []
-    for docs in mine:
-        docs.sort()
-        if not docs:
-            spans.append(None)
-            continue
-        lo, hi = docs[0][0], docs[-1][0] + docs[-1][1]
-        if sum(m for _, m in docs) != hi - lo:  # a crossing document's rows between: not one run of rows
-            return None
-        cu_local = [0]
-        for _, m in docs:
-            cu_local.append(cu_local[-1] + m)
-        spans.append((lo, hi, tuple(cu_local)))
-    if all(s is None for s in spans):
+            exchanged.append(d)
+            moved += _work(b - a, causal)
+    own = [sum(x[0] for x in docs) for docs in mine]
+    if target is not None:  # the slowest rank's heaviest documents go to the exchange while it is too slow
+        for docs in mine:
+            docs.sort(reverse=True)
+        mean = (sum(own) + moved) / p
+        while True:
+            r = max(range(p), key=own.__getitem__)
+            if not mine[r] or own[r] + moved / p <= target * mean:
+                break
+            w, _, _, d = mine[r].pop(0)
+            own[r] -= w
+            moved += w
+            exchanged.append(d)
+    if not any(mine):
         return None
-    return LocalDocuments(tuple(crossing), tuple(spans), tuple(work))
+    spans = tuple(tuple(sorted((off, m) for _, off, m, _ in docs)) for docs in mine)
+    return LocalDocuments(tuple(sorted(exchanged)), spans, tuple(w + moved / p for w in own))
 
 
 def _with_offsets(mine):

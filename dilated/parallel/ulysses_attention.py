@@ -17,8 +17,9 @@ repeated to the smallest count that ``P`` divides and that divides ``H`` (so eve
 reads its own kv head), which costs kv traffic but no extra attention work.
 
 Packed documents that lie whole within one rank's shard need no exchange: with ``local_documents``
-(default ``"auto"``: where that keeps the ranks' work balanced) a rank attends them where they lie,
-on all its heads, beside the exchange of the other documents (:mod:`dilated.parallel.local_documents`).
+(default ``"auto"``: all but the longest few where those would leave the ranks' work uneven) a
+rank attends them where they lie, on all its heads, beside the exchange of the other documents
+(:mod:`dilated.parallel.local_documents`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .document_groups import attend_by_document_groups, check_document_groups, groups_to_use
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
+from .document_layout import ranges_to_positions
 from .local_documents import check_local_documents, contiguous_ranges, local_documents
 from .sharding import CommStats, rank_and_size
 from ..functional import attention
@@ -79,10 +81,11 @@ class UlyssesAttention(nn.Module):
             number above 1; ``1``: not. ``"always"`` is not combined with ``head_groups`` above 1.
         local_documents: with packed documents, those that lie whole within one rank's shard attend
             there on all its heads, without an exchange; the others go through one exchange (no head
-            or document groups). ``"auto"`` (default): where the slowest rank's work stays within
-            :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` of the mean (on documents of one
-            length whose boundaries meet the shards': all of them, nothing exchanged); ``"always"``:
-            wherever one lies whole within a rank; ``False``: every document exchanged.
+            or document groups), beside that attention. ``"auto"`` (default): the longest of the
+            slowest rank's documents are exchanged too, one at a time, while its work is more than
+            :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` over the mean (on documents of
+            one length whose boundaries meet the shards': none, nothing moves); ``"always"``: every
+            document whole within a rank stays; ``False``: every document exchanged.
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
     """
@@ -140,14 +143,20 @@ class UlyssesAttention(nn.Module):
             cu_t = torch.tensor(cu, dtype=torch.int32)
             return attention(qg, kg, vg, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_t)
 
-        mine = local.spans[rank_and_size(self.group)[0]] if local else None
-        if local and not local.crossing:  # every document where it lies: nothing to exchange
-            return attend_documents(q, k, v, mine[2])
+        mine = None
+        if local:
+            rank = rank_and_size(self.group)[0]
+            if not local.exchanged:  # every document where it lies: nothing to exchange
+                return attend_documents(q, k, v, local.local_cu(rank))
+            if local.spans[rank]:
+                rows = local.local_rows(rank)
+                mine = (rows if isinstance(rows, slice) else ranges_to_positions(*rows, q.device),
+                        local.local_cu(rank))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
         if local or by_docs:
             return attend_by_document_groups(q, k, v, attend_documents, cu=docs,
-                                             groups=[list(local.crossing)] if local else by_docs, group=self.group,
+                                             groups=[list(local.exchanged)] if local else by_docs, group=self.group,
                                              stats=self.stats, local=mine)
 
         def attend(qh, kh, vh):

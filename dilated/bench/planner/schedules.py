@@ -378,33 +378,33 @@ class Model:
     def _ulysses_local(self, problem: Problem, ranks: list[int], kept) -> _Timeline:
         """Ulysses with documents that stay where they lie (``kept``, a
         :class:`~dilated.parallel.local_documents.LocalDocuments`): each rank attends its own on all
-        its heads while the crossing documents' q, k and v rows move (one exchange each), then the
-        crossing documents on its share of the heads, then their output goes back (backward: the
+        its heads while the exchanged documents' q, k and v rows move (one exchange each), then the
+        exchanged documents on its share of the heads, then their output goes back (backward: the
         output gradient in, the q, k, v gradients back); an exchange takes the time of the rank with
-        the most crossing rows. Without crossing documents nothing moves."""
+        the most exchanged rows. Without exchanged documents nothing moves."""
         p, cu = len(ranks), list(problem.cu_seqlens())
         b, d, h = problem.batch, problem.head_dim, problem.heads
-        hkv = kv_heads_for(h, problem.kv_heads, p) if kept.crossing else problem.kv_heads
-        q_ms = kv_ms = cross_rows = 0.0
-        if kept.crossing:
-            spans, cu_x = group_spans(cu, kept.crossing, p)
-            rows = [sum(m for _, m in mine) for mine in spans]
-            cross_rows = max(rows)
-            q_ms = self.network.all_to_all_ms(b * cross_rows * h * d * ELEM, ranks)
-            kv_ms = self.network.all_to_all_ms(b * cross_rows * hkv * d * ELEM, ranks)
+        moved = kept.exchanged
+        hkv = kv_heads_for(h, problem.kv_heads, p) if moved else problem.kv_heads
+        q_ms = kv_ms = most = 0.0
+        if moved:
+            spans, cu_x = group_spans(cu, moved, p)
+            most = max(sum(m for _, m in mine) for mine in spans)
+            q_ms = self.network.all_to_all_ms(b * most * h * d * ELEM, ranks)
+            kv_ms = self.network.all_to_all_ms(b * most * hkv * d * ELEM, ranks)
         time = compute = sent = 0.0
         for mode in (("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)):
-            cross = (self.kernels.documents_ms(cu_x, b, h // p, hkv // p, d, problem.causal, mode)
-                     if kept.crossing else 0.0)
+            cross = self.kernels.documents_ms(cu_x, b, h // p, hkv // p, d, problem.causal, mode) if moved else 0.0
             ins, outs = (q_ms + 2 * kv_ms, q_ms) if mode == "fwd" else (q_ms, q_ms + 2 * kv_ms)
             times, computes = [], []
-            for span in kept.spans:
-                own = self.kernels.documents_ms(span[2], b, h, hkv, d, problem.causal, mode) if span else 0.0
-                times.append(max(own, ins) + cross + outs if kept.crossing else own)
+            for r in range(p):
+                own = (self.kernels.documents_ms(kept.local_cu(r), b, h, hkv, d, problem.causal, mode)
+                       if kept.spans[r] else 0.0)
+                times.append(max(own, ins) + cross + outs if moved else own)
                 computes.append(own + cross)
             time, compute = time + max(times), compute + max(computes)
-            sent += 2 * b * cross_rows * (h + hkv) * d * ELEM * (p - 1) / p
-        return _Timeline(time, compute, sent, 2 * b * cross_rows * (h + hkv) * d * ELEM)
+            sent += 2 * b * most * (h + hkv) * d * ELEM * (p - 1) / p
+        return _Timeline(time, compute, sent, 2 * b * most * (h + hkv) * d * ELEM)
 
     def _ulysses_by_documents(self, problem: Problem, ranks: list[int]) -> _Timeline:
         """Ulysses pipelined by groups of packed documents (:mod:`dilated.parallel.document_groups`):
@@ -449,7 +449,7 @@ class Model:
             cu = problem.cu_seqlens()
             kept = local_documents(local, cu, grid_part_ranges(DocumentLayout.balance(cu, r, problem.causal), u),
                                    problem.causal)
-            if kept is not None and not kept.crossing:  # every rank its own documents, nothing moves
+            if kept is not None and not kept.exchanged:  # every rank its own documents, nothing moves
                 return self._ulysses_local(problem, list(range(u * r)), kept)
 
         def ring(heads, kv_heads, mode):
