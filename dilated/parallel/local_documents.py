@@ -11,8 +11,10 @@ exchanged documents' (the exchange balances by heads; the local documents by whe
 :func:`local_documents` with ``"auto"`` therefore exchanges, besides the documents that cross ranks,
 the heaviest documents of the slowest rank, one at a time, until the slowest rank's work is within
 :data:`LOCAL_IMBALANCE` of the mean: the few long documents that unbalance a mix move, the many
-short ones stay. ``"always"`` keeps every document that lies whole within a rank where it is;
-``False`` exchanges them all.
+short ones stay; where that leaves more than :data:`MOST_EXCHANGED` of the rows to exchange, it
+keeps none local (the exchange of every document, pipelined by document groups where they pay,
+hides more). ``"always"`` keeps every document that lies whole within a rank where it is; ``False``
+exchanges them all.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 
 #: ``"auto"`` exchanges the slowest rank's heaviest documents until its work is at most this over the mean
 LOCAL_IMBALANCE = 1.02
+
+#: ``"auto"`` keeps documents local only where at most this share of the rows is exchanged
+MOST_EXCHANGED = 0.5
 
 SETTINGS = (False, "auto", "always")
 
@@ -79,12 +84,18 @@ def local_documents(setting, cu, ranges, causal: bool) -> LocalDocuments | None:
     document stays whole within a rank. ``"auto"``: the documents across ranks exchanged, and the
     heaviest local document of the slowest rank after them, one at a time, while that rank's work
     (its local documents' plus ``1/P`` of the exchanged ones') is more than :data:`LOCAL_IMBALANCE`
-    over the mean; ``"always"``: every document whole within a rank stays."""
+    over the mean, and None where that exchanges more than :data:`MOST_EXCHANGED` of the rows;
+    ``"always"``: every document whole within a rank stays."""
     check_local_documents(setting)
     if setting is False:
         return None
-    return _local(tuple(cu), tuple(tuple(map(tuple, mine)) for mine in ranges), bool(causal),
-                  LOCAL_IMBALANCE if setting == "auto" else None)
+    cu = tuple(cu)
+    found = _local(cu, tuple(tuple(map(tuple, mine)) for mine in ranges), bool(causal),
+                   LOCAL_IMBALANCE if setting == "auto" else None)
+    if setting == "auto" and found is not None and \
+            sum(cu[d + 1] - cu[d] for d in found.exchanged) > MOST_EXCHANGED * cu[-1]:
+        return None
+    return found
 
 
 def contiguous_ranges(n: int, p: int) -> list[list[tuple[int, int]]]:

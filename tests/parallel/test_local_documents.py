@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from dilated.parallel.local_documents import LOCAL_IMBALANCE, contiguous_ranges, local_documents
+from dilated.parallel.local_documents import LOCAL_IMBALANCE, MOST_EXCHANGED, contiguous_ranges, local_documents
 
 
 def _by_position(cu, ranges, causal):
@@ -61,6 +61,7 @@ def test_local_documents_match_a_count_over_every_position(seed):
     auto = local_documents("auto", cu, ranges, causal)
     if auto is None:
         return
+    assert sum(cu[d + 1] - cu[d] for d in auto.exchanged) <= MOST_EXCHANGED * n
     assert set(crossing) <= set(auto.exchanged)
     starts = {cu[d] for d in auto.exchanged}
     kept = [[(a, m) for a, m in sorted(mine) if _global(ranges[r], a) not in starts] for r, mine in enumerate(whole)]
@@ -106,3 +107,18 @@ def test_auto_exchanges_the_long_document_that_unbalances_a_shard():
     assert got.local_rows(0) == ([0, 4, 40, 44], [4, 4, 4, 4]) and got.local_rows(1) == slice(0, 48)
     assert got.imbalance < LOCAL_IMBALANCE
     assert local_documents("always", cu, contiguous_ranges(96, 2), True).exchanged == ()
+
+
+@pytest.mark.parametrize("spec, n, kept", [
+    ("lognormal:1k,1.0", 1 << 18, True),   # a few long documents exchanged, a quarter of the rows
+    ("lognormal:1k,1.0", 1 << 20, True),
+    ("lognormal:8k,1.0", 1 << 20, True),   # 43% of the rows
+    ("lognormal:8k,1.0", 1 << 18, False),  # balance would exchange 80% of the rows: every document goes
+    ("fixed:8k", 1 << 18, True),           # nothing exchanged
+])
+def test_auto_keeps_documents_local_only_where_at_most_half_the_rows_move(spec, n, kept):
+    """Ulysses' "auto" at P=4 on the mixes measured both ways: local documents where they were faster
+    than every document exchanged, none where the document groups were (docs/performance-log.md)."""
+    from dilated.bench.documents import cu_seqlens_of
+
+    assert (local_documents("auto", cu_seqlens_of(spec, n), contiguous_ranges(n, 4), True) is not None) == kept
