@@ -19,6 +19,7 @@ call of it (:meth:`KernelModel.varlen_ms`).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 
 from ...packed import document_calls, split_small_calls
@@ -87,14 +88,30 @@ class KernelModel:
                 (p.batch * p.length * p.heads, rate))
         self._table = {key: {n: sorted(pts) for n, pts in by_len.items()} for key, by_len in table.items()}
         # (d, ratio, causal, mode) -> what a documents call costs beyond its kernel: (ms per call, ms
-        # per element of q, k, v and out in batched calls: the gathers into them and the scatters back)
-        mixes = defaultdict(list)
+        # per element of q, k, v and out in batched calls: the gathers into them and the scatters back),
+        # and what the one call of small documents takes over its modelled kernel time (a factor, read
+        # off the mixes whose small call is most of their kernel time)
+        self._extra, self._small_factor = {}, {}
+        mixes, shorts = defaultdict(list), defaultdict(list)
         for p in calibration.documents:
             key = (p.head_dim, p.heads // p.kv_heads, p.causal, p.mode)
-            kernels, calls, rows = self._documents(p.cu, 1, p.heads, p.kv_heads, p.head_dim, p.causal, p.mode)
-            elements = _elements(rows, p.heads, p.kv_heads, p.head_dim)
-            mixes[key].append((tuple(p.cu), calls, elements, max(0.0, p.ms - kernels)))
-        self._extra = {key: _per_call_and_element(points) for key, points in mixes.items()}
+            big, small, calls, rows = self._documents_parts(p.cu, 1, p.heads, p.kv_heads, p.head_dim, p.causal,
+                                                            p.mode)
+            point = (tuple(p.cu), big, small, calls, _elements(rows, p.heads, p.kv_heads, p.head_dim), p.ms)
+            (shorts if small > big else mixes)[key].append(point)
+        for key in mixes:
+            factor = 1.0
+            for _ in range(100):  # the two depend on each other: alternate until they settle
+                self._extra[key] = _per_call_and_element(
+                    [(cu, c, e, max(0.0, ms - big - factor * small)) for cu, big, small, c, e, ms in mixes[key]])
+                if not shorts.get(key):
+                    break
+                per_call, per_element = self._extra[key]
+                last, factor = factor, statistics.median(max(0.0, ms - big - c * per_call - e * per_element) / small
+                                                         for _, big, small, c, e, ms in shorts[key])
+                if abs(factor - last) < 1e-9:
+                    break
+            self._small_factor[key] = factor
 
     def _points(self, head_dim: int, ratio: int, causal: bool, mode: str):
         key = (head_dim, ratio, causal, mode)
@@ -206,13 +223,25 @@ class KernelModel:
 
     def _documents(self, cu, batch, heads, kv_heads, head_dim, causal, mode) -> tuple[float, int, int]:
         """``(kernel ms, calls, rows in batched calls)`` of packed documents ``cu`` in the library's calls."""
+        big, small, calls, rows = self._documents_parts(cu, batch, heads, kv_heads, head_dim, causal, mode)
+        return big + small * self._factor(head_dim, heads // kv_heads, causal, mode), calls, rows
+
+    def _factor(self, head_dim: int, ratio: int, causal: bool, mode: str) -> float:
+        """What the call of small documents takes over its modelled kernel time (1 where not calibrated)."""
+        keys = [k for k in self._small_factor if k[0] == head_dim and k[2] == causal
+                and k[3] == ("fwd_bwd" if mode == "bwd" else mode)]
+        return self._small_factor[min(keys, key=lambda k: abs(math.log(k[1] / ratio)))] if keys else 1.0
+
+    def _documents_parts(self, cu, batch, heads, kv_heads, head_dim, causal, mode):
+        """``(batched calls' kernel ms, the small documents' call's modelled kernel ms, calls, rows in
+        batched calls)`` of packed documents ``cu`` in the library's calls."""
         cu = list(cu)
         if len(cu) <= 2:
             n = cu[-1] - cu[0] if cu else 0
-            return self.call_ms(n, n, batch, heads, kv_heads, head_dim, causal, mode), 0, 0
+            return self.call_ms(n, n, batch, heads, kv_heads, head_dim, causal, mode), 0.0, 0, 0
         if self.varlen_documents:  # one call of the varlen kernel (dilated.parallel.document_calls)
             return self.varlen_ms([b - a for a, b in zip(cu, cu[1:])], batch, heads, kv_heads, head_dim, causal,
-                                  mode), 1, 0
+                                  mode), 0.0, 1, 0
         big, small = split_small_calls(document_calls(cu, causal), heads, head_dim, causal)
         ms = sum(self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, causal, mode)
                  for length, docs in big)
@@ -220,13 +249,14 @@ class KernelModel:
             rows = batch * max(length * len(docs) for length, docs in big)
             per_row = (2 if mode == "fwd" else 4) * (heads + kv_heads) * head_dim * ELEM
             self.peak_bytes = max(self.peak_bytes, rows * per_row)
+        small_ms = 0.0
         if small:  # one varlen call: its FLOPs at the rate of its documents' mean length, all rows at once
             rows = sum(m for _, m in small)
             flops = sum(call_flops(batch, m, m, heads, head_dim, causal) for _, m in small)
             mean = max(1, round(rows / len(small)))
             one = self.call_ms(mean, mean, batch * len(small), heads, kv_heads, head_dim, causal, mode)
-            ms += flops * one / call_flops(batch * len(small), mean, mean, heads, head_dim, causal)
-        return ms, len(big) + (1 if small else 0), batch * sum(length * len(docs) for length, docs in big)
+            small_ms = flops * one / call_flops(batch * len(small), mean, mean, heads, head_dim, causal)
+        return ms, small_ms, len(big) + (1 if small else 0), batch * sum(length * len(docs) for length, docs in big)
 
     def documents_ms(self, cu, batch: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
                      mode: str) -> float:

@@ -9,9 +9,10 @@ holds, taken on the GPUs at hand.
   links between nodes that ``plan --inter-node-calibration`` reads): send/recv round the ring, copy-engine pulls
   from the previous rank's memory where symmetric memory works, all-to-all, all-gather and
   reduce-scatter, 64 KiB .. 1 GiB per rank; each point is the slowest rank's median.
-* Local calls on packed documents (a mix of 512 .. 16K-row documents, each length its own call, and
-  16 documents of 8K rows in one call): what the documents path costs beyond its kernels, per call
-  and per row.
+* Local calls on packed documents (a mix of 512 .. 16K-row documents, each length its own call, 16
+  documents of 8K rows in one call, and a mix of 64 .. 2K-row documents, which the library runs in
+  one varlen call for calls too small to fill the GPU): what the documents path costs beyond its
+  kernels, per call and per row, and what its call of small documents takes beyond the model.
 * Decode steps (:func:`dilated.decode_attention`, one query token) on one GPU alone and on the
   launched ranks together, per batch and cached rows per rank.
 * Calls of the sequence-parallel strategies on the launched ranks (:data:`STRATEGIES`, at
@@ -227,9 +228,23 @@ def one_length_mix(length: int = 8192, count: int = 16) -> tuple:
     return tuple(range(0, length * count + 1, length))
 
 
+def short_mix(shortest: int = 64, longest: int = 2048, times: int = 4) -> tuple:
+    """Cumulative lengths of short documents, ``shortest`` up to ``longest`` rows, each length 1.3x the
+    last, ``times`` over: calls too small to fill the GPU, which ``auto`` runs as one call of torch's
+    varlen kernel (:func:`dilated.packed.split_small_calls`)."""
+    lengths, m = [], shortest
+    while m <= longest:
+        lengths.append(m)
+        m = int(m * 1.3) // 8 * 8
+    cu = [0]
+    for m in lengths * times:
+        cu.append(cu[-1] + m)
+    return tuple(cu)
+
+
 def measure_documents(shapes, device, backend: str, reps: int = 10, log=print) -> list[DocumentPoint]:
     points = []
-    for cu in (document_mix(), one_length_mix()):
+    for cu in (document_mix(), one_length_mix(), short_mix()):
         for shape in shapes:
             for mode in ("fwd", "fwd_bwd"):
                 for causal in (True, False):

@@ -84,6 +84,31 @@ def test_two_mixes_part_the_documents_paths_cost_per_call_from_its_cost_per_row(
     assert single.per_call_ms(128, 4, False, "fwd") == pytest.approx(per, rel=1e-9)
 
 
+def test_the_small_documents_call_is_scaled_by_what_the_calibrated_short_mix_took():
+    """Mixes of many calls, of one call and of short documents (one call of the small ones, which the
+    library runs on torch's varlen kernel): with that call taking 1.6x its modelled kernel time, the
+    factor, the cost per call and per element are all recovered (they depend on each other), and a
+    mix of other short documents is predicted from them."""
+    from dilated.bench.planner.measure import document_mix, one_length_mix, short_mix
+
+    per_call, per_element, factor = 0.3, 2e-9, 1.6
+    bare = KernelModel(calibration())
+
+    def timed(cu):
+        big, small, calls, rows = bare._documents_parts(cu, 1, 32, 8, 128, True, "fwd")
+        return DocumentPoint(32, 8, 128, True, "fwd", cu, big + factor * small + calls * per_call
+                             + rows * (2 * 32 + 2 * 8) * 128 * per_element)
+
+    km = KernelModel(calibration(documents=[timed(document_mix()), timed(one_length_mix()), timed(short_mix())]))
+    assert km._factor(128, 4, True, "fwd") == pytest.approx(factor, rel=1e-3)
+    assert km.per_call_ms(128, 4, True, "fwd") == pytest.approx(per_call, rel=1e-3)
+    other = short_mix(shortest=100, longest=1500, times=3)
+    assert km.documents_ms(other, 1, 32, 8, 128, True, "fwd") == pytest.approx(timed(other).ms, rel=1e-3)
+    # without a short mix the small call is taken as modelled
+    two = KernelModel(calibration(documents=[timed(document_mix()), timed(one_length_mix())]))
+    assert two._factor(128, 4, True, "fwd") == 1.0
+
+
 def test_crossing_rectangles_are_one_dense_call_each_without_a_varlen_kernel():
     km = KernelModel(calibration())
     cu_q, cu_k = (0, 1000, 3000), (0, 5000, 9000)
