@@ -140,13 +140,13 @@ def _local(cu: tuple, ranges: tuple, causal: bool, target: float | None) -> Loca
     own = [sum(x[0] for x in docs) for docs in mine]
     if target is not None:  # the slowest rank's heaviest documents go to the exchange while it is too slow
         for docs in mine:
-            docs.sort(reverse=True)
+            docs.sort()  # the heaviest last
         mean = (sum(own) + moved) / p
         while True:
             r = max(range(p), key=own.__getitem__)
             if not mine[r] or own[r] + moved / p <= target * mean:
                 break
-            w, _, _, d = mine[r].pop(0)
+            w, _, _, d = mine[r].pop()
             own[r] -= w
             moved += w
             exchanged.append(d)
