@@ -5,7 +5,9 @@ head split one group of documents at a time. :func:`attend_by_document_groups` i
 input exchange at once (each rank sends the rows of its shard that belong to the group's documents,
 to every rank its heads); group ``g`` attends while later groups' rows arrive and group ``g - 1``'s
 output goes back, so only the first group's inputs and the last group's output are waited for.
-Backward mirrors it. Unlike head groups (:mod:`dilated.parallel.head_groups`), a group's attention
+Backward mirrors it. Documents a rank keeps where they lie (:mod:`dilated.parallel.local_documents`)
+attend in the same call on all its heads, issued after the input exchanges so that they run beside
+them, and need no exchange. Unlike head groups (:mod:`dilated.parallel.head_groups`), a group's attention
 holds all of the rank's heads: the kernel calls are about the ones of one exchange (a length's
 batched call split where a group boundary falls inside it).
 
@@ -183,6 +185,7 @@ def _take_rows(x: torch.Tensor, rows) -> torch.Tensor:
 
 
 def _put_rows(dst: torch.Tensor, rows, x: torch.Tensor) -> None:
+    """Write ``x`` into rows ``rows`` (a slice or an index tensor) of ``dst`` ``[B, n, ...]``."""
     if isinstance(rows, slice):
         dst[:, rows] = x
     else:
@@ -271,8 +274,8 @@ def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cumulative lengths. ``local``: ``(rows, cu_local)``, rows of this rank's shard (a slice or an
     index tensor) whose documents (cumulative lengths ``cu_local``, packed in that order) it attends
     where they lie on all its heads, issued after the groups' input exchanges so that they run
-    beside them. Every document is in exactly one group or
-    in some rank's ``local``. Returns this rank's ``[B, N/P, H, D]``."""
+    beside them. Every document is in exactly one group or in some rank's ``local``. Returns this
+    rank's ``[B, N/P, H, D]``."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     rgs = row_groups(cu, groups, rank, p, q.device)
     call = DocumentGroupCall(attend, rgs, group, stats, local)
