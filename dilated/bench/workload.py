@@ -84,8 +84,7 @@ def kept_local(case, p: int, layout: str, setting):
     """The :class:`~dilated.parallel.local_documents.LocalDocuments` a Ulysses (``layout``
     ``"contiguous"``) or hybrid-on-documents (``"hybrid_documents"``) module of ``local_documents=setting``
     runs the case's documents with on ``p`` ranks, or None where it exchanges every document."""
-    from dilated import DocumentLayout
-    from dilated.parallel.local_documents import contiguous_ranges, grid_part_ranges, local_documents
+    from dilated.parallel.local_documents import contiguous_ranges, grid_local_documents, local_documents
 
     from .documents import cu_seqlens_of
 
@@ -95,11 +94,7 @@ def kept_local(case, p: int, layout: str, setting):
     if layout == "contiguous":
         return local_documents(setting, cu, contiguous_ranges(case.seq_len, p), case.causal)
     u = ulysses_size_for(p, case.num_heads)
-    if u is None:
-        return None
-    kept = local_documents(setting, cu, grid_part_ranges(DocumentLayout.balance(cu, p // u, case.causal), u),
-                           case.causal)
-    return kept if kept is not None and not kept.exchanged else None  # the hybrid keeps all or none
+    return None if u is None else grid_local_documents(setting, cu, p // u, u, case.causal)
 
 
 def imbalance(work: list[float] | None) -> float | None:

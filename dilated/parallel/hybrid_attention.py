@@ -28,7 +28,7 @@ from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, shard, unshard
 from .document_layout import DocumentLayout
-from .local_documents import check_local_documents, grid_part_ranges, local_documents
+from .local_documents import check_local_documents, grid_local_documents
 from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
@@ -129,9 +129,10 @@ class HybridAttention(nn.Module):
         own = None
         if docs is not None and self.layout == "documents":
             layout = layout or self.document_layout(docs)
-            own = local_documents(self.local_documents, docs, grid_part_ranges(layout, self.ulysses_size), self.causal)
-            own = (own.local_cu(self.ring_rank * self.ulysses_size + self.ulysses_rank), layout) \
-                if own and not own.exchanged else None
+            own = grid_local_documents(self.local_documents, docs, self.ring_size, self.ulysses_size, self.causal,
+                                       layout)
+            own = None if own is None else (own.local_cu(self.ring_rank * self.ulysses_size + self.ulysses_rank),
+                                            layout)
         return (hkv, groups, own), signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout,
                                              algorithm="hybrid", grid=[self.ring_size, self.ulysses_size],
                                              documents=docs, head_groups=groups, local_documents=own is not None)

@@ -22,6 +22,8 @@ import bisect
 import functools
 from dataclasses import dataclass
 
+from .document_layout import DocumentLayout
+
 #: ``"auto"`` exchanges the slowest rank's heaviest documents until its work is at most this over the mean
 LOCAL_IMBALANCE = 1.02
 
@@ -120,6 +122,17 @@ def grid_part_ranges(layout, ulysses_size: int) -> list[list[tuple[int, int]]]:
                 start, left, at = start + take, left - take, at + take
         out.extend(parts)
     return out
+
+
+def grid_local_documents(setting, cu, ring_size: int, ulysses_size: int, causal: bool,
+                         layout: DocumentLayout | None = None) -> LocalDocuments | None:
+    """What :class:`~dilated.HybridAttention` on the documents' layout (``layout``, default the
+    :class:`~dilated.DocumentLayout` of ``cu`` over ``ring_size`` rows) keeps where it lies: every
+    document (each rank its own, nothing moves) where :func:`local_documents` would exchange none,
+    else None (the hybrid keeps all or none)."""
+    layout = layout or DocumentLayout.balance(cu, ring_size, causal)
+    kept = local_documents(setting, cu, grid_part_ranges(layout, ulysses_size), causal)
+    return kept if kept is not None and not kept.exchanged else None
 
 
 @functools.lru_cache(maxsize=16)

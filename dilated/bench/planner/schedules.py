@@ -42,7 +42,7 @@ from ...parallel.document_groups import document_groups_for, group_spans, groups
 from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
-from ...parallel.local_documents import contiguous_ranges, grid_part_ranges, local_documents
+from ...parallel.local_documents import contiguous_ranges, grid_local_documents, local_documents
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
@@ -446,10 +446,8 @@ class Model:
                 local: bool | str = False) -> _Timeline:
         column = [i * u for i in range(r)]
         if ring_layout == "documents" and local and problem.has_documents:
-            cu = problem.cu_seqlens()
-            kept = local_documents(local, cu, grid_part_ranges(DocumentLayout.balance(cu, r, problem.causal), u),
-                                   problem.causal)
-            if kept is not None and not kept.exchanged:  # every rank its own documents, nothing moves
+            kept = grid_local_documents(local, problem.cu_seqlens(), r, u, problem.causal)
+            if kept is not None:  # every rank its own documents, nothing moves
                 return self._ulysses_local(problem, list(range(u * r)), kept)
 
         def ring(heads, kv_heads, mode):
