@@ -29,10 +29,18 @@ class _Timed(Backend):
         return _REGISTRY["manual"].backward(*args)
 
 
+def _by_delay(backend, q, k, v, dout, causal):
+    """A candidate's time as its delay, after one call: which one wins is given, not left to the
+    noise of a loaded host (``_time_ms`` itself is tested on its own)."""
+    backend.forward(q, k, v, causal, q.shape[-1] ** -0.5)
+    return backend.delay_s * 1e3
+
+
 @pytest.fixture
 def measured(monkeypatch, tmp_path):
     """Measuring on CPU, a fresh disk cache; two registered backends, the slow one first in the order."""
     monkeypatch.setattr(auto, "MEASURED_DEVICES", {"cpu"})
+    monkeypatch.setattr(auto, "_time_ms", _by_delay)
     monkeypatch.setattr(auto, "ROWS_TIMED", 256)  # a small device-filling batch: the delays decide, not the work
     monkeypatch.setenv("DILATED_AUTO_CACHE", str(tmp_path / "auto.json"))
     monkeypatch.delenv("DILATED_AUTO", raising=False)
@@ -58,6 +66,16 @@ def test_auto_takes_the_fastest_not_the_first_and_remembers_it(measured, gen):
     assert all(key[1] == ["slow_for_test", "fast_for_test"] and key[2]["nq"] == 64 and key[2]["causal"] is False
                for key in keys)
     assert sorted(key[2]["batch"] for key in keys) == [1, auto.ROWS_TIMED // 64]
+
+
+def test_a_timing_is_the_median_of_its_repetitions_after_warm_up(gen):
+    """Each call sleeps 20 ms: every repetition is at least that, so the median is too, whatever
+    the host's load; the warm-up calls run but are not timed."""
+    timed = _Timed("timed_for_test", 0.02)
+    q = rand(1, 64, 2, 16, gen=gen)
+    ms = auto._time_ms(timed, q, q, q, None, False)
+    assert timed.calls == auto.WARMUP + auto.REPS
+    assert 20.0 <= ms < 20.0 * auto.REPS  # one call's time, not the sum of the repetitions
 
 
 def test_the_disk_cache_answers_a_new_process(measured, gen):
