@@ -115,7 +115,7 @@ def _rank_plan(layout: DocumentLayout, rank: int) -> RankPlan:
             k_starts.append(slot)
             k_lengths.append(count)
         cu_k.append(cu_k[-1] + sum(count for _, count in runs))
-    mine = layout.pieces[rank]
+    mine = layout.pieces_of(rank)
     local_cu = tuple(itertools.accumulate(map(operator.itemgetter(2), mine), initial=0))
     send = ranges_to_positions([off for _, off in sent[rank]], [x.length for x, _ in sent[rank]])
     return RankPlan(local_cu, send, rows if p > 1 else 0, ranges_to_positions(q_starts, q_lengths),

@@ -16,9 +16,11 @@ holding exactly ``N / P`` positions:
 
 The layout tries cutting the ``k`` documents of most work head-tail for ``k = 0, 1, 2, 4, ...``
 and keeps the first whose slowest rank is within :data:`TARGET_IMBALANCE` of the mean (else the
-most balanced it found); documents shorter than ``2P`` x :data:`MIN_PIECE` are cut head-tail
-only where no layout without them comes within :data:`ACCEPTABLE_IMBALANCE` of the mean (pieces
-that small waste a kernel's tiles; halving the smallest piece allowed until one does).
+most balanced it found; a ``k`` that surely misses, its longest whole document alone lifting a
+rank above the target, or a rank above it while the documents are assigned, is given up at once);
+documents shorter than ``2P`` x :data:`MIN_PIECE` are cut head-tail only where no layout without
+them comes within :data:`ACCEPTABLE_IMBALANCE` of the mean (pieces that small waste a kernel's
+tiles; halving the smallest piece allowed until one does).
 
 Each rank holds its pieces in sequence order. :meth:`DocumentLayout.positions` is a rank's
 global positions (what :func:`dilated.shard` takes); a document with pieces on several ranks is
@@ -28,6 +30,7 @@ it beside its batch.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -69,17 +72,22 @@ def _work(length: int, causal: bool) -> int:
     return length * (length + 1) // 2 if causal else length * length
 
 
-def _head_tail(a: int, length: int, p: int, turn: int) -> list[list[Piece]]:
-    """Document ``[a, a + length)`` cut into ``2P`` pieces, rank r taking pieces r and 2P-1-r; the
-    positions left over by ``length / P`` go one each to ranks ``turn, turn + 1, ...`` (mod P)."""
-    share = [length // p + (1 if (r - turn) % p < length % p else 0) for r in range(p)]
-    sizes = [share[r] // 2 for r in range(p)] + [share[r] - share[r] // 2 for r in reversed(range(p))]
-    pieces, at = [[] for _ in range(p)], a
-    for i, size in enumerate(sizes):
-        if size:
-            pieces[i if i < p else 2 * p - 1 - i].append(Piece(-1, at, size, a, a + length))
-        at += size
-    return pieces
+def _head_tail(a: int, length: int, p: int, turn: int) -> list[tuple[int, int, int]]:
+    """Document ``[a, a + length)`` cut into ``2P`` pieces, rank r taking pieces r and 2P-1-r, as
+    ``(rank, start, length)`` in sequence order (empty pieces left out); the positions left over by
+    ``length / P`` go one each to ranks ``turn, turn + 1, ...`` (mod P)."""
+    base, extra = divmod(length, p)
+    share = [base + ((r - turn) % p < extra) for r in range(p)]
+    out, at = [], a
+    for r in range(p):  # the heads
+        if share[r] // 2:
+            out.append((r, at, share[r] // 2))
+            at += share[r] // 2
+    for r in reversed(range(p)):  # the tails
+        if share[r] - share[r] // 2:
+            out.append((r, at, share[r] - share[r] // 2))
+            at += share[r] - share[r] // 2
+    return out
 
 
 def _least_loaded_with_room(load: list, room: list, length: int) -> int:
@@ -91,48 +99,89 @@ def _least_loaded_with_room(load: list, room: list, length: int) -> int:
     return best
 
 
-def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[tuple, list[int]]:
-    """Every rank's documents and work: the documents in ``cut`` head-tail, the others whole by work
-    (largest first, to the least-loaded rank with room), the rest cut at the ranks' remaining room.
-    Returns ``((whole, pieces), work)``: the documents each rank holds whole (indices) and its other
-    :class:`Piece` s; :func:`_pieces` makes them one list per rank (once, for the layout kept)."""
+class _Documents(NamedTuple):
+    """What every pass of the search shares: the documents' work and the order in which they are
+    assigned whole."""
+
+    work: list
+    #: ``(length, work, document)``, longest first, ties in document order
+    in_order: list
+
+
+def _documents(cu: tuple, causal: bool) -> _Documents:
+    lengths = list(map(operator.sub, cu[1:], cu))
+    work = [m * (m + 1) // 2 for m in lengths] if causal else [m * m for m in lengths]
+    # a stable sort keeps ties in document order, reversed too
+    return _Documents(work, sorted(zip(lengths, work, range(len(lengths))), key=operator.itemgetter(0), reverse=True))
+
+
+def _cut_head_tail(cu: tuple, p: int, causal: bool, cut: set, with_pieces: bool = True) -> tuple[list, list, list]:
+    """``(pieces, room, load)``: the documents in ``cut`` cut head-tail, every rank's pieces of them
+    (None unless ``with_pieces``), the positions it has left and its work."""
     room, load = [cu[-1] // p] * p, [0] * p
-    pieces = [[] for _ in range(p)]
+    pieces = [[] for _ in range(p)] if with_pieces else None
+    make = tuple.__new__
     turn = 0
     for d in sorted(cut):
         a, b = cu[d], cu[d + 1]
-        for r, mine in enumerate(_head_tail(a, b - a, p, turn)):
-            for piece in mine:
-                pieces[r].append(Piece(d, piece.start, piece.length, a, b))
-                room[r] -= piece.length
-                load[r] += piece.work(causal)
+        for r, start, m in _head_tail(a, b - a, p, turn):
+            if with_pieces:
+                pieces[r].append(make(Piece, (d, start, m, a, b)))
+            room[r] -= m
+            load[r] += m * (start - a) + m * (m + 1) // 2 if causal else m * (b - a)
         turn = (turn + (b - a) % p) % p
-    lengths = list(map(operator.sub, cu[1:], cu))
-    # longest first, ties in document order (a stable sort keeps it, reversed too)
-    whole = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    return pieces, room, load
+
+
+def _cannot_balance(cu: tuple, p: int, causal: bool, cut: set, docs: _Documents, total: int) -> bool:
+    """Whether cutting ``cut`` head-tail surely leaves a rank above :data:`TARGET_IMBALANCE`: the
+    longest document left whole goes to a rank with room for it, whose work is then at least the
+    least among those ranks' plus the document's."""
+    longest = next((x for x in docs.in_order if x[2] not in cut), None)
+    if longest is None:
+        return False
+    m, work, _ = longest
+    _, room, load = _cut_head_tail(cu, p, causal, cut, with_pieces=False)
+    fits = [w for w, free in zip(load, room) if free >= m]
+    return bool(fits) and (min(fits) + work) / (total / p) > TARGET_IMBALANCE
+
+
+def _assign(cu: tuple, p: int, causal: bool, cut: set, docs: _Documents,
+            above: float | None = None) -> tuple[tuple, list[int]] | None:
+    """Every rank's documents and work: the documents in ``cut`` head-tail, the others whole by work
+    (largest first, to the least-loaded rank with room), the rest cut at the ranks' remaining room.
+    Returns ``((whole, pieces), work)``: the documents each rank holds whole (indices) and its other
+    :class:`Piece` s; None as soon as a rank's work over the mean is above ``above`` (work only grows)."""
+    pieces, room, load = _cut_head_tail(cu, p, causal, cut)
+    mean = sum(docs.work) / p
+    limit = float("inf") if above is None else above * mean * (1 - 1e-12)  # checked exactly when passed
     left, mine = [], [[] for _ in range(p)]  # documents each rank takes whole
     ranks = [(load[r], r) for r in range(p) if room[r]]  # a heap of (work, rank) of the ranks with room
     heapq.heapify(ranks)
+    # ranks of less work without room for the document at hand, by room (most first): documents come
+    # longest first, so one comes back only once a document fits its room, not at every document
+    parked = []
     heappop, heapreplace, heappush = heapq.heappop, heapq.heapreplace, heapq.heappush
-    for d in whole if not cut else [d for d in whole if d not in cut]:
-        m = lengths[d]
-        skipped = None  # ranks of less work without room for this document (a shorter one may fit)
+    for m, work, d in docs.in_order if not cut else [x for x in docs.in_order if x[2] not in cut]:
+        while parked and -parked[0][0] >= m:
+            _, w, r = heappop(parked)
+            heappush(ranks, (w, r))
         while ranks and room[ranks[0][1]] < m:
-            skipped = skipped or []
-            skipped.append(heappop(ranks))
+            w, r = heappop(ranks)
+            heappush(parked, (-room[r], w, r))
         if ranks:  # the rank of least work (the lowest such rank) with room for it
             w, r = ranks[0]
             mine[r].append(d)
             room[r] -= m
-            load[r] = w + (m * (m + 1) // 2 if causal else m * m)
+            load[r] = w = w + work
+            if w > limit and w / mean > above:
+                return None
             if room[r]:
-                heapreplace(ranks, (load[r], r))
+                heapreplace(ranks, (w, r))
             else:
                 heappop(ranks)
         else:
             left.append(d)
-        for entry in skipped or ():
-            heappush(ranks, entry)
     for d in sorted(left):
         a, b = cu[d], cu[d + 1]
         at = a
@@ -146,15 +195,12 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set) -> tuple[tuple, list[int]
     return (mine, pieces), load
 
 
-def _pieces(cu: tuple, assigned: tuple) -> list[list[Piece]]:
-    """Every rank's :class:`Piece` s in sequence order, from :func:`_assign`'s documents and pieces."""
-    make = tuple.__new__  # a Piece without its keyword-checking constructor: thousands per layout
-    out = []
-    for docs, extra in zip(*assigned):
-        docs.sort()  # document order is sequence order
-        mine = [make(Piece, (d, cu[d], cu[d + 1] - cu[d], cu[d], cu[d + 1])) for d in docs]
-        out.append(sorted(mine + extra, key=operator.itemgetter(1)) if extra else mine)  # by start
-    return out
+def _rank_pieces(cu: tuple, whole: tuple, cut: tuple) -> tuple:
+    """A rank's :class:`Piece` s in sequence order: its documents held whole (indices in order) and its
+    pieces of the others."""
+    make = tuple.__new__  # a Piece without its keyword-checking constructor: hundreds per rank
+    mine = [make(Piece, (d, cu[d], cu[d + 1] - cu[d], cu[d], cu[d + 1])) for d in whole]
+    return tuple(sorted(mine + list(cut), key=operator.itemgetter(1)) if cut else mine)  # by start
 
 
 def _imbalance(work: list[int]) -> float:
@@ -182,14 +228,17 @@ def _check(cu_seqlens, world_size: int) -> tuple:
 class DocumentLayout:
     """The positions of ``cu_seqlens``'s packed documents that each of ``world_size`` ranks holds,
     balancing their attention work (causal or not); see the module docstring. Build it with
-    :meth:`balance`. ``pieces[r]``: rank r's :class:`Piece` s in sequence order. What is derived
-    from it (positions, crossing documents, a rank's plan) is kept with it (:meth:`derived`), so
-    it lives and goes with the layout."""
+    :meth:`balance`. ``whole[r]``: the documents rank r holds whole (indices, in order); ``cut[r]``:
+    its :class:`Piece` s of the documents it holds in part; ``pieces[r]`` (or :meth:`pieces_of`,
+    one rank's, made when first asked): all its :class:`Piece` s in sequence order. What is derived
+    from it (pieces, positions, crossing documents, a rank's plan) is kept with it (:meth:`derived`),
+    so it lives and goes with the layout."""
 
     cu_seqlens: tuple
     world_size: int
     causal: bool
-    pieces: tuple
+    whole: tuple
+    cut: tuple
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __getstate__(self):  # a pickled layout carries no derived values (device tensors among them)
@@ -210,9 +259,21 @@ class DocumentLayout:
     def seq_len(self) -> int:
         return self.cu_seqlens[-1]
 
+    @property
+    def pieces(self) -> tuple:
+        """Every rank's :class:`Piece` s in sequence order."""
+        return tuple(map(self.pieces_of, range(self.world_size)))
+
+    def pieces_of(self, rank: int) -> tuple:
+        """Rank ``rank``'s :class:`Piece` s in sequence order."""
+        _check_rank(self, rank)
+        return self.derived(("pieces", rank), lambda: _rank_pieces(self.cu_seqlens, self.whole[rank], self.cut[rank]))
+
     def work_per_rank(self) -> list[int]:
         """(query, key) pairs each rank's queries attend."""
-        return [sum(x.work(self.causal) for x in mine) for mine in self.pieces]
+        cu, causal = self.cu_seqlens, self.causal
+        return [sum(_work(cu[d + 1] - cu[d], causal) for d in whole) + sum(x.work(causal) for x in cut)
+                for whole, cut in zip(self.whole, self.cut)]
 
     def imbalance(self) -> float:
         """The slowest rank's work over the mean (1.0: balanced)."""
@@ -226,20 +287,21 @@ class DocumentLayout:
 
     def crossing(self) -> frozenset:
         """The documents with pieces on more than one rank."""
-        return self.derived("crossing", lambda: _crossing(self.pieces))
+        return self.derived("crossing", lambda: _crossing(self.cut))
 
     def crossing_pieces(self, rank: int) -> tuple:
         """``((piece, local offset), ...)``: rank ``rank``'s pieces of crossing documents in its local
         order, each with the row at which it starts in the rank's shard."""
         _check_rank(self, rank)
-        return self.derived(("crossing_pieces", rank), lambda: _crossing_pieces(self.pieces[rank], self.crossing()))
+        return self.derived(("crossing_pieces", rank), lambda: _crossing_pieces(self.cu_seqlens, self.whole[rank],
+                                                                                   self.cut[rank], self.crossing()))
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """Rank ``rank``'s global positions in its local order (int64, ``N / P`` of them), on ``device``
         (default: the host), made there from the pieces' ranges without waiting for it."""
         _check_rank(self, rank)
         device = torch.device("cpu" if device is None else device)
-        mine = self.pieces[rank]
+        mine = self.pieces_of(rank)
         # the ranges' pinned source is kept too: a CUDA graph captured here replays the copy from it
         return self.derived(("positions", rank, str(device)), lambda: positions_of_ranges(
             [x.start for x in mine], [x.length for x in mine], device))[0]
@@ -251,21 +313,30 @@ class DocumentLayout:
 
 def _search(cu: tuple, p: int, causal: bool, min_piece: int):
     """``(imbalance, assignment)``: cutting the k heaviest documents of at least 2P x ``min_piece``
-    positions head-tail, k = 0, 1, 2, 4, ...: the first within :data:`TARGET_IMBALANCE`, else the best."""
-    best, k, cuttable = None, 0, None
-    while True:
-        pieces, work = _assign(cu, p, causal, set(cuttable[:k]) if k else set())
+    positions head-tail, k = 0, 1, 2, 4, ...: the first within :data:`TARGET_IMBALANCE`, else the best.
+    A k that surely misses the target (:func:`_cannot_balance`, or a rank above it while assigning)
+    is assigned in full only where none meets it."""
+    docs = _documents(cu, causal)
+    total = sum(docs.work)
+    shortest = 2 * p * min_piece  # the documents of most work are the longest: a prefix of the order
+    cuttable = [d for m, _, d in itertools.takewhile(lambda x: x[0] >= shortest, docs.in_order)] if p > 1 else []
+    ks = [0]
+    while ks[-1] < len(cuttable):
+        ks.append(min(len(cuttable), max(1, 2 * ks[-1])))
+    for k in ks:
+        cut = set(cuttable[:k])
+        if k < ks[-1] and _cannot_balance(cu, p, causal, cut, docs, total):
+            continue
+        found = _assign(cu, p, causal, cut, docs, above=TARGET_IMBALANCE)  # None: above the target already
+        if found is not None and _imbalance(found[1]) <= TARGET_IMBALANCE:
+            return _imbalance(found[1]), found[0]
+    best = None  # none met the target: the most balanced of every k, the lowest k among equals
+    for k in ks:
+        pieces, work = _assign(cu, p, causal, set(cuttable[:k]), docs)
         score = _imbalance(work)
         if best is None or score < best[0] - 1e-9:
             best = (score, pieces)
-        if score <= TARGET_IMBALANCE or p == 1:
-            return best
-        if cuttable is None:  # found only where whole documents do not balance
-            cuttable = sorted((d for d in range(len(cu) - 1) if cu[d + 1] - cu[d] >= 2 * p * min_piece),
-                              key=lambda d: (-(cu[d + 1] - cu[d]), d))
-        if k >= len(cuttable):
-            return best
-        k = min(len(cuttable), max(1, 2 * k))
+    return best
 
 
 @functools.lru_cache(maxsize=16)
@@ -279,7 +350,8 @@ def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout
         found = _search(cu, p, causal, min_piece)
         if found[0] < best[0] - 1e-9:
             best = found
-    return DocumentLayout(cu, p, causal, tuple(tuple(m) for m in _pieces(cu, best[1])))
+    whole, cut = best[1]
+    return DocumentLayout(cu, p, causal, tuple(tuple(sorted(docs)) for docs in whole), tuple(map(tuple, cut)))
 
 
 def given_or_last(layout: "DocumentLayout | None", last: "DocumentLayout | None") -> "DocumentLayout":
@@ -292,8 +364,8 @@ def given_or_last(layout: "DocumentLayout | None", last: "DocumentLayout | None"
 
 
 def _crossing(pieces) -> frozenset:
-    """The documents of ``pieces`` (every rank's) on more than one rank: only pieces short of their
-    document can be."""
+    """The documents of ``pieces`` (every rank's pieces of documents not held whole) on more than one
+    rank: only pieces short of their document can be."""
     seen, crossing = {}, set()
     for r, mine in enumerate(pieces):
         for x in mine:
@@ -302,11 +374,20 @@ def _crossing(pieces) -> frozenset:
     return frozenset(crossing)
 
 
-def _crossing_pieces(mine, crossing: frozenset) -> tuple:
-    if not crossing:
+def _crossing_pieces(cu: tuple, whole: tuple, cut: tuple, crossing: frozenset) -> tuple:
+    """A rank's pieces of ``crossing`` documents, each with its offset in the rank's shard: the
+    lengths of its documents held whole before it (by a search of their starts) and of its other
+    pieces before it."""
+    if not crossing or not any(x.doc in crossing for x in cut):
         return ()
-    offsets = itertools.accumulate(map(operator.itemgetter(2), mine), initial=0)
-    return tuple((x, off) for x, off in zip(mine, offsets) if x.doc in crossing)
+    starts = [cu[d] for d in whole]
+    before = list(itertools.accumulate((cu[d + 1] - cu[d] for d in whole), initial=0))
+    out, at = [], 0  # at: the rows of its pieces (not whole documents) before the one at hand
+    for x in sorted(cut, key=operator.itemgetter(1)):
+        if x.doc in crossing:
+            out.append((x, before[bisect.bisect_left(starts, x.start)] + at))
+        at += x.length
+    return tuple(out)
 
 
 def _check_rank(layout: DocumentLayout, rank: int) -> None:
@@ -325,11 +406,20 @@ def positions_of_ranges(starts, lengths, device=None) -> tuple[torch.Tensor, tor
     """``(positions, the ranges' pinned source or None)``: :func:`ranges_to_positions`, and what a
     caller that keeps the positions for a CUDA graph must keep with them."""
     device = torch.device("cpu" if device is None else device)
-    total = sum(lengths)
+    # the positions rise by one inside a range and jump at each range's first row: the positions are
+    # the running sum of those steps, made from the rows where a range begins and their steps
+    firsts, steps, total, last = [], [], 0, 0  # the first step is its start
+    for start, length in zip(starts, lengths):
+        if length:
+            if start - last != 1:  # a range that goes on from the one before needs no step of its own
+                firsts.append(total)
+                steps.append(start - last)
+            total, last = total + length, start + length - 1
     if not total:
         return torch.zeros(0, dtype=torch.int64, device=device), None
-    ranges, source = host_values_on([list(starts), list(lengths)], torch.int64, device)
-    starts, lengths = ranges.unbind(0)
-    offsets = torch.cumsum(lengths, 0) - lengths  # where each range begins in the output
-    return torch.arange(total, dtype=torch.int64, device=device) + torch.repeat_interleave(
-        starts - offsets, lengths, output_size=total), source
+    positions = torch.ones(total, dtype=torch.int64, device=device)
+    if not firsts:  # one range from 1 on
+        return positions.cumsum_(0), None
+    (firsts, steps), source = host_values_on([firsts, steps], torch.int64, device)
+    positions.index_put_((firsts,), steps)
+    return positions.cumsum_(0), source

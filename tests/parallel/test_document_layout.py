@@ -129,12 +129,83 @@ def test_a_rank_the_layout_does_not_have_is_refused():
 
 
 
+def _search_in_full(cu, p, causal, min_piece):
+    """The documented search with every pass run to its end: k = 0, 1, 2, 4, ... documents cut
+    head-tail, the first within the target, else the most balanced (the lowest k among equals)."""
+    from dilated.parallel import document_layout as dl
+
+    docs = dl._documents(tuple(cu), causal)
+    cuttable = [d for m, _, d in docs.in_order if m >= 2 * p * min_piece] if p > 1 else []
+    ks = [0]
+    while ks[-1] < len(cuttable):
+        ks.append(min(len(cuttable), max(1, 2 * ks[-1])))
+    best = None
+    for k in ks:
+        assigned, work = dl._assign(tuple(cu), p, causal, set(cuttable[:k]), docs)
+        score = max(work) / (sum(work) / p)
+        if score <= dl.TARGET_IMBALANCE:
+            return score, assigned
+        if best is None or score < best[0] - 1e-9:
+            best = (score, assigned)
+    return best
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_passes_that_cannot_meet_the_target_are_skipped_without_changing_the_layout(p, causal):
+    """The search skips a k whose longest whole document already lifts a rank above the target, and
+    stops a pass once a rank is above it: on mixes of every kind (including ones no k balances) it
+    keeps what running every pass in full keeps."""
+    from dilated.parallel import document_layout as dl
+
+    gen = torch.Generator().manual_seed(p * 2 + causal)
+    specs = [("lognormal:1k,1.0", 3 << 16), ("lognormal:8k,1.0", 3 << 17), ("lognormal:8k,2.0", 3 << 17),
+             ("uniform:1k-64k", 3 << 17)]  # N divisible by every P here
+    mixes = [cu_seqlens_of(f"{spec}#{i}", n) for spec, n in specs for i in range(1, 6)]
+    for _ in range(10):  # a few long documents among many short ones, too short to cut into pieces of 128
+        lengths = torch.randint(1, 64, (200,), generator=gen)
+        lengths[torch.randint(0, 200, (3,), generator=gen)] = torch.randint(100, 2 * p * 128, (3,), generator=gen)
+        cu = [0] + torch.cumsum(lengths, 0).tolist()
+        cu[-1] += -cu[-1] % p  # N divisible by P
+        mixes.append(cu)
+    missed = 0
+    for cu in mixes:
+        for min_piece in (128, 16):
+            got = dl._search(tuple(cu), p, causal, min_piece)
+            want = _search_in_full(cu, p, causal, min_piece)
+            assert got[0] == want[0] and got[1] == want[1], cu[:6]
+            missed += want[0] > dl.TARGET_IMBALANCE
+    assert missed  # the fallback (no k within the target) was exercised
+
+
+def test_crossing_pieces_sit_where_the_ranks_pieces_put_them():
+    """Each crossing piece's offset in its rank's shard (found from the documents held whole) is the
+    rows of the rank's pieces before it."""
+    import itertools
+
+    for spec, p in [("lognormal:1k,1.0", 4), ("lognormal:8k,1.0", 8), ("uniform:1k-64k", 3)]:
+        layout = DocumentLayout.balance(cu_seqlens_of(spec, 3 << 17), p, True)
+        assert layout.crossing()
+        for r in range(p):
+            mine = layout.pieces_of(r)
+            offsets = itertools.accumulate((x.length for x in mine), initial=0)
+            want = tuple((x, off) for x, off in zip(mine, offsets) if x.doc in layout.crossing())
+            assert layout.crossing_pieces(r) == want
+
+
 def test_ranges_to_positions_against_the_ranges_written_out():
     from dilated.parallel.document_layout import ranges_to_positions
 
-    starts, lengths = [40, 3, 100, 7], [5, 1, 0, 4]
-    want = [p for s, n in zip(starts, lengths) for p in range(s, s + n)]
-    assert ranges_to_positions(starts, lengths).tolist() == want
+    gen = torch.Generator().manual_seed(3)
+    cases = [([40, 3, 100, 7], [5, 1, 0, 4]), ([0, 5, 8, 9], [5, 3, 1, 2]), ([1, 2, 4], [1, 2, 3]), ([0], [7]),
+             ([6, 0, 3], [2, 3, 3])]  # runs that go on from the range before, from 0 and from 1, jumps back
+    for _ in range(20):
+        k = int(torch.randint(1, 12, (1,), generator=gen))
+        starts, lengths = torch.randint(0, 50, (k,), generator=gen), torch.randint(0, 6, (k,), generator=gen)
+        cases.append((starts.tolist(), lengths.tolist()))
+    for starts, lengths in cases:
+        want = [p for s, n in zip(starts, lengths) for p in range(s, s + n)]
+        assert ranges_to_positions(starts, lengths).tolist() == want, (starts, lengths)
     assert ranges_to_positions(starts, lengths, "cpu").dtype == torch.int64
     assert ranges_to_positions([], []).numel() == 0 and ranges_to_positions([5], [0]).numel() == 0
 
