@@ -39,6 +39,18 @@ def cpu_only_env(**extra) -> dict:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
+def usage_error(main, argv) -> tuple[int, str]:
+    """``(exit status, stderr)`` of a benchmark script's ``main`` on ``argv``, in this process (a
+    script's usage errors come before any work; one test per script runs them in a real process)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        main(argv)
+    return stop.value.code, err.getvalue()
+
+
 @pytest.fixture
 def gen():
     """A fresh seeded generator per test: random inputs, never zeros."""

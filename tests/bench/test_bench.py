@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import cpu_only_env
+from conftest import cpu_only_env, usage_error
 
 from dilated.bench import Case, Implementation, RunOptions, read_jsonl, register_implementation, run_sweep
 from dilated.bench.flops import dense_flops, dilated_flops, visible_pairs
@@ -589,10 +589,11 @@ def test_a_run_on_cpu_and_gpu_reports_the_gpu_speed_up_per_configuration():
 @pytest.mark.parametrize("devices, says", [("cpu,cpu:0", "one device named twice"),
                                             ("cpu,cuda:7", "no such CUDA device"), ("cpu,tpu", "not a device")])
 def test_several_devices_are_checked_before_any_work(devices, says, tmp_path):
+    from dilated.bench.suites import implementations_main
+
     out = tmp_path / "r.jsonl"
-    run = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--quick", "--device",
-                          devices, "--output", str(out)], capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 2 and says in run.stderr and not out.exists()
+    code, err = usage_error(implementations_main, ["--quick", "--device", devices, "--output", str(out)])
+    assert code == 2 and says in err and not out.exists()
 
 
 def test_varied_lengths_scenario_reports_each_first_call(tmp_path):

@@ -5,12 +5,11 @@ import contextlib
 import io
 import json
 import math
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from conftest import usage_error
 
 import dilated
 from dilated.bench import Case, Implementation, RunOptions, read_jsonl, register_implementation, run_sweep
@@ -19,7 +18,6 @@ from dilated.bench.registry import IMPLEMENTATIONS
 from dilated.bench.report import compare, format_scaling, format_tables
 from dilated.bench.results import ResultWriter, check_passed, first_call_only, trusted
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 CASE = Case(batch=1, seq_len=32, num_heads=2, head_dim=8, dtype="float32")
 
 
@@ -341,12 +339,13 @@ def test_one_field_decides_whether_a_row_passed():
 def test_a_config_file_is_checked_like_the_command_line(tmp_path, text, why):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text + "\n")
-    res = subprocess.run([sys.executable, "benchmarks/core/benchmark_backends.py", "--config", str(cfg), "--device",
-                          "cpu", "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True, cwd=ROOT)
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-1500:]
-    assert len(res.stderr.strip().splitlines()) == 1
+    from dilated.bench.suites import backends_main  # benchmarks/core/benchmark_backends.py's main
+
+    code, err = usage_error(backends_main, ["--config", str(cfg), "--device", "cpu", "--output", str(tmp_path / "o.jsonl")])
+    assert code == 2 and "Traceback" not in err, err[-1500:]
+    assert len(err.strip().splitlines()) == 1
     import re
-    assert re.search(why, res.stderr), res.stderr
+    assert re.search(why, err), err
 
 
 @pytest.mark.parametrize("spec", ["uniform:1k-1e30", "fixed:99999999999999999999G", "lognormal:1e300,1"])
@@ -409,10 +408,11 @@ def test_residue_major_helpers_name_the_argument(call, exc, match):
     (["--profile", "/proc/nope"], "--profile /proc/nope: cannot make the directory"),
 ])
 def test_options_that_cannot_be_honoured_are_refused_before_any_work(tmp_path, args, why):
-    res = subprocess.run([sys.executable, "benchmarks/core/benchmark_implementations.py", "--device", "cpu",
-                          "--seq-lengths", "64", "--output", str(tmp_path / "o.jsonl"), *args],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert res.returncode == 2 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    from dilated.bench.suites import implementations_main
+
+    code, err = usage_error(implementations_main, ["--device", "cpu", "--seq-lengths", "64", "--output",
+                                                   str(tmp_path / "o.jsonl"), *args])
+    assert code == 2 and why in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o.jsonl").exists()
 
 

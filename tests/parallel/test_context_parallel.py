@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cp_worker
-from conftest import free_port, spawn
+from conftest import free_port, spawn, usage_error
 import dilated
 
 
@@ -146,14 +146,10 @@ def test_distributed_dilated_takes_any_schedule_and_world_size(world):
                                         (["--head-shapes", "32/7/128"], "Hkv dividing H"),
                                         (["--head-shapes", "32x128"], "H/Hkv/D")])
 def test_head_shapes_are_checked_before_any_work(args, says, tmp_path):
-    import subprocess
-    import sys
+    from dilated.bench.suites import ring_main  # benchmarks/specialized/benchmark_ring_attention.py's main
 
-    from test_distributed import ROOT
-
-    run = subprocess.run([sys.executable, "benchmarks/specialized/benchmark_ring_attention.py", *args],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 2 and says in run.stderr
+    code, err = usage_error(ring_main, [*args, "--output", str(tmp_path / "o.jsonl")])
+    assert code == 2 and says in err and not (tmp_path / "o.jsonl").exists()
 
 
 def test_model_head_shapes():
