@@ -40,8 +40,9 @@ def cpu_only_env(**extra) -> dict:
 
 
 def usage_error(main, argv) -> tuple[int, str]:
-    """``(exit status, stderr)`` of a benchmark script's ``main`` on ``argv``, in this process (a
-    script's usage errors come before any work; one test per script runs them in a real process)."""
+    """``(exit status, stderr)`` of a benchmark script's ``main`` on ``argv``, in this process (usage
+    errors come before any work; ``test_usage_errors_in_a_real_process_leave_no_file`` runs one in a
+    real process)."""
     import contextlib
     import io
 
