@@ -1,7 +1,8 @@
 """Host time of ``DocumentLayout.balance`` (computed once per batch): 1M tokens of lognormal
 documents (mean 1K and 8K), a new mix for each of 200 builds (none cached), P=4 and 8; and of the
 rest of a rank's host work for the batch: its positions (``layout.positions``, what ``shard``
-takes) and its plan of crossing rows and rectangles (``rank_plan``, what a call runs).
+takes, with the rank's pieces where the layout makes them when first asked) and its plan of crossing
+rows and rectangles (``rank_plan``, what a call runs).
 
     python benchmarks/specialized/time_document_layout.py
     python benchmarks/specialized/time_document_layout.py --against COMMIT   # that commit's code, in turns
