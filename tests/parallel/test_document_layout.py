@@ -183,8 +183,11 @@ def test_crossing_pieces_sit_where_the_ranks_pieces_put_them():
     rows of the rank's pieces before it."""
     import itertools
 
-    for spec, p in [("lognormal:1k,1.0", 4), ("lognormal:8k,1.0", 8), ("uniform:1k-64k", 3)]:
-        layout = DocumentLayout.balance(cu_seqlens_of(spec, 3 << 17), p, True)
+    short = list(range(0, 3 << 14, 1000)) + [3 << 14]  # too short to cut head-tail: cut at the ranks' room
+    mixes = [("lognormal:1k,1.0", 4), ("lognormal:8k,1.0", 8), ("uniform:1k-64k", 3)]
+    cases = [(cu_seqlens_of(spec, 3 << 17), p, causal) for spec, p in mixes for causal in (True, False)]
+    for cu, p, causal in cases + [(short, 4, True), (short, 3, False)]:
+        layout = DocumentLayout.balance(cu, p, causal)
         assert layout.crossing()
         for r in range(p):
             mine = layout.pieces_of(r)
