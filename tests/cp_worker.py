@@ -592,3 +592,42 @@ def ulysses_document_groups(rank, world):
             assert says in str(e), str(e)
         else:
             raise AssertionError(f"{kw} was accepted")
+
+
+@worker
+def hybrid_row_documents(rank, world):
+    """HybridAttention(2, 2, layout="documents", document_groups="always"): a row's pieces of documents
+    across rows exchanged and ringed first, its whole documents behind them; exact against every
+    document alone in float64, forward and gradients, causal or not, GQA split or replicated, batch 2;
+    two exchanges' all-to-alls forward (three in, one out each) where every row holds both kinds, one
+    exchange's where a row holds no whole document; bad settings named."""
+    from dilated.parallel.row_documents import pipelines
+
+    n = 64  # rows of a rank's part: ring shards of 128 over two rows
+    mixes = [([0, 5, 17, 30, 200, 210, 256], True),  # 170 rows cut head-tail over both rows, short ones whole
+             ([0, 100, 101, 140, 150, 220, 256], True),
+             ([0, 256], False)]  # one document: every row's pieces cross, no whole document
+    for cu, pipelined in mixes:
+        for causal in (True, False):
+            for h, hkv in ((4, 2), (4, 1)):
+                module = dilated.HybridAttention(2, 2, causal=causal, layout="documents", backend="manual",
+                                                 local_documents=False, document_groups="always")
+                layout = module.document_layout(cu)
+                assert pipelines(layout) == pipelined, (cu, layout.cut)
+                q, k, v = _full(23 + h + hkv, 4 * n, h, hkv)
+                dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+                ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
+                module.stats.reset()
+                out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+                assert module.stats.collectives == (8 if pipelined else 4), (cu, module.stats.as_dict())
+                out.backward(module.shard(dout))
+                _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
+                                      f"hybrid row documents causal={causal} H={h}/{hkv} {cu}")
+    for kw, says in (({"document_groups": "auto"}, "document_groups must be 1"),
+                     ({"document_groups": "always", "head_groups": 2}, "give one of them")):
+        try:
+            dilated.HybridAttention(2, 2, layout="documents", **kw)
+        except ValueError as e:
+            assert says in str(e), e
+        else:
+            raise AssertionError(f"HybridAttention({kw}) accepted")

@@ -53,14 +53,15 @@ def _ulysses(case, backend, group, head_groups="auto", local="auto"):
                                     local_documents=local, document_groups="auto" if local else 1)
 
 
-def _hybrid(case, backend, group, layout="zigzag", head_groups="auto", local="auto"):
+def _hybrid(case, backend, group, layout="zigzag", head_groups="auto", local="auto", document_groups=1):
     p = dist.get_world_size(group)
     ulysses = ulysses_size_for(p, case.num_heads)
     if ulysses is None:
         raise NotImplementedError(f"a Ulysses x ring grid needs 2 or more ranks in both directions: {p} ranks with "
                                   f"{case.num_heads} heads have none (launch 4 or more ranks)")
     return dilated.HybridAttention(ulysses, p // ulysses, causal=case.causal, layout=layout, backend=backend,
-                                   group=group, head_groups=head_groups, local_documents=local)
+                                   group=group, head_groups=head_groups, local_documents=local,
+                                   document_groups=document_groups)
 
 
 def _ulysses_impl(name, groups):
@@ -114,6 +115,11 @@ RING_IMPLEMENTATIONS = {
                             "RingAttention on the documents' DocumentLayout: only crossing documents' K/V rows "
                             "passed round the ring"),
     **{name: _hybrid_impl(name, groups) for name, groups in HYBRID_HEAD_GROUPS.items()},
+    "hybrid_documents_row_groups": _make(
+        "hybrid_documents_row_groups", "dense", "hybrid_documents",
+        lambda c, b, g: _hybrid(c, b, g, layout="documents", head_groups=1, local=False, document_groups="always"),
+        "HybridAttention on the documents' DocumentLayout, document_groups='always': a row exchanges its pieces of "
+        "documents across rows first (then their ring), its whole documents behind them"),
 }
 for _impl in RING_IMPLEMENTATIONS.values():
     register_implementation(_impl)

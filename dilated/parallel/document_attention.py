@@ -226,6 +226,12 @@ class DocumentParts:
         if layout.seq_len != q.shape[1] * p:
             raise ValueError(f"cu_seqlens: the documents total {layout.seq_len} positions, but {p} shards of "
                              f"{q.shape[1]} hold {q.shape[1] * p}: cu_seqlens must end at the global length N")
+        return cls.on(q, k, v, causal=causal, scale=scale, backend=backend, layout=layout)
+
+    @classmethod
+    def on(cls, q, k, v, *, causal: bool, scale, backend: str, layout: DocumentLayout) -> "DocumentParts":
+        """The parts of a call on ``layout`` whose shards ``q``, ``k``, ``v`` hold this rank's pieces (a
+        layout derived inside a module, of shards of any length: unchecked), and their kernels."""
         scale = default_scale(q.shape[-1], scale)
         varlen = varlen_kernel(q, k, v, backend, causal)
         # the dense kernel runs only without a varlen entry point (every call is then a varlen one)

@@ -169,9 +169,10 @@ def _into_rows(dst: torch.Tensor, recv: torch.Tensor, rows: torch.Tensor, p: int
 @dataclass
 class DocumentGroupCall:
     """One pipelined call: ``attend(q, k, v, cu)`` on a group's packed documents (all of this rank's
-    heads), the groups' :class:`RowGroup` s, over ``group``, counted in ``stats``; ``local``: this
-    rank's rows of documents it attends where they lie (a slice, or an index tensor) and their
-    cumulative lengths packed in that order (:mod:`dilated.parallel.local_documents`), or None."""
+    heads; a list: one per group), the groups' :class:`RowGroup` s, over ``group``, counted in
+    ``stats``; ``local``: this rank's rows of documents it attends where they lie (a slice, or an
+    index tensor) and their cumulative lengths packed in that order
+    (:mod:`dilated.parallel.local_documents`), or None."""
     attend: Callable
     groups: list
     group: object
@@ -219,9 +220,9 @@ class _AttendByDocumentGroups(torch.autograd.Function):
             rows, cu = call.local
             local = _attend_graph(call.attend, [_take_rows(x, rows) for x in (q, k, v)], cu, grad)
         graphs, back = [], []
-        for rg, exchanges in zip(call.groups, inputs):
-            og, graph = _attend_graph(call.attend, [_whole_group(ex.wait(), rg.counts, b) for ex in exchanges],
-                                      rg.cu, grad)
+        attends = call.attend if isinstance(call.attend, list) else [call.attend] * len(call.groups)
+        for rg, exchanges, attend in zip(call.groups, inputs, attends):
+            og, graph = _attend_graph(attend, [_whole_group(ex.wait(), rg.counts, b) for ex in exchanges], rg.cu, grad)
             graphs.append(graph)
             back.append(_back(og, rg, call, b))
         out = q.new_empty(*q.shape[:3], v.shape[3])
@@ -271,11 +272,11 @@ def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     indices of the global cumulative lengths ``cu``), this rank's heads, from and to contiguous
     sequence shards, differentiable. ``q`` ``[B, N/P, H, D]``, ``k``, ``v`` ``[B, N/P, H_kv, D]`` with
     ``H`` and ``H_kv`` divisible by ``P``; ``attend`` takes ``[B, N_g, h, D]`` and the group's
-    cumulative lengths. ``local``: ``(rows, cu_local)``, rows of this rank's shard (a slice or an
-    index tensor) whose documents (cumulative lengths ``cu_local``, packed in that order) it attends
-    where they lie on all its heads, issued after the groups' input exchanges so that they run
-    beside them. Every document is in exactly one group or in some rank's ``local``. Returns this
-    rank's ``[B, N/P, H, D]``."""
+    cumulative lengths (a list: group ``g``'s is ``attend[g]``). ``local``: ``(rows, cu_local)``,
+    rows of this rank's shard (a slice or an index tensor) whose documents (cumulative lengths
+    ``cu_local``, packed in that order) it attends where they lie on all its heads, issued after the
+    groups' input exchanges so that they run beside them. Every document is in exactly one group or
+    in some rank's ``local``. Returns this rank's ``[B, N/P, H, D]``."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     rgs = row_groups(cu, groups, rank, p, q.device)
     call = DocumentGroupCall(attend, rgs, group, stats, local)

@@ -13,7 +13,9 @@ shards are those of the :class:`~dilated.DocumentLayout` of each call's document
 ``ring_size`` rows, and the ring relays only crossing documents' rows (:mod:`dilated.parallel.document_attention`);
 where every document then lies whole within one rank's part (and the ranks' work stays balanced:
 ``local_documents``), each rank attends its own documents on all its heads and nothing moves
-(:mod:`dilated.parallel.local_documents`).
+(:mod:`dilated.parallel.local_documents`); with ``document_groups="always"`` a row exchanges its
+pieces of documents that cross rows first and its whole documents behind their ring
+(:mod:`dilated.parallel.row_documents`).
 Construct it on every rank of the default process group (it creates the row and column groups, a
 collective).
 """
@@ -27,8 +29,11 @@ from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, shard, unshard
+from .document_attention import DocumentParts, document_attention
+from .document_groups import attend_by_document_groups
 from .document_layout import DocumentLayout
 from .local_documents import check_local_documents, grid_local_documents
+from .row_documents import crossing_layout, pipelines, row_groups
 from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
@@ -56,13 +61,19 @@ class HybridAttention(nn.Module):
             ``"auto"`` (default): where the slowest rank's work also stays within
             :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` of the mean; ``"always"``:
             wherever every document lies whole within a rank; ``False``: never.
+        document_groups: ``layout="documents"``, where documents are not kept local: ``1`` (default),
+            a row exchanges its whole shard at once, then the ring; ``"always"``: first its pieces of
+            documents that cross rows, attended by the ring, then its documents whole within it,
+            attended where they lie, their exchange behind the ring (where every row holds both;
+            :mod:`dilated.parallel.row_documents`). Not combined with ``head_groups`` above 1.
 
     ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """
 
     def __init__(self, ulysses_size: int, ring_size: int, *, causal=False, scale=None, layout="zigzag", group=None,
                  backend="auto", transport: str = "auto", measure_comm: bool = False,
-                 head_groups: int | str = "auto", local_documents: bool | str = "auto"):
+                 head_groups: int | str = "auto", local_documents: bool | str = "auto",
+                 document_groups: int | str = 1):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("HybridAttention needs torch.distributed initialised (see dilated.init_distributed)")
@@ -79,7 +90,15 @@ class HybridAttention(nn.Module):
         check_scale(scale)
         check_head_groups(head_groups)
         check_local_documents(local_documents)
-        self.head_groups, self.local_documents = head_groups, local_documents
+        if document_groups not in (1, "always") or isinstance(document_groups, bool):
+            raise ValueError(f"document_groups must be 1 (the row's shard exchanged at once) or 'always' (its pieces "
+                             f"of documents across rows first, its whole documents behind their ring), got "
+                             f"{document_groups!r}")
+        if document_groups == "always" and head_groups not in ("auto", 1):
+            raise ValueError(f"document_groups={document_groups!r} pipelines by documents, head_groups={head_groups!r} "
+                             f"by heads: give one of them (head_groups='auto' or 1 with document_groups="
+                             f"{document_groups!r})")
+        self.head_groups, self.local_documents, self.document_groups = head_groups, local_documents, document_groups
         self.ulysses_size, self.ring_size, self.layout, self.group = ulysses_size, ring_size, layout, group
         self.causal, self.scale, self.backend = causal, scale, backend
         me = ranks.index(dist.get_rank())
@@ -126,16 +145,19 @@ class HybridAttention(nn.Module):
             cu_seqlens = layout.cu_seqlens
         docs = None if cu_seqlens is None else check_cu_seqlens(
             cu_seqlens, q.shape[1] * self.ulysses_size * self.ring_size)
-        own = None
+        own = by_docs = None
         if docs is not None and self.layout == "documents":
             layout = layout or self.document_layout(docs)
             own = grid_local_documents(self.local_documents, docs, self.ring_size, self.ulysses_size, self.causal,
                                        layout)
             own = None if own is None else (own.local_cu(self.ring_rank * self.ulysses_size + self.ulysses_rank),
                                             layout)
-        return (hkv, groups, own), signature(q, k, v, causal=self.causal, scale=scale, layout=self.layout,
-                                             algorithm="hybrid", grid=[self.ring_size, self.ulysses_size],
-                                             documents=docs, head_groups=groups, local_documents=own is not None)
+            if own is None and self.document_groups == "always" and groups == 1 and pipelines(layout):
+                by_docs = (layout, crossing_layout(layout), *row_groups(layout, self.ring_rank))
+        return (hkv, groups, own, by_docs), signature(
+            q, k, v, causal=self.causal, scale=scale, layout=self.layout, algorithm="hybrid",
+            grid=[self.ring_size, self.ulysses_size], documents=docs, head_groups=groups,
+            local_documents=own is not None, document_groups=2 if by_docs else 1)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths,
@@ -143,14 +165,16 @@ class HybridAttention(nn.Module):
         or ``layout``, their :class:`~dilated.DocumentLayout` over the ring (:meth:`document_layout`)."""
         # every rank of the grid agrees before any row or column communicates (a row that stopped
         # alone would leave the ring of the others waiting)
-        hkv, groups, own = validate_on_all_ranks(self.group, self._agreed, "HybridAttention",
-                                                 lambda: self._validate(q, k, v, cu_seqlens, layout))
+        hkv, groups, own, by_docs = validate_on_all_ranks(self.group, self._agreed, "HybridAttention",
+                                                          lambda: self._validate(q, k, v, cu_seqlens, layout))
         if own is not None:  # every document whole within its rank's part: nothing to exchange
             self.ring.last_layout = own[1]  # what shard and unshard take by default
             return attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,
                              cu_seqlens=torch.tensor(own[0], dtype=torch.int32))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
+        if by_docs is not None:
+            return self._by_row_documents(q, k, v, *by_docs)
 
         def attend(qh, kh, vh):
             if self.ring_size == 1 and self.layout != "documents":  # the whole sequence on this row's heads
@@ -159,6 +183,24 @@ class HybridAttention(nn.Module):
             return self.ring(qh, kh, vh, cu_seqlens=cu_seqlens, layout=layout)  # ring shards in self.layout
 
         return attend_by_head_groups(q, k, v, attend, groups=groups, group=self.ulysses_group, stats=self.stats)
+
+    def _by_row_documents(self, q, k, v, layout, crossing, cu, groups):
+        """The row's pieces of crossing documents exchanged and ringed first, its whole documents
+        exchanged behind them and attended where they lie (:mod:`dilated.parallel.row_documents`)."""
+        self.ring.last_layout, self.ring.transport_used = layout, "p2p"  # what shard and unshard take by default
+
+        def across_rows(qg, kg, vg, cu_g):  # the crossing documents' pieces of every row, round the column
+            parts = DocumentParts.on(qg, kg, vg, causal=self.causal, scale=self.scale, backend=self.backend,
+                                     layout=crossing)
+            call = parts.call(self.ring_rank, self.ring_group, self.stats, transport="ring")
+            return document_attention(qg.contiguous(), kg.contiguous(), vg.contiguous(), call)
+
+        def within_row(qg, kg, vg, cu_g):
+            return attention(qg, kg, vg, causal=self.causal, scale=self.scale, backend=self.backend,
+                             cu_seqlens=torch.tensor(cu_g, dtype=torch.int32))
+
+        return attend_by_document_groups(q, k, v, [across_rows, within_row], cu=cu, groups=groups,
+                                         group=self.ulysses_group, stats=self.stats)
 
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor: its ring shard

@@ -65,18 +65,19 @@ def test_the_documents_of_a_chunk_with_itself_are_one_batched_entry(layout):
 
 
 def test_every_strategy_on_one_document_workload_under_torchrun(tmp_path):
-    """The ring script on 4 CPU ranks: ring, zigzag, Ulysses and the hybrid on one packed-document
+    """The ring script on 4 CPU ranks: ring, zigzag, Ulysses and the hybrids on one packed-document
     problem with GQA, every row checked against each document alone, with its work imbalance."""
     from test_distributed import _torchrun
 
     rows, stdout = _torchrun("benchmarks/specialized/benchmark_ring_attention.py", 4, tmp_path, "--seq-lengths",
                              "256", "--causal", "--doc-lengths", "lognormal:32,1.0", "--head-shapes", "8/2/32,4/4/16",
-                             "--implementations", "ring,ring_zigzag,ulysses,hybrid,torch_cp")
+                             "--implementations",
+                             "ring,ring_zigzag,ulysses,hybrid,hybrid_documents_row_groups,torch_cp")
     tables = [line for line in stdout.splitlines() if line.endswith("every implementation")]
     assert len(tables) == 2 and "H=8/2 D=32" in tables[0] + tables[1] and "H=4 D=16" in tables[0] + tables[1]
     rows = [r for r in rows if r["config"]["num_heads"] == 8]  # the GQA shape below
     by = {r["implementation"]: r for r in rows if r.get("role") != "baseline"}
-    for name in ("ring", "ring_zigzag", "ulysses", "hybrid"):
+    for name in ("ring", "ring_zigzag", "ulysses", "hybrid", "hybrid_documents_row_groups"):
         assert by[name]["status"] == "ok" and by[name]["check"]["passed"], by[name]
         assert by[name]["config"]["documents"] == "lognormal:32,1.0"
     assert by["ulysses"]["work_imbalance"] == 1.0 and by["ring"]["work_imbalance"] > 1.0
@@ -263,6 +264,10 @@ def test_hybrid_on_the_document_layout_work_by_hand():
             float(keys[dilated.DocumentLayout.balance(cu, 4, True).positions(r)].sum()) for r in range(4)]
     assert sum(by_hand) == float(keys.sum())
 
+
+
+def test_the_hybrids_row_exchange_by_documents_is_exact():
+    spawn(cp_worker.hybrid_row_documents, args=(4, free_port()), nprocs=4)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

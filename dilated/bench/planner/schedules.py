@@ -612,4 +612,5 @@ NOT_MODELLED = {
     "yunchang_usp": "yunchang: other people's schedule, not modelled",
     "yunchang_ulysses": "yunchang: other people's schedule, not modelled",
     "distributed_dilated": "dilated attention's sequence parallel: the planner models dense attention and documents",
+    "hybrid_documents_row_groups": "the hybrid's row exchange by documents: not modelled yet",
 }
