@@ -43,6 +43,7 @@ from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
 from ...parallel.local_documents import contiguous_ranges, grid_local_documents, local_documents
+from ...parallel.row_documents import crossing_layout, pipelines, row_groups
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
@@ -286,9 +287,13 @@ class Model:
         return finish, [sum(c) for c in compute]
 
     # -- documents: a layout, local documents, crossing rows -------------------------------------
-    def _documents(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int, transport: str) -> _Timeline:
+    def _documents(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int, transport: str,
+                   layout: DocumentLayout | None = None) -> _Timeline:
+        """The documents strategy on ``ranks`` (``layout``: default the problem's documents balanced over
+        them): local pieces beside the crossing rows' gather, then the rectangles, then (backward) the
+        scatter of their key gradients."""
         p = len(ranks)
-        layout = DocumentLayout.balance(problem.cu_seqlens(), p, problem.causal)
+        layout = layout or DocumentLayout.balance(problem.cu_seqlens(), p, problem.causal)
         km, b, d, net = self.kernels, problem.batch, problem.head_dim, self.network
         plans = [rank_plan(layout, r) for r in range(p)]
         rows = plans[0].rows
@@ -467,6 +472,48 @@ class Model:
         return self._by_head_groups(problem, list(range(u)), problem.heads, problem.kv_heads, attend, head_groups,
                                     False, rings=r)
 
+    def _hybrid_row_documents(self, problem: Problem, u: int, r: int) -> _Timeline:
+        """The hybrid on the documents' layout with ``document_groups="always"``
+        (:mod:`dilated.parallel.row_documents`): in each row, its pieces of crossing documents
+        exchanged (q, k, v in, output back), attended by a ring over the crossing documents' own
+        layout (one ring for every row: the slowest column's), then its whole documents exchanged
+        behind it and attended on the row's heads; a group's exchange takes the time of the row's rank
+        with the most of its rows. Where some row lacks either kind, as one exchange."""
+        layout = DocumentLayout.balance(problem.cu_seqlens(), r, problem.causal)
+        if not pipelines(layout):
+            return self._hybrid(problem, u, r, "documents", 1, False)
+        b, d, h = problem.batch, problem.head_dim, problem.heads
+        hkv = kv_heads_for(h, problem.kv_heads, u)
+        crossing, column, row = crossing_layout(layout), [i * u for i in range(r)], list(range(u))
+        ring_fwd = self._documents(replace(problem, mode="fwd"), column, h // u, hkv // u, "ring", crossing)
+        ring, whole_ring = {"fwd": ring_fwd}, ring_fwd
+        if problem.mode == "fwd_bwd":
+            whole_ring = self._documents(replace(problem, mode="fwd_bwd"), column, h // u, hkv // u, "ring", crossing)
+            ring["bwd"] = _Timeline(whole_ring.time - ring_fwd.time, whole_ring.compute - ring_fwd.compute)
+        rows = []
+        for j in range(r):
+            cu, groups = row_groups(layout, j)
+            parts = []
+            for docs in groups:
+                spans, cu_g = group_spans(cu, docs, u)
+                most = max(sum(m for _, m in mine) for mine in spans)
+                parts.append((cu_g, self.network.all_to_all_ms(b * most * h * d * ELEM, row),
+                              self.network.all_to_all_ms(b * most * hkv * d * ELEM, row)))
+            rows.append(parts)
+        time = compute = 0.0
+        for mode in (("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)):
+            times, computes = [], []
+            for (_, qa, kva), (cu_b, qb, kvb) in rows:
+                whole = self.kernels.documents_ms(cu_b, b, h // u, hkv // u, d, problem.causal, mode)
+                ins, outs = ([qa + 2 * kva, qb + 2 * kvb], [qa, qb]) if mode == "fwd" else \
+                    ([qa, qb], [qa + 2 * kva, qb + 2 * kvb])
+                times.append(_pipeline(ins, [ring[mode].time, whole], outs))
+                computes.append(ring[mode].compute + whole)
+            time, compute = time + max(times), compute + max(computes)
+        n = problem.seq_len // (u * r)
+        sent = (2 if problem.mode == "fwd_bwd" else 1) * 2 * b * n * (h + hkv) * d * ELEM * (u - 1) / u
+        return _Timeline(time, compute, sent + whole_ring.sent, 2 * b * n * (h + hkv) * d * ELEM + whole_ring.extra_mem)
+
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:
         """The calibrated decode step of the same batch and rows per rank (on one GPU alone for P = 1,
@@ -561,13 +608,16 @@ class Model:
             # the benchmark's "ulysses" runs the module's defaults (documents kept local, document groups
             # where they pay: local_documents_of says "auto"); its other names, every document exchanged
             return self._ulysses(problem, ranks, ULYSSES_HEAD_GROUPS[strategy], local_documents_of(strategy))
-        if strategy in HYBRID_HEAD_GROUPS:
+        if strategy in HYBRID_HEAD_GROUPS or strategy == "hybrid_documents_row_groups":
             u, r = grid or (None, None)
             if not u or not r or u * r != world or u < 2 or r < 2:
                 raise ValueError(f"the hybrid needs a grid of ulysses x ring = {world} ranks, both at least 2")
             if problem.heads % u:
                 raise ValueError(f"the hybrid splits {problem.heads} heads over rows of {u}: not divisible")
             kv_heads_for(problem.heads, problem.kv_heads, u)
+            if strategy == "hybrid_documents_row_groups":
+                return self._hybrid_row_documents(problem, u, r) if problem.has_documents else \
+                    self._hybrid(problem, u, r, "documents", 1, False)
             return self._hybrid(problem, u, r, "documents" if strategy.startswith("hybrid_documents") else "zigzag",
                                 HYBRID_HEAD_GROUPS[strategy], local_documents_of(strategy))
         layout, overlap, transport = STRATEGIES[strategy]
@@ -586,6 +636,7 @@ STRATEGIES = {
     **{name: None for name in ULYSSES_HEAD_GROUPS},
     "ulysses_document_groups": None,
     **{name: None for name in HYBRID_HEAD_GROUPS},
+    "hybrid_documents_row_groups": None,
     "documents": None,
     "ring_documents": None,
     "decode": None,
@@ -597,7 +648,7 @@ def measured_as(strategy: str) -> str:
     transport, ring layout)."""
     if strategy in ULYSSES_HEAD_GROUPS or strategy == "ulysses_document_groups":
         return "ulysses"
-    if strategy in HYBRID_HEAD_GROUPS:
+    if strategy in HYBRID_HEAD_GROUPS or strategy == "hybrid_documents_row_groups":
         return "hybrid_documents" if strategy.startswith("hybrid_documents") else "hybrid"
     if strategy in ("documents", "ring_documents"):
         return strategy
@@ -612,5 +663,4 @@ NOT_MODELLED = {
     "yunchang_usp": "yunchang: other people's schedule, not modelled",
     "yunchang_ulysses": "yunchang: other people's schedule, not modelled",
     "distributed_dilated": "dilated attention's sequence parallel: the planner models dense attention and documents",
-    "hybrid_documents_row_groups": "the hybrid's row exchange by documents: not modelled yet",
 }

@@ -269,3 +269,37 @@ def test_ulysses_by_groups_of_documents_attends_each_group_on_all_of_a_ranks_hea
     dense = Problem(n, 32, 8, 128, causal=True, mode="fwd_bwd")
     assert slow.predict("ulysses_document_groups", dense, 4).time_ms == pytest.approx(
         slow.predict("ulysses_no_overlap", dense, 4).time_ms, rel=1e-9)
+
+
+def test_the_hybrids_row_exchange_by_documents_hides_the_whole_documents_behind_the_ring():
+    """``hybrid_documents_row_groups`` on a 2 x 2 grid: on free links, each row's ring over the crossing
+    documents' own layout plus its whole documents on the row's heads (the slowest row), nothing
+    exposed; on a slow all-to-all, forward and backward, less exposed than the row's one exchange, the
+    same bytes; with no whole document in a row (one document), as one exchange."""
+    from dilated.parallel.document_layout import DocumentLayout
+    from dilated.parallel.row_documents import crossing_layout, pipelines, row_groups
+
+    # 4K documents and a 12K one: whole documents cannot balance the rows, the 12K one is cut head-tail
+    cu = (0, *range(4096, 7 * 4096 + 1, 4096), *range(7 * 4096 + 12288, 65537, 4096))
+    prob = Problem(65536, 32, 8, 128, causal=True, mode="fwd", cu=cu)
+    layout = DocumentLayout.balance(cu, 2, True)
+    assert pipelines(layout)
+    m = model(free_links())
+    ring = m._documents(prob, [0, 2], 16, 4, "ring", crossing_layout(layout)).time
+    whole = []
+    for j in range(2):  # every whole document is 4K: batched calls of power-of-two counts (6: 4 and 2)
+        row_cu, (_, docs) = row_groups(layout, j)
+        assert {row_cu[i + 1] - row_cu[i] for i in docs} == {4096} and len(docs) == 6
+        whole.append(true_ms(4, 4096, 4096, 16, 128, True, "fwd") + true_ms(2, 4096, 4096, 16, 128, True, "fwd"))
+    p = m.predict("hybrid_documents_row_groups", prob, 4, (2, 2))
+    assert p.time_ms == pytest.approx(ring + max(whole), rel=1e-6) and p.exposed_ms == pytest.approx(0.0, abs=1e-6)
+    links = free_links()
+    links["all_to_all"] = link(latency=1e-9, per_ms=2e7)  # 20 GB/s: the exchanges cost milliseconds
+    slow = model(links)
+    both = Problem(65536, 32, 8, 128, causal=True, mode="fwd_bwd", cu=cu)
+    grouped = slow.predict("hybrid_documents_row_groups", both, 4, (2, 2))
+    at_once = slow.predict("hybrid_documents_exchange_all", both, 4, (2, 2))
+    assert grouped.exposed_ms < 0.8 * at_once.exposed_ms and grouped.bytes_sent == pytest.approx(at_once.bytes_sent)
+    one = Problem(65536, 32, 8, 128, causal=True, mode="fwd", cu=(0, 65536))
+    assert slow.predict("hybrid_documents_row_groups", one, 4, (2, 2)).time_ms == pytest.approx(
+        slow.predict("hybrid_documents_exchange_all", one, 4, (2, 2)).time_ms, rel=1e-9)
