@@ -38,6 +38,15 @@ def check_document_groups(document_groups) -> None:
                          f"that makes about the kernel calls of one exchange) or 'always', got {document_groups!r}")
 
 
+def check_groups_of_one_kind(document_groups, head_groups) -> None:
+    """``document_groups="always"`` (pipelined by documents) is not given with ``head_groups`` above 1
+    (by heads)."""
+    if document_groups == "always" and head_groups not in ("auto", 1):
+        raise ValueError(f"document_groups={document_groups!r} pipelines by documents, head_groups={head_groups!r} "
+                         f"by heads: give one of them (head_groups='auto' or 1 with document_groups="
+                         f"{document_groups!r})")
+
+
 #: the first and the last group each take the longest documents up to about this share of the rows
 EDGE_SHARE = 1 / 8
 

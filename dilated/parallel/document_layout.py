@@ -418,7 +418,7 @@ def positions_of_ranges(starts, lengths, device=None) -> tuple[torch.Tensor, tor
     if not total:
         return torch.zeros(0, dtype=torch.int64, device=device), None
     positions = torch.ones(total, dtype=torch.int64, device=device)
-    if not firsts:  # one range from 1 on
+    if not firsts:  # every range goes on from the one before, the first from 1: the running sum of ones
         return positions.cumsum_(0), None
     (firsts, steps), source = host_values_on([firsts, steps], torch.int64, device)
     positions.index_put_((firsts,), steps)

@@ -30,7 +30,7 @@ from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, shard, unshard
 from .document_attention import DocumentParts, document_attention
-from .document_groups import attend_by_document_groups
+from .document_groups import attend_by_document_groups, check_groups_of_one_kind
 from .document_layout import DocumentLayout
 from .local_documents import check_local_documents, grid_local_documents
 from .row_documents import crossing_layout, pipelines, row_groups
@@ -94,10 +94,7 @@ class HybridAttention(nn.Module):
             raise ValueError(f"document_groups must be 1 (the row's shard exchanged at once) or 'always' (its pieces "
                              f"of documents across rows first, its whole documents behind their ring), got "
                              f"{document_groups!r}")
-        if document_groups == "always" and head_groups not in ("auto", 1):
-            raise ValueError(f"document_groups={document_groups!r} pipelines by documents, head_groups={head_groups!r} "
-                             f"by heads: give one of them (head_groups='auto' or 1 with document_groups="
-                             f"{document_groups!r})")
+        check_groups_of_one_kind(document_groups, head_groups)
         self.head_groups, self.local_documents, self.document_groups = head_groups, local_documents, document_groups
         self.ulysses_size, self.ring_size, self.layout, self.group = ulysses_size, ring_size, layout, group
         self.causal, self.scale, self.backend = causal, scale, backend

@@ -31,7 +31,7 @@ from torch import nn
 
 from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
-from .document_groups import attend_by_document_groups, check_document_groups, groups_to_use
+from .document_groups import attend_by_document_groups, check_document_groups, check_groups_of_one_kind, groups_to_use
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .document_layout import ranges_to_positions
 from .local_documents import check_local_documents, contiguous_ranges, local_documents
@@ -99,10 +99,7 @@ class UlyssesAttention(nn.Module):
         check_head_groups(head_groups)
         check_document_groups(document_groups)
         check_local_documents(local_documents)
-        if document_groups == "always" and head_groups not in ("auto", 1):
-            raise ValueError(f"document_groups={document_groups!r} pipelines by documents, head_groups={head_groups!r} "
-                             f"by heads: give one of them (head_groups='auto' or 1 with document_groups="
-                             f"{document_groups!r})")
+        check_groups_of_one_kind(document_groups, head_groups)
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
         self.head_groups, self.document_groups, self.local_documents = head_groups, document_groups, local_documents
         self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
