@@ -62,14 +62,18 @@ class Piece(NamedTuple):
 
     def work(self, causal: bool) -> int:
         """(query, key) pairs its queries attend: the keys of its document up to each (causal) or all."""
-        m = self.length
-        if causal:
-            return m * (self.start - self.doc_start) + m * (m + 1) // 2
-        return m * (self.doc_end - self.doc_start)
+        return piece_work(self.length, self.start - self.doc_start, self.doc_end - self.doc_start, causal)
 
 
-def _work(length: int, causal: bool) -> int:
-    return length * (length + 1) // 2 if causal else length * length
+def piece_work(length: int, offset: int, doc_length: int, causal: bool) -> int:
+    """(query, key) pairs attended by ``length`` positions from ``offset`` of a document of ``doc_length``:
+    causal, each position its document's keys up to it; else all of them."""
+    return length * offset + length * (length + 1) // 2 if causal else length * doc_length
+
+
+def document_work(length: int, causal: bool) -> int:
+    """(query, key) pairs a whole document of ``length`` positions attends."""
+    return piece_work(length, 0, length, causal)
 
 
 def _head_tail(a: int, length: int, p: int, turn: int) -> list[tuple[int, int, int]]:
@@ -110,6 +114,7 @@ class _Documents(NamedTuple):
 
 def _documents(cu: tuple, causal: bool) -> _Documents:
     lengths = list(map(operator.sub, cu[1:], cu))
+    # document_work, written out: one list for a thousand documents
     work = [m * (m + 1) // 2 for m in lengths] if causal else [m * m for m in lengths]
     # a stable sort keeps ties in document order, reversed too
     return _Documents(work, sorted(zip(lengths, work, range(len(lengths))), key=operator.itemgetter(0), reverse=True))
@@ -128,7 +133,7 @@ def _cut_head_tail(cu: tuple, p: int, causal: bool, cut: set, with_pieces: bool 
             if with_pieces:
                 pieces[r].append(make(Piece, (d, start, m, a, b)))
             room[r] -= m
-            load[r] += m * (start - a) + m * (m + 1) // 2 if causal else m * (b - a)
+            load[r] += piece_work(m, start - a, b - a, causal)
         turn = (turn + (b - a) % p) % p
     return pieces, room, load
 
@@ -272,7 +277,7 @@ class DocumentLayout:
     def work_per_rank(self) -> list[int]:
         """(query, key) pairs each rank's queries attend."""
         cu, causal = self.cu_seqlens, self.causal
-        return [sum(_work(cu[d + 1] - cu[d], causal) for d in whole) + sum(x.work(causal) for x in cut)
+        return [sum(document_work(cu[d + 1] - cu[d], causal) for d in whole) + sum(x.work(causal) for x in cut)
                 for whole, cut in zip(self.whole, self.cut)]
 
     def imbalance(self) -> float:

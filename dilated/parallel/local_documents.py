@@ -22,7 +22,7 @@ import bisect
 import functools
 from dataclasses import dataclass
 
-from .document_layout import DocumentLayout
+from .document_layout import DocumentLayout, document_work
 
 #: ``"auto"`` exchanges the slowest rank's heaviest documents until its work is at most this over the mean
 LOCAL_IMBALANCE = 1.02
@@ -73,10 +73,6 @@ class LocalDocuments:
         if sum(m for _, m in mine) == hi - lo:
             return slice(lo, hi)
         return [a for a, _ in mine], [m for _, m in mine]
-
-
-def _work(m: int, causal: bool) -> int:
-    return m * (m + 1) // 2 if causal else m * m
 
 
 def local_documents(setting, cu, ranges, causal: bool) -> LocalDocuments | None:
@@ -146,10 +142,10 @@ def _local(cu: tuple, ranges: tuple, causal: bool, target: float | None) -> Loca
     for d, (a, b) in enumerate(zip(cu, cu[1:])):
         start, length, r, off = runs[bisect.bisect_right(starts, a) - 1]
         if b <= start + length:
-            mine[r].append((_work(b - a, causal), off + a - start, b - a, d))
+            mine[r].append((document_work(b - a, causal), off + a - start, b - a, d))
         else:
             exchanged.append(d)
-            moved += _work(b - a, causal)
+            moved += document_work(b - a, causal)
     own = [sum(x[0] for x in docs) for docs in mine]
     if target is not None:  # the slowest rank's heaviest documents go to the exchange while it is too slow
         for docs in mine:
