@@ -405,8 +405,9 @@ def steady_calls_do_not_sync(rank, world, port):
                for layout in ("contiguous", "zigzag") for transport in ("copy_engine", "p2p") for causal in (False, True)]
     modules += [(f"ulysses causal={causal}", dilated.UlyssesAttention(causal=causal), True) for causal in (False, True)]
     modules += [("ulysses document groups", dilated.UlyssesAttention(causal=True, document_groups="always"), True)]
+    grids = [u for u in sorted({1, 2, world}) if world % u == 0]  # 2 x 2 on 4 GPUs: both groups NCCL subgroups
     modules += [(f"hybrid {u}x{world // u}", dilated.HybridAttention(u, world // u, causal=True), True)
-                for u in (1, world)]
+                for u in grids]
     modules += [("distributed dilated", dilated.DistributedDilatedAttention([512, 1024, 2048], [1, 2, 4]), False)]
     modules += [(f"documents causal={causal}", dilated.DocumentParallelAttention(causal=causal), True)
                 for causal in (False, True)]
@@ -414,7 +415,9 @@ def steady_calls_do_not_sync(rank, world, port):
     modules += [(f"ring documents causal={causal}", dilated.RingAttention(causal=causal, layout="documents"), True)
                 for causal in (False, True)]
     modules += [(f"hybrid documents {u}x{world // u}",
-                 dilated.HybridAttention(u, world // u, causal=True, layout="documents"), True) for u in (1, world)]
+                 dilated.HybridAttention(u, world // u, causal=True, layout="documents"), True) for u in grids]
+    modules += [("hybrid documents row groups", dilated.HybridAttention(
+        world // 2, 2, causal=True, layout="documents", document_groups="always"), True)] if world % 2 == 0 else []
 
     def shard_of(module, docs):  # shards of document-laid-out modules follow the documents' layout
         if hasattr(module, "document_layout") and getattr(module, "layout", "documents") == "documents":

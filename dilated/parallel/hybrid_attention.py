@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_causal, check_qkv, check_scale
-from .agreement import AgreedSignatures, signature, validate_on_all_ranks
+from .agreement import AgreedSignatures, host_and_device_backend, signature, validate_on_all_ranks
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, shard, unshard
 from .document_attention import DocumentParts, document_attention
@@ -101,12 +101,15 @@ class HybridAttention(nn.Module):
         me = ranks.index(dist.get_rank())
         self.ring_rank, self.ulysses_rank = divmod(me, ulysses_size)
         self.ulysses_group = self.ring_group = None
-        for r in range(ring_size):  # every rank creates every group, in one order (dist.new_group)
-            g = dist.new_group([ranks[r * ulysses_size + u] for u in range(ulysses_size)])
+        # every rank creates every group, in one order (dist.new_group); with a host backend beside NCCL,
+        # so that the inner ring's per-call check stays on the host
+        host_backend = host_and_device_backend()
+        for r in range(ring_size):
+            g = dist.new_group([ranks[r * ulysses_size + u] for u in range(ulysses_size)], backend=host_backend)
             if r == self.ring_rank:
                 self.ulysses_group = g
         for u in range(ulysses_size):
-            g = dist.new_group([ranks[r * ulysses_size + u] for r in range(ring_size)])
+            g = dist.new_group([ranks[r * ulysses_size + u] for r in range(ring_size)], backend=host_backend)
             if u == self.ulysses_rank:
                 self.ring_group = g
         self.ring = RingAttention(causal=causal, scale=scale, backend=backend, layout=layout, group=self.ring_group,
