@@ -119,15 +119,16 @@ def _memory_errors(modelled: list[Check]) -> str:
 
 
 def format_checks(checks: list[Check], source: str, calibration: str) -> str:
-    lines = [f"validation: {source} against the model on {calibration} (within {TOLERANCE:.0%} counts)", "",
-             f"{'implementation':<22} {'P':>2} {'problem':<44} {'measured':>9} {'predicted':>9} {'ratio':>6} "
-             f"{'GiB meas':>8} {'GiB pred':>8}"]
     modelled = [c for c in checks if c.skipped is None]
+    width = max([22] + [len(c.row["implementation"]) for c in modelled])
+    lines = [f"validation: {source} against the model on {calibration} (within {TOLERANCE:.0%} counts)", "",
+             f"{'implementation':<{width}} {'P':>2} {'problem':<44} {'measured':>9} {'predicted':>9} {'ratio':>6} "
+             f"{'GiB meas':>8} {'GiB pred':>8}"]
     for c in modelled:
         r = c.row
         mem = (r.get("memory") or {}).get("peak_total_mib")
         mark = "" if c.within else "  OUTSIDE"
-        lines.append(f"{r['implementation']:<22} {r.get('world_size', 1):>2} {_what(r):<44} {c.measured_ms:>9.2f} "
+        lines.append(f"{r['implementation']:<{width}} {r.get('world_size', 1):>2} {_what(r):<44} {c.measured_ms:>9.2f} "
                      f"{c.prediction.time_ms:>9.2f} {c.ratio:>6.2f} "
                      f"{(mem / 1024 if mem else math.nan):>8.1f} {c.prediction.memory_gib:>8.1f}{mark}")
     inside = sum(c.within for c in modelled)
