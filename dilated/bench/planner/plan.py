@@ -9,7 +9,8 @@ from .schedules import Model, Prediction, Problem
 
 #: strategies planned for dense sequences and for packed documents
 DENSE = ["ring", "ring_zigzag", "ulysses", "hybrid"]
-DOCUMENTS = ["ring_zigzag", "ulysses", "documents", "ring_documents", "hybrid", "hybrid_documents"]
+DOCUMENTS = ["ring_zigzag", "ulysses", "documents", "ring_documents", "hybrid", "hybrid_documents",
+             "hybrid_documents_row_groups"]
 
 
 def grids(world: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
@@ -83,12 +84,13 @@ def label(p: Prediction) -> str:
 def format_plan(preds: list[Prediction], problem: Problem, world: int, best: Prediction | None, why: str,
                 assumptions: list[str]) -> str:
     lines = [f"plan: {problem.describe()}; {world} GPU{'s' if world > 1 else ''}", ""]
-    lines.append(f"{'strategy':<24} {'ms/call':>9} {'TFLOP/s/GPU':>11} {'exposed':>8} {'GiB/GPU':>8} {'GB sent':>8}")
+    width = max([24] + [len(label(p)) for p in preds])
+    lines.append(f"{'strategy':<{width}} {'ms/call':>9} {'TFLOP/s/GPU':>11} {'exposed':>8} {'GiB/GPU':>8} {'GB sent':>8}")
     for p in preds:
         if not p.supported:
-            lines.append(f"{label(p):<24} cannot run: {p.reason}")
+            lines.append(f"{label(p):<{width}} cannot run: {p.reason}")
             continue
-        lines.append(f"{label(p):<24} {p.time_ms:>9.2f} {p.tflops_per_gpu:>11.0f} {100 * p.exposed_fraction:>7.0f}% "
+        lines.append(f"{label(p):<{width}} {p.time_ms:>9.2f} {p.tflops_per_gpu:>11.0f} {100 * p.exposed_fraction:>7.0f}% "
                      f"{p.memory_gib:>8.1f} {p.bytes_sent / 1e9:>8.2f}{'  *' if p.notes else ''}")
     noted = [p for p in preds if p.notes]
     if noted:
