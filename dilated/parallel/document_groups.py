@@ -181,12 +181,14 @@ class DocumentGroupCall:
     heads; a list: one per group), the groups' :class:`RowGroup` s, over ``group``, counted in
     ``stats``; ``local``: this rank's rows of documents it attends where they lie (a slice, or an
     index tensor) and their cumulative lengths packed in that order
-    (:mod:`dilated.parallel.local_documents`), or None."""
+    (:mod:`dilated.parallel.local_documents`), or None; ``local_attend`` attends them (default
+    ``attend``)."""
     attend: Callable
     groups: list
     group: object
     stats: CommStats
     local: tuple | None = None
+    local_attend: Callable | None = None
 
 
 def _take_rows(x: torch.Tensor, rows) -> torch.Tensor:
@@ -227,7 +229,8 @@ class _AttendByDocumentGroups(torch.autograd.Function):
         local = None
         if call.local is not None:  # this rank's own documents, on all its heads, while the exchanges run
             rows, cu = call.local
-            local = _attend_graph(call.attend, [_take_rows(x, rows) for x in (q, k, v)], cu, grad)
+            attend = call.local_attend or call.attend
+            local = _attend_graph(attend, [_take_rows(x, rows) for x in (q, k, v)], cu, grad)
         graphs, back = [], []
         attends = call.attend if isinstance(call.attend, list) else [call.attend] * len(call.groups)
         for rg, exchanges, attend in zip(call.groups, inputs, attends):
@@ -276,7 +279,7 @@ def _back(x: torch.Tensor, rg: RowGroup, call: DocumentGroupCall, b: int):
 
 def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable, *,
                               cu: list[int], groups: list[list[int]], group, stats: CommStats,
-                              local: tuple | None = None) -> torch.Tensor:
+                              local: tuple | None = None, local_attend: Callable | None = None) -> torch.Tensor:
     """``attend(q, k, v, cu)`` on the packed documents of each of ``groups`` (lists of document
     indices of the global cumulative lengths ``cu``), this rank's heads, from and to contiguous
     sequence shards, differentiable. ``q`` ``[B, N/P, H, D]``, ``k``, ``v`` ``[B, N/P, H_kv, D]`` with
@@ -284,9 +287,12 @@ def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cumulative lengths (a list: group ``g``'s is ``attend[g]``). ``local``: ``(rows, cu_local)``,
     rows of this rank's shard (a slice or an index tensor) whose documents (cumulative lengths
     ``cu_local``, packed in that order) it attends where they lie on all its heads, issued after the
-    groups' input exchanges so that they run beside them. Every document is in exactly one group or
-    in some rank's ``local``. Returns this rank's ``[B, N/P, H, D]``."""
+    groups' input exchanges so that they run beside them, by ``local_attend`` (default ``attend``; given
+    where ``attend`` is a list). Every document is in exactly one group or in some rank's ``local``.
+    Returns this rank's ``[B, N/P, H, D]``."""
+    if local is not None and local_attend is None and isinstance(attend, list):
+        raise ValueError("local_attend: with one attend per group, give the one for the local documents")
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     rgs = row_groups(cu, groups, rank, p, q.device)
-    call = DocumentGroupCall(attend, rgs, group, stats, local)
+    call = DocumentGroupCall(attend, rgs, group, stats, local, local_attend)
     return _AttendByDocumentGroups.apply(q.contiguous(), k.contiguous(), v.contiguous(), call)

@@ -31,9 +31,9 @@ from .head_groups import attend_by_head_groups, check_head_groups, head_groups_f
 from .sharding import CommStats, shard, unshard
 from .document_attention import DocumentParts, document_attention
 from .document_groups import attend_by_document_groups, check_groups_of_one_kind
-from .document_layout import DocumentLayout
+from .document_layout import DocumentLayout, ranges_to_positions
 from .local_documents import check_local_documents, grid_local_documents
-from .row_documents import crossing_layout, pipelines, row_groups
+from .row_documents import RowPlan, crossing_layout, pipelines, row_groups, row_plan
 from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
@@ -152,12 +152,13 @@ class HybridAttention(nn.Module):
                                        layout)
             own = None if own is None else (own.local_cu(self.ring_rank * self.ulysses_size + self.ulysses_rank),
                                             layout)
-            if own is None and self.document_groups == "always" and groups == 1 and pipelines(layout):
-                by_docs = (layout, crossing_layout(layout), *row_groups(layout, self.ring_rank))
+            if own is None and self.document_groups == "always" and groups == 1:
+                by_docs = self._row_plan(layout)
         return (hkv, groups, own, by_docs), signature(
             q, k, v, causal=self.causal, scale=scale, layout=self.layout, algorithm="hybrid",
             grid=[self.ring_size, self.ulysses_size], documents=docs, head_groups=groups,
-            local_documents=own is not None, document_groups=2 if by_docs else 1)
+            local_documents=own is not None or (by_docs is not None and by_docs[1].local is not None),
+            document_groups=2 if by_docs else 1)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths,
@@ -184,14 +185,26 @@ class HybridAttention(nn.Module):
 
         return attend_by_head_groups(q, k, v, attend, groups=groups, group=self.ulysses_group, stats=self.stats)
 
-    def _by_row_documents(self, q, k, v, layout, crossing, cu, groups):
-        """The row's pieces of crossing documents exchanged and ringed first, its whole documents
-        exchanged behind them and attended where they lie (:mod:`dilated.parallel.row_documents`)."""
+    def _row_plan(self, layout: DocumentLayout) -> tuple | None:
+        """``(layout, this row's RowPlan)`` of the exchange by documents, or None (one exchange). Every
+        row keeps documents local within it, or none does: the rows' rings must be one ring."""
+        plans = [row_plan(layout, j, self.ulysses_size, self.local_documents) for j in range(self.ring_size)]
+        if all(plans):
+            return layout, plans[self.ring_rank]
+        if not pipelines(layout):
+            return None
+        cu, groups = row_groups(layout, self.ring_rank)
+        return layout, RowPlan(tuple(cu), tuple(map(tuple, groups)), (True, False), crossing_layout(layout), None)
+
+    def _by_row_documents(self, q, k, v, layout: DocumentLayout, plan: RowPlan):
+        """The row's pieces of crossing documents exchanged and ringed first, its other documents
+        exchanged behind them and attended where they lie, each rank's own documents (``plan.local``)
+        attended on all its heads beside the exchanges (:mod:`dilated.parallel.row_documents`)."""
         self.ring.last_layout, self.ring.transport_used = layout, "p2p"  # what shard and unshard take by default
 
         def across_rows(qg, kg, vg, cu_g):  # the crossing documents' pieces of every row, round the column
             parts = DocumentParts.on(qg, kg, vg, causal=self.causal, scale=self.scale, backend=self.backend,
-                                     layout=crossing)
+                                     layout=plan.crossing)
             call = parts.call(self.ring_rank, self.ring_group, self.stats, transport="ring")
             return document_attention(qg.contiguous(), kg.contiguous(), vg.contiguous(), call)
 
@@ -199,8 +212,18 @@ class HybridAttention(nn.Module):
             return attention(qg, kg, vg, causal=self.causal, scale=self.scale, backend=self.backend,
                              cu_seqlens=torch.tensor(cu_g, dtype=torch.int32))
 
-        return attend_by_document_groups(q, k, v, [across_rows, within_row], cu=cu, groups=groups,
-                                         group=self.ulysses_group, stats=self.stats)
+        mine, u = None, self.ulysses_rank
+        if plan.local is not None and plan.local.spans[u]:
+            def rows():
+                at = plan.local.local_rows(u)
+                return at if isinstance(at, slice) else ranges_to_positions(*at, q.device)
+            mine = (layout.derived(("row_local_rows", self.ring_rank, self.ulysses_size, self.local_documents, u,
+                                    str(q.device)), rows),
+                    plan.local.local_cu(u))
+        return attend_by_document_groups(q, k, v, [across_rows if ring else within_row for ring in plan.rings],
+                                         cu=list(plan.cu), groups=[list(g) for g in plan.groups],
+                                         group=self.ulysses_group, stats=self.stats, local=mine,
+                                         local_attend=within_row)
 
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor: its ring shard

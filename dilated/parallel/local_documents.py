@@ -75,7 +75,7 @@ class LocalDocuments:
         return [a for a, _ in mine], [m for _, m in mine]
 
 
-def local_documents(setting, cu, ranges, causal: bool) -> LocalDocuments | None:
+def local_documents(setting, cu, ranges, causal: bool, exchanged=()) -> LocalDocuments | None:
     """The :class:`LocalDocuments` of the documents ``cu`` (global cumulative lengths) over ranks whose
     positions are ``ranges[r]`` (``(global start, length)`` runs in the rank's local order; together
     they cover ``0 .. N - 1`` once), or None where ``setting`` keeps none local: ``False``, or no
@@ -83,13 +83,14 @@ def local_documents(setting, cu, ranges, causal: bool) -> LocalDocuments | None:
     heaviest local document of the slowest rank after them, one at a time, while that rank's work
     (its local documents' plus ``1/P`` of the exchanged ones') is more than :data:`LOCAL_IMBALANCE`
     over the mean, and None where that exchanges more than :data:`MOST_EXCHANGED` of the rows;
-    ``"always"``: every document whole within a rank stays."""
+    ``"always"``: every document whole within a rank stays. ``exchanged``: documents exchanged
+    wherever they lie (indices)."""
     check_local_documents(setting)
     if setting is False:
         return None
     cu = tuple(cu)
     found = _local(cu, tuple(tuple(map(tuple, mine)) for mine in ranges), bool(causal),
-                   LOCAL_IMBALANCE if setting == "auto" else None)
+                   LOCAL_IMBALANCE if setting == "auto" else None, frozenset(exchanged))
     if setting == "auto" and found is not None and \
             sum(cu[d + 1] - cu[d] for d in found.exchanged) > MOST_EXCHANGED * cu[-1]:
         return None
@@ -132,7 +133,8 @@ def grid_local_documents(setting, cu, ring_size: int, ulysses_size: int, causal:
 
 
 @functools.lru_cache(maxsize=16)
-def _local(cu: tuple, ranges: tuple, causal: bool, target: float | None) -> LocalDocuments | None:
+def _local(cu: tuple, ranges: tuple, causal: bool, target: float | None,
+           forced: frozenset = frozenset()) -> LocalDocuments | None:
     runs = sorted((start, length, r, off) for r, mine in enumerate(ranges)
                   for start, length, off in _with_offsets(mine))
     starts = [x[0] for x in runs]
@@ -141,7 +143,7 @@ def _local(cu: tuple, ranges: tuple, causal: bool, target: float | None) -> Loca
     exchanged, moved = [], 0
     for d, (a, b) in enumerate(zip(cu, cu[1:])):
         start, length, r, off = runs[bisect.bisect_right(starts, a) - 1]
-        if b <= start + length:
+        if b <= start + length and d not in forced:
             mine[r].append((document_work(b - a, causal), off + a - start, b - a, d))
         else:
             exchanged.append(d)

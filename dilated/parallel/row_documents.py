@@ -10,12 +10,19 @@ over the row's sequence of pieces, :func:`row_groups`): first its pieces of cros
 attended by a ring over :func:`crossing_layout` (the layout of those documents alone), then its
 whole documents, attended where they lie on the row's heads. The second group's exchange runs
 behind the first group's ring, and its attention behind the first group's output going back.
+
+With ``local_documents`` (:func:`row_plan`), a rank's documents whole within its part of the row
+are not exchanged at all: it attends them on all its heads while the groups' exchanges run
+(:mod:`dilated.parallel.local_documents`, within the row), and the second group holds only the
+row's other whole documents.
 """
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from .document_layout import DocumentLayout, Piece
+from .local_documents import LocalDocuments, contiguous_ranges, local_documents
 
 
 def pipelines(layout: DocumentLayout) -> bool:
@@ -54,3 +61,43 @@ def crossing_layout(layout: DocumentLayout) -> DocumentLayout:
     cut = tuple(tuple(moved(x) for x in sorted(mine, key=lambda x: x.start) if x.doc in index)
                 for mine in layout.cut)
     return DocumentLayout(tuple(packed), layout.world_size, layout.causal, ((),) * layout.world_size, cut)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """What a grid row exchanges and attends: ``cu`` its pieces in its order as the documents of its
+    shard (cumulative lengths); ``groups`` the pieces (indices) each exchange carries, in order;
+    ``rings[g]`` whether group ``g`` is the crossing documents' pieces, attended by the ring over
+    ``crossing`` (their layout), else on the row's heads; ``local`` the documents (pieces) the row's
+    ranks attend where they lie (:class:`~dilated.parallel.local_documents.LocalDocuments` over the
+    row's ``ulysses_size`` contiguous parts), or None."""
+
+    cu: tuple
+    groups: tuple
+    rings: tuple
+    crossing: DocumentLayout | None
+    local: LocalDocuments | None
+
+
+def row_plan(layout: DocumentLayout, row: int, ulysses_size: int, local_setting) -> RowPlan | None:
+    """Row ``row``'s exchange by documents with ``local_documents=local_setting`` kept within its
+    ranks' parts, or None where it keeps none local (:func:`~dilated.parallel.local_documents.local_documents`
+    within the row, the crossing documents' pieces always exchanged) or where the rows cannot all
+    take part in one ring (a row without a piece of a crossing document while some cross, or a
+    document in parts on one row only)."""
+    def make():
+        crossing = layout.crossing()
+        if any(x.doc not in crossing for cut in layout.cut for x in cut):
+            return None
+        if crossing and not all(cut for cut in layout.cut):
+            return None
+        cu, (ring, whole) = row_groups(layout, row)
+        local = local_documents(local_setting, cu, contiguous_ranges(cu[-1], ulysses_size), layout.causal,
+                                exchanged=ring)
+        if local is None:
+            return None
+        rest = sorted(set(local.exchanged) - set(ring))
+        groups = [(g, on_ring) for g, on_ring in ((ring, True), (rest, False)) if g]
+        return RowPlan(tuple(cu), tuple(tuple(g) for g, _ in groups), tuple(r for _, r in groups),
+                       crossing_layout(layout) if crossing else None, local)
+    return layout.derived(("row_plan", row, ulysses_size, local_setting), make)

@@ -1,0 +1,68 @@
+"""A grid row's exchange by documents (:func:`dilated.parallel.row_documents.row_plan`), against the
+row's pieces and its ranks' parts written out position by position."""
+import random
+
+import pytest
+
+from dilated.parallel.document_layout import DocumentLayout
+from dilated.parallel.local_documents import contiguous_ranges, local_documents
+from dilated.parallel.row_documents import row_plan
+
+
+def _owner_of_rows(n_row: int, u: int) -> list[int]:
+    """The rank of the row (0 .. u-1) that holds each position of the row's shard."""
+    return [i // (n_row // u) for i in range(n_row)]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_rows_plan_exchanges_the_crossing_pieces_and_keeps_only_pieces_within_one_part(seed):
+    rng = random.Random(seed)
+    r, u = rng.choice([(2, 2), (2, 4), (4, 2)])
+    n = r * u * rng.choice([16, 32])
+    cu = [0, *sorted(rng.sample(range(1, n), rng.randint(2, n // 6))), n]
+    causal, setting = rng.random() < 0.5, rng.choice(["always", "auto"])
+    layout = DocumentLayout.balance(cu, r, causal)
+    crossing = layout.crossing()
+    for row in range(r):
+        plan = row_plan(layout, row, u, setting)
+        if plan is None:
+            continue
+        pieces = layout.pieces_of(row)
+        assert list(plan.cu) == [sum(x.length for x in pieces[:i]) for i in range(len(pieces) + 1)]
+        owner = _owner_of_rows(plan.cu[-1], u)
+        local = {}  # piece index -> rank that keeps it, from the spans
+        for rank, spans in enumerate(plan.local.spans):
+            at = 0
+            for start, length in spans:  # a rank's local documents packed in its local order
+                i = plan.cu.index(rank * (plan.cu[-1] // u) + start)
+                assert plan.cu[i + 1] - plan.cu[i] == length and i not in local, (row, spans)
+                local[i] = rank
+                at += length
+            assert plan.local.local_cu(rank)[-1] == at
+        grouped = [i for g in plan.groups for i in g]
+        assert sorted(grouped + list(local)) == list(range(len(pieces))), (grouped, local)
+        for i, x in enumerate(pieces):
+            rows = range(plan.cu[i], plan.cu[i + 1])
+            if i in local:  # within one rank's part, and not of a document on another row
+                assert {owner[j] for j in rows} == {local[i]} and x.doc not in crossing
+            if x.doc in crossing:
+                assert any(ring and i in g for g, ring in zip(plan.groups, plan.rings)), (i, plan)
+            else:
+                assert not any(ring and i in g for g, ring in zip(plan.groups, plan.rings)), (i, plan)
+        assert sum(plan.rings) == (1 if crossing else 0)
+        if setting == "always":  # every piece within one part that no other row shares stays
+            assert all(i in local for i, x in enumerate(pieces)
+                       if x.doc not in crossing and len({owner[j] for j in range(plan.cu[i], plan.cu[i + 1])}) == 1)
+
+
+def test_rows_of_crossing_pieces_only_keep_nothing_local():
+    layout = DocumentLayout.balance([0, 256], 2, True)  # one document: every piece crosses rows
+    assert all(row_plan(layout, 0, 2, s) is None for s in ("auto", "always", False))
+
+
+def test_documents_exchanged_wherever_they_lie_are_not_kept():
+    cu, ranges = [0, 4, 8, 18, 20, 32], contiguous_ranges(32, 2)  # document 2 crosses the ranks
+    kept = local_documents("always", cu, ranges, True)
+    forced = local_documents("always", cu, ranges, True, exchanged=[0, 3])
+    assert kept.exchanged == (2,) and kept.spans == (((0, 4), (4, 4)), ((2, 2), (4, 12)))
+    assert forced.exchanged == (0, 2, 3) and forced.spans == (((4, 4),), ((4, 12),))
