@@ -30,8 +30,8 @@ from dilated.parallel.agreement import all_gather_text, group_device, host_and_d
 
 from .registry import Case, Implementation
 from .results import trusted, untrusted_reason
-from .workload import (WithDocuments, document_layout_work, grid_work_per_rank, imbalance, kept_local, ulysses_size_for,
-                       work_per_rank)
+from .workload import (WithDocuments, document_layout_work, grid_work_per_rank, imbalance, kept_local,
+                       row_local_work, ulysses_size_for, work_per_rank)
 from .runner import RunOptions, run_sweep
 
 #: above this size of a gathered tensor the check reads the shards in place (16M tokens, H=16, D=128
@@ -134,6 +134,7 @@ class DistributedImplementation(Implementation):
     takes_documents: bool = False  # forward(q, k, v, cu_seqlens=...)
     splits_heads: bool = False  # each rank computes every query for a share of the heads (Ulysses)
     local_documents: object = False  # the module's local_documents (dilated.parallel.local_documents)
+    row_groups: bool = False  # the hybrid's document_groups="always" (dilated.parallel.row_documents)
 
     def __post_init__(self):
         super().__post_init__()
@@ -187,6 +188,10 @@ class DistributedImplementation(Implementation):
         if self.problem.name != "dense":
             return None
         kept = kept_local(case, p, self.layout, self.local_documents)
+        if kept is None and self.row_groups:
+            row_local = row_local_work(case, p, self.local_documents)
+            if row_local is not None:
+                return row_local
         if kept is not None:  # documents attended where they lie, the others by heads
             return list(kept.work)
         if self.splits_heads:  # every rank: all queries, H/P heads

@@ -23,9 +23,11 @@ def _distributed_dilated(case, backend, group):
                                                backend=backend, group=group)
 
 
-def _make(name, problem, layout, factory, description, documents=True, splits_heads=False, local=False):
+def _make(name, problem, layout, factory, description, documents=True, splits_heads=False, local=False,
+          row_groups=False):
     return DistributedImplementation(name, problem, None, description, layout=layout, factory=factory,
-                                     takes_documents=documents, splits_heads=splits_heads, local_documents=local)
+                                     takes_documents=documents, splits_heads=splits_heads, local_documents=local,
+                                     row_groups=row_groups)
 
 
 #: Ulysses' benchmark names and the head groups each runs (:mod:`dilated.parallel.head_groups`)
@@ -36,6 +38,9 @@ HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_head_gro
                       "hybrid_documents": "auto", "hybrid_documents_exchange_all": "auto",
                       "hybrid_documents_no_overlap": 1, "hybrid_documents_head_groups_2": 2,
                       "hybrid_documents_head_groups_4": 4}
+#: the hybrid's names that exchange a row by documents (``document_groups="always"``) and the
+#: ``local_documents`` each runs (:mod:`dilated.parallel.row_documents`)
+ROW_GROUPS = {"hybrid_documents_row_groups": False, "hybrid_documents_row_groups_local": "auto"}
 #: the Ulysses and hybrid names that run the modules' defaults: ``local_documents="auto"`` (packed
 #: documents whole within a rank attended there: :mod:`dilated.parallel.local_documents`) and
 #: Ulysses' ``document_groups="auto"``; the other names measure their exchanges' schedule on every
@@ -84,6 +89,17 @@ def _hybrid_impl(name, groups):
                  f"local_documents={local!r}", local=local)
 
 
+def _row_groups_impl(name, local):
+    kept = "" if not local else (", each rank's documents within its part of the row attended where they lie "
+                                 f"(local_documents={local!r})")
+    return _make(name, "dense", "hybrid_documents",
+                 lambda c, b, g: _hybrid(c, b, g, layout="documents", head_groups=1, local=local,
+                                         document_groups="always"),
+                 "HybridAttention on the documents' DocumentLayout, document_groups='always': a row exchanges its "
+                 f"pieces of documents across rows first (then their ring), its other documents behind them{kept}",
+                 local=local, row_groups=True)
+
+
 RING_IMPLEMENTATIONS = {
     "ring": _make("ring", "dense", "contiguous", lambda c, b, g: _ring(c, b, "contiguous", True, g),
                   "RingAttention, contiguous shards, communication overlapped"),
@@ -115,11 +131,7 @@ RING_IMPLEMENTATIONS = {
                             "RingAttention on the documents' DocumentLayout: only crossing documents' K/V rows "
                             "passed round the ring"),
     **{name: _hybrid_impl(name, groups) for name, groups in HYBRID_HEAD_GROUPS.items()},
-    "hybrid_documents_row_groups": _make(
-        "hybrid_documents_row_groups", "dense", "hybrid_documents",
-        lambda c, b, g: _hybrid(c, b, g, layout="documents", head_groups=1, local=False, document_groups="always"),
-        "HybridAttention on the documents' DocumentLayout, document_groups='always': a row exchanges its pieces of "
-        "documents across rows first (then their ring), its whole documents behind them"),
+    **{name: _row_groups_impl(name, local) for name, local in ROW_GROUPS.items()},
 }
 for _impl in RING_IMPLEMENTATIONS.values():
     register_implementation(_impl)

@@ -97,6 +97,30 @@ def kept_local(case, p: int, layout: str, setting):
     return None if u is None else grid_local_documents(setting, cu, p // u, u, case.causal)
 
 
+def row_local_work(case, p: int, setting) -> list[float] | None:
+    """Attended pairs of each rank of the hybrid on documents exchanging a row by documents with
+    ``local_documents=setting`` (:func:`dilated.parallel.row_documents.row_plan`): a rank's own
+    documents, and a ``1/U`` share of the rest of its row's work; None where the rows keep none."""
+    from dilated.parallel.document_layout import DocumentLayout, document_work
+    from dilated.parallel.row_documents import row_plan
+
+    from .documents import cu_seqlens_of
+
+    u = ulysses_size_for(p, case.num_heads)
+    if not case.documents or not setting or u is None:
+        return None
+    layout = DocumentLayout.balance(cu_seqlens_of(case.documents, case.seq_len), p // u, case.causal)
+    plans = [row_plan(layout, j, u, setting) for j in range(p // u)]
+    if not all(plans):
+        return None
+    rows = document_layout_work(case, p // u)
+    out = []
+    for row, plan in zip(rows, plans):
+        own = [sum(document_work(m, case.causal) for _, m in spans) for spans in plan.local.spans]
+        out += [w + (row - sum(own)) / u for w in own]
+    return out
+
+
 def imbalance(work: list[float] | None) -> float | None:
     """Slowest rank's work over the mean (1.0: balanced)."""
     if not work or sum(work) == 0:

@@ -72,12 +72,14 @@ def test_every_strategy_on_one_document_workload_under_torchrun(tmp_path):
     rows, stdout = _torchrun("benchmarks/specialized/benchmark_ring_attention.py", 4, tmp_path, "--seq-lengths",
                              "256", "--causal", "--doc-lengths", "lognormal:32,1.0", "--head-shapes", "8/2/32,4/4/16",
                              "--implementations",
-                             "ring,ring_zigzag,ulysses,hybrid,hybrid_documents_row_groups,torch_cp")
+                             "ring,ring_zigzag,ulysses,hybrid,hybrid_documents_row_groups,"
+                             "hybrid_documents_row_groups_local,torch_cp")
     tables = [line for line in stdout.splitlines() if line.endswith("every implementation")]
     assert len(tables) == 2 and "H=8/2 D=32" in tables[0] + tables[1] and "H=4 D=16" in tables[0] + tables[1]
     rows = [r for r in rows if r["config"]["num_heads"] == 8]  # the GQA shape below
     by = {r["implementation"]: r for r in rows if r.get("role") != "baseline"}
-    for name in ("ring", "ring_zigzag", "ulysses", "hybrid", "hybrid_documents_row_groups"):
+    for name in ("ring", "ring_zigzag", "ulysses", "hybrid", "hybrid_documents_row_groups",
+                 "hybrid_documents_row_groups_local"):
         assert by[name]["status"] == "ok" and by[name]["check"]["passed"], by[name]
         assert by[name]["config"]["documents"] == "lognormal:32,1.0"
     assert by["ulysses"]["work_imbalance"] == 1.0 and by["ring"]["work_imbalance"] > 1.0
@@ -298,3 +300,33 @@ def test_document_groups_auto_takes_groups_only_where_the_calls_stay_about_the_s
     assert groups_to_use("auto", cu, 8, 128, True, one_call) == (document_groups_for(cu) if grouped else None)
     assert groups_to_use("always", cu, 8, 128, True, one_call) == document_groups_for(cu)
     assert groups_to_use(1, cu, 8, 128, True, one_call) is None
+
+
+def test_the_hybrids_row_exchange_with_local_documents_work_by_hand():
+    """Each rank of a 2x2 grid exchanging its row by documents with local documents: the keys of the
+    documents whose positions all lie in the rank's half of its row's positions, plus half of the
+    rest of the row's keys (a float64 loop over the positions; a mix where "auto" keeps every such
+    document)."""
+    from dilated.bench.registry import Case
+    from dilated.bench.strategies import RING_IMPLEMENTATIONS
+
+    cu = (0, 6, 12, 23, 25, 43, 53, 66, 81, 87, 88, 102, 105, 165, 173, 179, 195, 210, 227, 233, 237, 255, 256)
+    case = Case(batch=1, seq_len=256, num_heads=4, head_dim=8, causal=True, documents="given")
+    keys = torch.zeros(256, dtype=torch.float64)
+    for a, b in zip(cu, cu[1:]):
+        for i in range(a, b):
+            keys[i] = i - a + 1
+    layout = dilated.DocumentLayout.balance(cu, 2, True)
+    by_hand = []
+    for row in range(2):
+        mine = layout.positions(row).tolist()
+        parts = [set(mine[:64]), set(mine[64:])]
+        own = [sum(float(keys[a:b].sum()) for a, b in zip(cu, cu[1:]) if set(range(a, b)) <= part) for part in parts]
+        rest = float(keys[mine].sum()) - sum(own)
+        by_hand += [w + rest / 2 for w in own]
+    assert by_hand[0] != by_hand[1]  # the halves' own documents differ
+    with mock.patch("dilated.bench.documents.cu_seqlens_of", return_value=cu):
+        assert RING_IMPLEMENTATIONS["hybrid_documents_row_groups_local"].work_per_rank(case, 4) == \
+            pytest.approx(by_hand)
+        assert RING_IMPLEMENTATIONS["hybrid_documents_row_groups"].work_per_rank(case, 4) == pytest.approx(
+            [float(keys[layout.positions(r // 2)].sum()) / 2 for r in range(4)])

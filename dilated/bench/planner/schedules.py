@@ -43,11 +43,11 @@ from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
 from ...parallel.local_documents import contiguous_ranges, grid_local_documents, local_documents
-from ...parallel.row_documents import crossing_layout, pipelines, row_groups
+from ...parallel.row_documents import RowPlan, crossing_layout, pipelines, row_groups, row_plan
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
-from ..strategies import HYBRID_HEAD_GROUPS, ULYSSES_HEAD_GROUPS, local_documents_of
+from ..strategies import HYBRID_HEAD_GROUPS, ROW_GROUPS, ULYSSES_HEAD_GROUPS, local_documents_of
 from ..workload import ulysses_size_for
 from .calibration import Curve, log_interp
 from .kernel_model import ELEM, KernelModel
@@ -472,47 +472,66 @@ class Model:
         return self._by_head_groups(problem, list(range(u)), problem.heads, problem.kv_heads, attend, head_groups,
                                     False, rings=r)
 
-    def _hybrid_row_documents(self, problem: Problem, u: int, r: int) -> _Timeline:
+    def _hybrid_row_documents(self, problem: Problem, u: int, r: int, local=False) -> _Timeline:
         """The hybrid on the documents' layout with ``document_groups="always"``
         (:mod:`dilated.parallel.row_documents`): in each row, its pieces of crossing documents
         exchanged (q, k, v in, output back), attended by a ring over the crossing documents' own
-        layout (one ring for every row: the slowest column's), then its whole documents exchanged
+        layout (one ring for every row: the slowest column's), then its other documents exchanged
         behind it and attended on the row's heads; a group's exchange takes the time of the row's rank
-        with the most of its rows. Where some row lacks either kind, as one exchange."""
+        with the most of its rows. With ``local`` (the module's ``local_documents``) where every row
+        keeps some (:func:`~dilated.parallel.row_documents.row_plan`), each rank's own documents on all
+        its heads first, beside the exchanges. Where no row plan holds and some row lacks either kind,
+        as one exchange."""
         layout = DocumentLayout.balance(problem.cu_seqlens(), r, problem.causal)
-        if not pipelines(layout):
-            return self._hybrid(problem, u, r, "documents", 1, False)
+        plans = [row_plan(layout, j, u, local) for j in range(r)]
+        if not all(plans):
+            if not pipelines(layout):
+                return self._hybrid(problem, u, r, "documents", 1, False)
+            plans = [RowPlan(tuple(cu), tuple(map(tuple, g)), (True, False), None, None)
+                     for cu, g in (row_groups(layout, j) for j in range(r))]
         b, d, h = problem.batch, problem.head_dim, problem.heads
         hkv = kv_heads_for(h, problem.kv_heads, u)
-        crossing, column, row = crossing_layout(layout), [i * u for i in range(r)], list(range(u))
-        ring_fwd = self._documents(replace(problem, mode="fwd"), column, h // u, hkv // u, "ring", crossing)
-        ring, whole_ring = {"fwd": ring_fwd}, ring_fwd
-        if problem.mode == "fwd_bwd":
-            whole_ring = self._documents(replace(problem, mode="fwd_bwd"), column, h // u, hkv // u, "ring", crossing)
-            ring["bwd"] = _Timeline(whole_ring.time - ring_fwd.time, whole_ring.compute - ring_fwd.compute)
-        rows = []
-        for j in range(r):
-            cu, groups = row_groups(layout, j)
-            parts = []
-            for docs in groups:
-                spans, cu_g = group_spans(cu, docs, u)
-                most = max(sum(m for _, m in mine) for mine in spans)
-                parts.append((cu_g, self.network.all_to_all_ms(b * most * h * d * ELEM, row),
-                              self.network.all_to_all_ms(b * most * hkv * d * ELEM, row)))
-            rows.append(parts)
+        column, row = [i * u for i in range(r)], list(range(u))
+        ring, whole_ring = {}, _Timeline(0.0, 0.0)
+        if layout.crossing():
+            crossing = crossing_layout(layout)
+            ring["fwd"] = whole_ring = self._documents(replace(problem, mode="fwd"), column, h // u, hkv // u, "ring",
+                                                       crossing)
+            if problem.mode == "fwd_bwd":
+                whole_ring = self._documents(replace(problem, mode="fwd_bwd"), column, h // u, hkv // u, "ring",
+                                             crossing)
+                ring["bwd"] = _Timeline(whole_ring.time - ring["fwd"].time, whole_ring.compute - ring["fwd"].compute)
+        rows, moved = [], 0
+        for plan in plans:
+            parts, most_rows = [], [0] * u
+            for docs, on_ring in zip(plan.groups, plan.rings):
+                spans, cu_g = group_spans(list(plan.cu), docs, u)
+                counts = [sum(m for _, m in mine) for mine in spans]
+                most_rows = [a + c for a, c in zip(most_rows, counts)]
+                most = b * max(counts) * d * ELEM
+                parts.append((None if on_ring else cu_g, self.network.all_to_all_ms(most * h, row),
+                              self.network.all_to_all_ms(most * hkv, row)))
+            rows.append((plan, parts))
+            moved = max(moved, *most_rows)
         time = compute = 0.0
         for mode in (("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)):
             times, computes = [], []
-            for (_, qa, kva), (cu_b, qb, kvb) in rows:
-                whole = self.kernels.documents_ms(cu_b, b, h // u, hkv // u, d, problem.causal, mode)
-                ins, outs = ([qa + 2 * kva, qb + 2 * kvb], [qa, qb]) if mode == "fwd" else \
-                    ([qa, qb], [qa + 2 * kva, qb + 2 * kvb])
-                times.append(_pipeline(ins, [ring[mode].time, whole], outs))
-                computes.append(ring[mode].compute + whole)
+            for plan, parts in rows:
+                attends = [ring[mode].time if cu_g is None else
+                           self.kernels.documents_ms(cu_g, b, h // u, hkv // u, d, problem.causal, mode)
+                           for cu_g, _, _ in parts]
+                ins = [q + 2 * kv if mode == "fwd" else q for _, q, kv in parts]
+                outs = [q if mode == "fwd" else q + 2 * kv for _, q, kv in parts]
+                for rank in range(u):
+                    own = (self.kernels.documents_ms(plan.local.local_cu(rank), b, h, hkv, d, problem.causal, mode)
+                           if plan.local is not None and plan.local.spans[rank] else 0.0)
+                    # its own documents first on the compute stream, beside every group's input exchange
+                    times.append(_pipeline([0.0, *ins], [own, *attends], [0.0, *outs]))
+                    computes.append(own + sum(attends))
             time, compute = time + max(times), compute + max(computes)
-        n = problem.seq_len // (u * r)
-        sent = (2 if problem.mode == "fwd_bwd" else 1) * 2 * b * n * (h + hkv) * d * ELEM * (u - 1) / u
-        return _Timeline(time, compute, sent + whole_ring.sent, 2 * b * n * (h + hkv) * d * ELEM + whole_ring.extra_mem)
+        sent = (2 if problem.mode == "fwd_bwd" else 1) * 2 * b * moved * (h + hkv) * d * ELEM * (u - 1) / u
+        return _Timeline(time, compute, sent + whole_ring.sent,
+                         2 * b * moved * (h + hkv) * d * ELEM + whole_ring.extra_mem)
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:
@@ -608,16 +627,16 @@ class Model:
             # the benchmark's "ulysses" runs the module's defaults (documents kept local, document groups
             # where they pay: local_documents_of says "auto"); its other names, every document exchanged
             return self._ulysses(problem, ranks, ULYSSES_HEAD_GROUPS[strategy], local_documents_of(strategy))
-        if strategy in HYBRID_HEAD_GROUPS or strategy == "hybrid_documents_row_groups":
+        if strategy in HYBRID_HEAD_GROUPS or strategy in ROW_GROUPS:
             u, r = grid or (None, None)
             if not u or not r or u * r != world or u < 2 or r < 2:
                 raise ValueError(f"the hybrid needs a grid of ulysses x ring = {world} ranks, both at least 2")
             if problem.heads % u:
                 raise ValueError(f"the hybrid splits {problem.heads} heads over rows of {u}: not divisible")
             kv_heads_for(problem.heads, problem.kv_heads, u)
-            if strategy == "hybrid_documents_row_groups":
-                return self._hybrid_row_documents(problem, u, r) if problem.has_documents else \
-                    self._hybrid(problem, u, r, "documents", 1, False)
+            if strategy in ROW_GROUPS:
+                return self._hybrid_row_documents(problem, u, r, ROW_GROUPS[strategy]) if problem.has_documents \
+                    else self._hybrid(problem, u, r, "documents", 1, False)
             return self._hybrid(problem, u, r, "documents" if strategy.startswith("hybrid_documents") else "zigzag",
                                 HYBRID_HEAD_GROUPS[strategy], local_documents_of(strategy))
         layout, overlap, transport = STRATEGIES[strategy]
@@ -636,7 +655,7 @@ STRATEGIES = {
     **{name: None for name in ULYSSES_HEAD_GROUPS},
     "ulysses_document_groups": None,
     **{name: None for name in HYBRID_HEAD_GROUPS},
-    "hybrid_documents_row_groups": None,
+    **{name: None for name in ROW_GROUPS},
     "documents": None,
     "ring_documents": None,
     "decode": None,
@@ -648,7 +667,7 @@ def measured_as(strategy: str) -> str:
     transport, ring layout)."""
     if strategy in ULYSSES_HEAD_GROUPS or strategy == "ulysses_document_groups":
         return "ulysses"
-    if strategy in HYBRID_HEAD_GROUPS or strategy == "hybrid_documents_row_groups":
+    if strategy in HYBRID_HEAD_GROUPS or strategy in ROW_GROUPS:
         return "hybrid_documents" if strategy.startswith("hybrid_documents") else "hybrid"
     if strategy in ("documents", "ring_documents"):
         return strategy
