@@ -14,7 +14,8 @@ shards are those of the :class:`~dilated.DocumentLayout` of each call's document
 where every document then lies whole within one rank's part (and the ranks' work stays balanced:
 ``local_documents``), each rank attends its own documents on all its heads and nothing moves
 (:mod:`dilated.parallel.local_documents`); with ``document_groups="always"`` a row exchanges its
-pieces of documents that cross rows first and its whole documents behind their ring
+pieces of documents that cross rows first and its whole documents behind their ring, and with
+``local_documents`` each rank keeps its documents within its part of the row where they lie
 (:mod:`dilated.parallel.row_documents`).
 Construct it on every rank of the default process group (it creates the row and column groups, a
 collective).
@@ -65,7 +66,10 @@ class HybridAttention(nn.Module):
             a row exchanges its whole shard at once, then the ring; ``"always"``: first its pieces of
             documents that cross rows, attended by the ring, then its documents whole within it,
             attended where they lie, their exchange behind the ring (where every row holds both;
-            :mod:`dilated.parallel.row_documents`). Not combined with ``head_groups`` above 1.
+            :mod:`dilated.parallel.row_documents`); with ``local_documents`` (``"auto"``: where every row
+            keeps some within its balance), each rank's documents within its part of the row are not
+            exchanged but attended on all its heads beside the exchanges. Not combined with
+            ``head_groups`` above 1.
 
     ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """

@@ -22,7 +22,7 @@ def test_plan_ranks_every_strategy_and_recommends_one(cal_path, capsys, tmp_path
                  "--doc-lengths", "lognormal:8k,1.0", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     for name in ("ring_zigzag", "ulysses", "documents", "ring_documents", "hybrid 2x2", "hybrid_documents 2x2",
-                 "hybrid_documents_row_groups 2x2"):
+                 "hybrid_documents_row_groups 2x2", "hybrid_documents_row_groups_local 2x2"):
         assert f"\n{name} " in text
     data = json.loads(out.read_text())
     times = [p["time_ms"] for p in data["predictions"] if p["reason"] is None]
