@@ -601,7 +601,7 @@ def hybrid_row_documents(rank, world):
     document alone in float64, forward and gradients, causal or not, GQA split or replicated, batch 2;
     two exchanges' all-to-alls forward (three in, one out each) where every row holds both kinds, one
     exchange's where a row holds no whole document; bad settings named."""
-    from dilated.parallel.row_documents import pipelines, row_plan
+    from dilated.parallel.row_documents import pipelines, row_plans
 
     n = 64  # rows of a rank's part: ring shards of 128 over two rows
     mixes = [([0, 5, 17, 30, 200, 210, 256], True),  # 170 rows cut head-tail over both rows, short ones whole
@@ -629,12 +629,12 @@ def hybrid_row_documents(rank, world):
     mixes = [[0, 10, 25, 40, 70, 90, 100, 180, 190, 200, 215, 230, 256], [0, 60, 128, 188, 256],
              [0, 3, 9, 20, 34, 50, 66, 90, 97, 120, 140, 170, 175, 199, 230, 256]]
     for cu in mixes:
-        for causal in (True, False):
+        for causal, groups in ((True, "always"), (False, "always"), (True, 1), (False, 1)):
             for h, hkv, batch in ((4, 2, 1), (4, 1, 2)):
                 module = dilated.HybridAttention(2, 2, causal=causal, layout="documents", backend="manual",
-                                                 local_documents="always", document_groups="always")
+                                                 local_documents="always", document_groups=groups)
                 layout = module.document_layout(cu)
-                plan = row_plan(layout, rank // 2, 2, "always")
+                plan = row_plans(layout, 2, "always", by_documents=groups == "always")[rank // 2]
                 assert plan is not None and plan.local is not None, (cu, layout.cut)
                 q, k, v = _full(31 + h + hkv, 4 * n, h, hkv, b=batch)
                 dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6), dtype=q.dtype)
@@ -644,7 +644,7 @@ def hybrid_row_documents(rank, world):
                 assert module.stats.collectives == 4 * len(plan.groups), (cu, plan, module.stats.as_dict())
                 out.backward(module.shard(dout))
                 _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
-                                      f"hybrid row documents, local, causal={causal} H={h}/{hkv} B={batch} {cu}")
+                                      f"hybrid rows, local, groups={groups} causal={causal} H={h}/{hkv} B={batch} {cu}")
     for kw, says in (({"document_groups": "auto"}, "document_groups must be 1"),
                      ({"document_groups": "always", "head_groups": 2}, "give one of them")):
         try:

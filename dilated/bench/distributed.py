@@ -134,7 +134,6 @@ class DistributedImplementation(Implementation):
     takes_documents: bool = False  # forward(q, k, v, cu_seqlens=...)
     splits_heads: bool = False  # each rank computes every query for a share of the heads (Ulysses)
     local_documents: object = False  # the module's local_documents (dilated.parallel.local_documents)
-    row_groups: bool = False  # the hybrid's document_groups="always" (dilated.parallel.row_documents)
 
     def __post_init__(self):
         super().__post_init__()
@@ -188,7 +187,7 @@ class DistributedImplementation(Implementation):
         if self.problem.name != "dense":
             return None
         kept = kept_local(case, p, self.layout, self.local_documents)
-        if kept is None and self.row_groups:
+        if kept is None and self.layout == "hybrid_documents":  # documents kept within each row, or none
             row_local = row_local_work(case, p, self.local_documents)
             if row_local is not None:
                 return row_local

@@ -23,11 +23,9 @@ def _distributed_dilated(case, backend, group):
                                                backend=backend, group=group)
 
 
-def _make(name, problem, layout, factory, description, documents=True, splits_heads=False, local=False,
-          row_groups=False):
+def _make(name, problem, layout, factory, description, documents=True, splits_heads=False, local=False):
     return DistributedImplementation(name, problem, None, description, layout=layout, factory=factory,
-                                     takes_documents=documents, splits_heads=splits_heads, local_documents=local,
-                                     row_groups=row_groups)
+                                     takes_documents=documents, splits_heads=splits_heads, local_documents=local)
 
 
 #: Ulysses' benchmark names and the head groups each runs (:mod:`dilated.parallel.head_groups`)
@@ -97,7 +95,7 @@ def _row_groups_impl(name, local):
                                          document_groups="always"),
                  "HybridAttention on the documents' DocumentLayout, document_groups='always': a row exchanges its "
                  f"pieces of documents across rows first (then their ring), its other documents behind them{kept}",
-                 local=local, row_groups=True)
+                 local=local)
 
 
 RING_IMPLEMENTATIONS = {

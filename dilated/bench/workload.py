@@ -98,11 +98,12 @@ def kept_local(case, p: int, layout: str, setting):
 
 
 def row_local_work(case, p: int, setting) -> list[float] | None:
-    """Attended pairs of each rank of the hybrid on documents exchanging a row by documents with
-    ``local_documents=setting`` (:func:`dilated.parallel.row_documents.row_plan`): a rank's own
-    documents, and a ``1/U`` share of the rest of its row's work; None where the rows keep none."""
+    """Attended pairs of each rank of the hybrid on documents keeping documents within its part of
+    its row with ``local_documents=setting`` (:func:`dilated.parallel.row_documents.row_plans`): a
+    rank's own documents, and a ``1/U`` share of the rest of its row's work; None where the rows keep
+    none."""
     from dilated.parallel.document_layout import DocumentLayout, document_work
-    from dilated.parallel.row_documents import row_plan
+    from dilated.parallel.row_documents import row_plans
 
     from .documents import cu_seqlens_of
 
@@ -110,8 +111,8 @@ def row_local_work(case, p: int, setting) -> list[float] | None:
     if not case.documents or not setting or u is None:
         return None
     layout = DocumentLayout.balance(cu_seqlens_of(case.documents, case.seq_len), p // u, case.causal)
-    plans = [row_plan(layout, j, u, setting) for j in range(p // u)]
-    if not all(plans):
+    plans = row_plans(layout, u, setting)
+    if plans is None:
         return None
     rows = document_layout_work(case, p // u)
     out = []

@@ -13,10 +13,10 @@ shards are those of the :class:`~dilated.DocumentLayout` of each call's document
 ``ring_size`` rows, and the ring relays only crossing documents' rows (:mod:`dilated.parallel.document_attention`);
 where every document then lies whole within one rank's part (and the ranks' work stays balanced:
 ``local_documents``), each rank attends its own documents on all its heads and nothing moves
-(:mod:`dilated.parallel.local_documents`); with ``document_groups="always"`` a row exchanges its
-pieces of documents that cross rows first and its whole documents behind their ring, and with
-``local_documents`` each rank keeps its documents within its part of the row where they lie
-(:mod:`dilated.parallel.row_documents`).
+(:mod:`dilated.parallel.local_documents`); elsewhere each rank keeps its documents within its part
+of the row where they lie and the row exchanges the rest, at once and round one ring, or with
+``document_groups="always"`` its pieces of documents that cross rows first and its other documents
+behind their ring (:mod:`dilated.parallel.row_documents`).
 Construct it on every rank of the default process group (it creates the row and column groups, a
 collective).
 """
@@ -34,7 +34,7 @@ from .document_attention import DocumentParts, document_attention
 from .document_groups import attend_by_document_groups, check_groups_of_one_kind
 from .document_layout import DocumentLayout, ranges_to_positions
 from .local_documents import check_local_documents, grid_local_documents
-from .row_documents import RowPlan, crossing_layout, pipelines, row_groups, row_plan
+from .row_documents import RowPlan, crossing_layout, pipelines, row_groups, row_plans
 from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
@@ -59,17 +59,18 @@ class HybridAttention(nn.Module):
             than the exchanges it hides).
         local_documents: ``layout="documents"``: where every document lies whole within one rank's
             part, each rank attends its own on all its heads, without the row's exchange or the ring;
-            ``"auto"`` (default): where the slowest rank's work also stays within
-            :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` of the mean; ``"always"``:
-            wherever every document lies whole within a rank; ``False``: never.
+            else, where every row keeps some documents within its ranks' parts
+            (:func:`~dilated.parallel.row_documents.row_plans`), those stay and the row exchanges the
+            rest; ``"auto"`` (default): where the slowest rank's work also stays within
+            :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` of the mean (and, within a row,
+            at most :data:`~dilated.parallel.local_documents.MOST_EXCHANGED` of its rows move);
+            ``"always"``: wherever documents lie whole within a rank; ``False``: never.
         document_groups: ``layout="documents"``, where documents are not kept local: ``1`` (default),
             a row exchanges its whole shard at once, then the ring; ``"always"``: first its pieces of
             documents that cross rows, attended by the ring, then its documents whole within it,
             attended where they lie, their exchange behind the ring (where every row holds both;
-            :mod:`dilated.parallel.row_documents`); with ``local_documents`` (``"auto"``: where every row
-            keeps some within its balance), each rank's documents within its part of the row are not
-            exchanged but attended on all its heads beside the exchanges. Not combined with
-            ``head_groups`` above 1.
+            :mod:`dilated.parallel.row_documents`), the documents kept by ``local_documents`` attended
+            on all of a rank's heads beside the exchanges. Not combined with ``head_groups`` above 1.
 
     ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """
@@ -156,13 +157,13 @@ class HybridAttention(nn.Module):
                                        layout)
             own = None if own is None else (own.local_cu(self.ring_rank * self.ulysses_size + self.ulysses_rank),
                                             layout)
-            if own is None and self.document_groups == "always" and groups == 1:
+            if own is None and groups == 1:
                 by_docs = self._row_plan(layout)
         return (hkv, groups, own, by_docs), signature(
             q, k, v, causal=self.causal, scale=scale, layout=self.layout, algorithm="hybrid",
             grid=[self.ring_size, self.ulysses_size], documents=docs, head_groups=groups,
             local_documents=own is not None or (by_docs is not None and by_docs[1].local is not None),
-            document_groups=2 if by_docs else 1)
+            row_exchange=by_docs is not None)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None, layout: DocumentLayout | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths,
@@ -190,12 +191,15 @@ class HybridAttention(nn.Module):
         return attend_by_head_groups(q, k, v, attend, groups=groups, group=self.ulysses_group, stats=self.stats)
 
     def _row_plan(self, layout: DocumentLayout) -> tuple | None:
-        """``(layout, this row's RowPlan)`` of the exchange by documents, or None (one exchange). Every
-        row keeps documents local within it, or none does: the rows' rings must be one ring."""
-        plans = [row_plan(layout, j, self.ulysses_size, self.local_documents) for j in range(self.ring_size)]
-        if all(plans):
+        """``(layout, this row's RowPlan)``: each rank's documents within its part kept where they lie
+        (every row keeps some, or none does: the rows' rings must be one ring), the rest exchanged at
+        once or by documents (``document_groups``); else, by documents, the row's crossing pieces and
+        its whole documents; else None (the whole shard exchanged at once)."""
+        by_documents = self.document_groups == "always"
+        plans = row_plans(layout, self.ulysses_size, self.local_documents, by_documents)
+        if plans is not None:
             return layout, plans[self.ring_rank]
-        if not pipelines(layout):
+        if not by_documents or not pipelines(layout):
             return None
         cu, groups = row_groups(layout, self.ring_rank)
         return layout, RowPlan(tuple(cu), tuple(map(tuple, groups)), (True, False), crossing_layout(layout), None)

@@ -11,10 +11,11 @@ attended by a ring over :func:`crossing_layout` (the layout of those documents a
 whole documents, attended where they lie on the row's heads. The second group's exchange runs
 behind the first group's ring, and its attention behind the first group's output going back.
 
-With ``local_documents`` (:func:`row_plan`), a rank's documents whole within its part of the row
+With ``local_documents`` (:func:`row_plans`), a rank's documents whole within its part of the row
 are not exchanged at all: it attends them on all its heads while the groups' exchanges run
 (:mod:`dilated.parallel.local_documents`, within the row), and the second group holds only the
-row's other whole documents.
+row's other whole documents; with one exchange (``document_groups=1``), the row's other pieces
+move at once and one ring over their own layout (:func:`exchanged_layout`) attends them.
 """
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def crossing_layout(layout: DocumentLayout) -> DocumentLayout:
 class RowPlan:
     """What a grid row exchanges and attends: ``cu`` its pieces in its order as the documents of its
     shard (cumulative lengths); ``groups`` the pieces (indices) each exchange carries, in order;
-    ``rings[g]`` whether group ``g`` is the crossing documents' pieces, attended by the ring over
-    ``crossing`` (their layout), else on the row's heads; ``local`` the documents (pieces) the row's
+    ``rings[g]`` whether group ``g`` is attended by the ring over ``crossing`` (the layout of the
+    pieces the rings carry), else on the row's heads; ``local`` the documents (pieces) the row's
     ranks attend where they lie (:class:`~dilated.parallel.local_documents.LocalDocuments` over the
     row's ``ulysses_size`` contiguous parts), or None."""
 
@@ -79,25 +80,58 @@ class RowPlan:
     local: LocalDocuments | None
 
 
-def row_plan(layout: DocumentLayout, row: int, ulysses_size: int, local_setting) -> RowPlan | None:
-    """Row ``row``'s exchange by documents with ``local_documents=local_setting`` kept within its
-    ranks' parts, or None where it keeps none local (:func:`~dilated.parallel.local_documents.local_documents`
-    within the row, the crossing documents' pieces always exchanged) or where the rows cannot all
-    take part in one ring (a row without a piece of a crossing document while some cross, or a
-    document in parts on one row only)."""
+def exchanged_layout(layout: DocumentLayout, exchanged: list) -> DocumentLayout:
+    """The layout of the pieces the rows exchange (``exchanged[j]``: indices into row ``j``'s pieces),
+    packed in sequence order: the crossing documents cut over the rows as in ``layout``, each other
+    document (whole within its row) whole on its row."""
+    crossing, cu = layout.crossing(), layout.cu_seqlens
+    rows = [[layout.pieces_of(j)[i] for i in mine] for j, mine in enumerate(exchanged)]
+    docs = sorted({x.doc for mine in rows for x in mine})
+    index = {d: i for i, d in enumerate(docs)}
+    packed = list(itertools.accumulate((cu[d + 1] - cu[d] for d in docs), initial=0))
+
+    def moved(x: Piece) -> Piece:
+        i = index[x.doc]
+        return Piece(i, packed[i] + x.start - x.doc_start, x.length, packed[i], packed[i + 1])
+
+    whole = tuple(tuple(index[x.doc] for x in mine if x.doc not in crossing) for mine in rows)
+    cut = tuple(tuple(moved(x) for x in mine if x.doc in crossing) for mine in rows)
+    return DocumentLayout(tuple(packed), layout.world_size, layout.causal, whole, cut)
+
+
+def row_plans(layout: DocumentLayout, ulysses_size: int, local_setting, by_documents: bool = True) -> tuple | None:
+    """Every row's :class:`RowPlan` with ``local_documents=local_setting`` kept within its ranks'
+    parts (:func:`~dilated.parallel.local_documents.local_documents` within each row, the crossing
+    documents' pieces always exchanged), or None where a row keeps none or the rows cannot all take
+    part in one ring (a row without a piece of a crossing document while some cross, or a document
+    in parts on one row only). ``by_documents``: the crossing pieces in an exchange of their own
+    and ring over :func:`crossing_layout`, the row's other documents in a second; else every
+    exchanged piece in one exchange and one ring over :func:`exchanged_layout` (no ring where no
+    document crosses rows)."""
     def make():
         crossing = layout.crossing()
         if any(x.doc not in crossing for cut in layout.cut for x in cut):
             return None
         if crossing and not all(cut for cut in layout.cut):
             return None
-        cu, (ring, whole) = row_groups(layout, row)
-        local = local_documents(local_setting, cu, contiguous_ranges(cu[-1], ulysses_size), layout.causal,
-                                exchanged=ring)
-        if local is None:
-            return None
-        rest = sorted(set(local.exchanged) - set(ring))
-        groups = [(g, on_ring) for g, on_ring in ((ring, True), (rest, False)) if g]
-        return RowPlan(tuple(cu), tuple(tuple(g) for g, _ in groups), tuple(r for _, r in groups),
-                       crossing_layout(layout) if crossing else None, local)
-    return layout.derived(("row_plan", row, ulysses_size, local_setting), make)
+        rows = []
+        for j in range(layout.world_size):
+            cu, (ring, _) = row_groups(layout, j)
+            local = local_documents(local_setting, cu, contiguous_ranges(cu[-1], ulysses_size), layout.causal,
+                                    exchanged=ring)
+            if local is None:
+                return None
+            rows.append((tuple(cu), ring, local))
+        if not by_documents:
+            moved = exchanged_layout(layout, [local.exchanged for _, _, local in rows]) if crossing else None
+            return tuple(RowPlan(cu, (local.exchanged,) if local.exchanged else (),
+                                 (bool(crossing),) if local.exchanged else (), moved, local) for cu, _, local in rows)
+        ring_layout = crossing_layout(layout) if crossing else None
+        out = []
+        for cu, ring, local in rows:
+            rest = sorted(set(local.exchanged) - set(ring))
+            groups = [(g, on_ring) for g, on_ring in ((ring, True), (rest, False)) if g]
+            out.append(RowPlan(cu, tuple(tuple(g) for g, _ in groups), tuple(r for _, r in groups), ring_layout,
+                               local))
+        return tuple(out)
+    return layout.derived(("row_plans", ulysses_size, local_setting, by_documents), make)

@@ -1,4 +1,4 @@
-"""A grid row's exchange by documents (:func:`dilated.parallel.row_documents.row_plan`), against the
+"""A grid row's exchange by documents (:func:`dilated.parallel.row_documents.row_plans`), against the
 row's pieces and its ranks' parts written out position by position."""
 import random
 
@@ -6,7 +6,7 @@ import pytest
 
 from dilated.parallel.document_layout import DocumentLayout
 from dilated.parallel.local_documents import contiguous_ranges, local_documents
-from dilated.parallel.row_documents import row_plan
+from dilated.parallel.row_documents import row_plans
 
 
 def _owner_of_rows(n_row: int, u: int) -> list[int]:
@@ -24,9 +24,10 @@ def test_a_rows_plan_exchanges_the_crossing_pieces_and_keeps_only_pieces_within_
     layout = DocumentLayout.balance(cu, r, causal)
     crossing = layout.crossing()
     for row in range(r):
-        plan = row_plan(layout, row, u, setting)
-        if plan is None:
+        plans = row_plans(layout, u, setting)
+        if plans is None:
             continue
+        plan = plans[row]
         pieces = layout.pieces_of(row)
         assert list(plan.cu) == [sum(x.length for x in pieces[:i]) for i in range(len(pieces) + 1)]
         owner = _owner_of_rows(plan.cu[-1], u)
@@ -57,7 +58,7 @@ def test_a_rows_plan_exchanges_the_crossing_pieces_and_keeps_only_pieces_within_
 
 def test_rows_of_crossing_pieces_only_keep_nothing_local():
     layout = DocumentLayout.balance([0, 256], 2, True)  # one document: every piece crosses rows
-    assert all(row_plan(layout, 0, 2, s) is None for s in ("auto", "always", False))
+    assert all(row_plans(layout, 2, s) is None for s in ("auto", "always", False))
 
 
 def test_documents_exchanged_wherever_they_lie_are_not_kept():
@@ -66,3 +67,35 @@ def test_documents_exchanged_wherever_they_lie_are_not_kept():
     forced = local_documents("always", cu, ranges, True, exchanged=[0, 3])
     assert kept.exchanged == (2,) and kept.spans == (((0, 4), (4, 4)), ((2, 2), (4, 12)))
     assert forced.exchanged == (0, 2, 3) and forced.spans == (((4, 4),), ((4, 12),))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_rows_one_exchange_rings_its_exchanged_pieces_in_the_rows_order(seed):
+    """``by_documents=False``: the row's pieces not kept move in one exchange, in the row's order, and
+    the ring's layout holds on row ``j`` exactly those pieces' rows in that order: each a whole
+    document of the row or a piece of a document across rows, at the same offsets within it."""
+    rng = random.Random(100 + seed)
+    r, u = rng.choice([(2, 2), (2, 4), (4, 2)])
+    n = r * u * rng.choice([16, 32])
+    cu = [0, *sorted(rng.sample(range(1, n), rng.randint(2, n // 6))), n]
+    layout = DocumentLayout.balance(cu, r, rng.random() < 0.5)
+    plans = row_plans(layout, u, "always", by_documents=False)
+    if plans is None:
+        return
+    crossing = layout.crossing()
+    by_documents = row_plans(layout, u, "always")
+    for row, (plan, other) in enumerate(zip(plans, by_documents)):
+        assert plan.local == other.local and plan.cu == other.cu  # the same documents kept
+        moved = sorted(i for g in other.groups for i in g)
+        assert [list(g) for g in plan.groups] == ([moved] if moved else [])
+        assert plan.rings == ((bool(crossing),) if moved else ())
+        if not crossing:
+            assert plan.crossing is None
+            continue
+        pieces = layout.pieces_of(row)
+        ring = plan.crossing.pieces_of(row)
+        assert [x.length for x in ring] == [pieces[i].length for i in moved]
+        for x, i in zip(ring, moved):
+            y = pieces[i]
+            assert (x.start - x.doc_start, x.doc_end - x.doc_start) == (y.start - y.doc_start, y.doc_end - y.doc_start)
+            assert (y.doc in crossing) == (x.doc in plan.crossing.crossing())

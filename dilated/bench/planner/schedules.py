@@ -43,7 +43,7 @@ from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
 from ...parallel.local_documents import contiguous_ranges, grid_local_documents, local_documents
-from ...parallel.row_documents import RowPlan, crossing_layout, pipelines, row_groups, row_plan
+from ...parallel.row_documents import RowPlan, crossing_layout, pipelines, row_groups, row_plans
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
@@ -454,6 +454,9 @@ class Model:
             kept = grid_local_documents(local, problem.cu_seqlens(), r, u, problem.causal)
             if kept is not None:  # every rank its own documents, nothing moves
                 return self._ulysses_local(problem, list(range(u * r)), kept)
+            kv = kv_heads_for(problem.heads, problem.kv_heads, u)
+            if head_groups_for(head_groups, problem.heads // u, kv // u, False) == 1:  # the module's one group
+                return self._hybrid_row_documents(problem, u, r, local, by_documents=False)
 
         def ring(heads, kv_heads, mode):
             one = replace(problem, mode=mode)
@@ -472,29 +475,32 @@ class Model:
         return self._by_head_groups(problem, list(range(u)), problem.heads, problem.kv_heads, attend, head_groups,
                                     False, rings=r)
 
-    def _hybrid_row_documents(self, problem: Problem, u: int, r: int, local=False) -> _Timeline:
-        """The hybrid on the documents' layout with ``document_groups="always"``
-        (:mod:`dilated.parallel.row_documents`): in each row, its pieces of crossing documents
-        exchanged (q, k, v in, output back), attended by a ring over the crossing documents' own
-        layout (one ring for every row: the slowest column's), then its other documents exchanged
-        behind it and attended on the row's heads; a group's exchange takes the time of the row's rank
-        with the most of its rows. With ``local`` (the module's ``local_documents``) where every row
-        keeps some (:func:`~dilated.parallel.row_documents.row_plan`), each rank's own documents on all
-        its heads first, beside the exchanges. Where no row plan holds and some row lacks either kind,
-        as one exchange."""
+    def _hybrid_row_documents(self, problem: Problem, u: int, r: int, local=False,
+                              by_documents: bool = True) -> _Timeline:
+        """The hybrid on the documents' layout exchanging each row by its plan
+        (:mod:`dilated.parallel.row_documents`): with ``local`` (the module's ``local_documents``)
+        where every row keeps some (:func:`~dilated.parallel.row_documents.row_plans`), each rank's
+        own documents on all its heads first, beside the exchanges. ``by_documents``
+        (``document_groups="always"``): the row's pieces of crossing documents exchanged (q, k, v in,
+        output back), attended by a ring over the crossing documents' own layout (one ring for every
+        row: the slowest column's), then its other documents exchanged behind it and attended on the
+        row's heads; else the rest in one exchange and one ring over its own layout. A group's
+        exchange takes the time of the row's rank with the most of its rows. Where no plan keeps
+        documents: by documents, the crossing pieces and the whole documents where every row holds
+        both; else one exchange."""
         layout = DocumentLayout.balance(problem.cu_seqlens(), r, problem.causal)
-        plans = [row_plan(layout, j, u, local) for j in range(r)]
-        if not all(plans):
-            if not pipelines(layout):
+        plans = row_plans(layout, u, local, by_documents) if local else None
+        if plans is None:
+            if not by_documents or not pipelines(layout):
                 return self._hybrid(problem, u, r, "documents", 1, False)
-            plans = [RowPlan(tuple(cu), tuple(map(tuple, g)), (True, False), None, None)
+            plans = [RowPlan(tuple(cu), tuple(map(tuple, g)), (True, False), crossing_layout(layout), None)
                      for cu, g in (row_groups(layout, j) for j in range(r))]
         b, d, h = problem.batch, problem.head_dim, problem.heads
         hkv = kv_heads_for(h, problem.kv_heads, u)
         column, row = [i * u for i in range(r)], list(range(u))
         ring, whole_ring = {}, _Timeline(0.0, 0.0)
-        if layout.crossing():
-            crossing = crossing_layout(layout)
+        if any(any(plan.rings) for plan in plans):
+            crossing = plans[0].crossing  # the layout the rows' ring carries
             ring["fwd"] = whole_ring = self._documents(replace(problem, mode="fwd"), column, h // u, hkv // u, "ring",
                                                        crossing)
             if problem.mode == "fwd_bwd":

@@ -311,13 +311,13 @@ def test_the_hybrids_row_exchange_keeping_local_documents_attends_them_beside_th
     for the ring; on free links, its own documents then the ring; on a slow all-to-all, fewer bytes and
     less exposed than the row exchange that moves every document."""
     from dilated.parallel.document_layout import DocumentLayout
-    from dilated.parallel.row_documents import crossing_layout, row_plan
+    from dilated.parallel.row_documents import crossing_layout, row_plans
 
     cu = (0, *range(4096, 7 * 4096 + 1, 4096), *range(7 * 4096 + 12288, 65537, 4096))
     prob = Problem(65536, 32, 8, 128, causal=True, mode="fwd", cu=cu)
     layout = DocumentLayout.balance(cu, 2, True)
     for j in range(2):
-        plan = row_plan(layout, j, 2, "auto")
+        plan = row_plans(layout, 2, "auto")[j]
         assert plan.rings == (True,) and all(len(s) == 3 and {m for _, m in s} == {4096} for s in plan.local.spans)
     m = model(free_links())
     ring = m._documents(prob, [0, 2], 16, 4, "ring", crossing_layout(layout)).time
