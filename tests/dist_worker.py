@@ -419,16 +419,25 @@ def steady_calls_do_not_sync(rank, world, port):
     modules += [("hybrid documents row groups", dilated.HybridAttention(
         world // 2, 2, causal=True, layout="documents", document_groups="always"), True)] if world % 2 == 0 else []
 
+    # a mix whose rows on a 2 x 2 grid keep documents within their ranks' parts (row_plans), the rest
+    # exchanged at once or by documents
+    rows_cu = torch.tensor([0, 166, 1061, 1578, 1659, 1723, 1991, 2095, 3105, 3459, 3647, 3762, 3955, 4096],
+                           dtype=torch.int32)
+    modules = [(*m, cu) for m in modules]
+    modules += [(f"hybrid documents, local rows, document_groups={groups}", dilated.HybridAttention(
+        2, 2, causal=True, layout="documents", local_documents="always", document_groups=groups), True, rows_cu)
+        for groups in (1, "always")] if world == 4 else []
+
     def shard_of(module, docs):  # shards of document-laid-out modules follow the documents' layout
         if hasattr(module, "document_layout") and getattr(module, "layout", "documents") == "documents":
-            layout = module.document_layout(cu if docs is not None else [0, n])
+            layout = module.document_layout(docs if docs is not None else [0, n])
             return lambda t: module.shard(t, layout)
         return module.shard
     g = torch.Generator(device=dev).manual_seed(5)
     full = [torch.randn(1, n, hh, 64, device=dev, dtype=torch.bfloat16, generator=g) for hh in (h, h // 2, h // 2)]
     dout = torch.randn(full[0].shape, device=dev, dtype=torch.bfloat16, generator=g)
-    for name, module, takes_documents in modules:
-        for docs in ((None, cu) if takes_documents else (None,)):
+    for name, module, takes_documents, mix in modules:
+        for docs in ((None, mix) if takes_documents else (None,)):
             kw = {} if docs is None else {"cu_seqlens": docs}
             shard = shard_of(module, docs)
             q, k, v = (shard(t).requires_grad_() for t in full)
