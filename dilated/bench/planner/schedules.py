@@ -155,6 +155,23 @@ def _pipeline(inputs: list[float], computes: list[float], outputs: list[float]) 
     return comm
 
 
+def _local_bytes(kept, rank: int, b: int, h: int, hkv: int, d: int, mode: str) -> float:
+    """What a rank's documents attended where they lie (``kept``, a
+    :class:`~dilated.parallel.local_documents.LocalDocuments`) hold: their q, k, v rows taken out of
+    the shard (copies unless one run) and their output; backward also their output gradient's rows
+    and their q, k, v gradients, before they are put back."""
+    if kept is None or not kept.spans[rank]:
+        return 0.0
+    rows = kept.local_rows(rank)
+    run = isinstance(rows, slice)
+    n = rows.stop - rows.start if run else sum(rows[1])
+    qkv, out = (h + 2 * hkv) * d * ELEM, h * d * ELEM
+    per_row = (0 if run else qkv) + out
+    if mode != "fwd":
+        per_row += (0 if run else out) + qkv
+    return b * n * per_row
+
+
 def _gib(nbytes: float) -> float:
     return nbytes / 2**30
 
@@ -409,7 +426,8 @@ class Model:
                 computes.append(own + cross)
             time, compute = time + max(times), compute + max(computes)
             sent += 2 * b * most * (h + hkv) * d * ELEM * (p - 1) / p
-        return _Timeline(time, compute, sent, 2 * b * most * (h + hkv) * d * ELEM)
+        held = max(_local_bytes(kept, r, b, h, hkv, d, problem.mode) for r in range(p))
+        return _Timeline(time, compute, sent, 2 * b * most * (h + hkv) * d * ELEM + held)
 
     def _ulysses_by_documents(self, problem: Problem, ranks: list[int]) -> _Timeline:
         """Ulysses pipelined by groups of packed documents (:mod:`dilated.parallel.document_groups`):
@@ -536,8 +554,9 @@ class Model:
                     computes.append(own + sum(attends))
             time, compute = time + max(times), compute + max(computes)
         sent = (2 if problem.mode == "fwd_bwd" else 1) * 2 * b * moved * (h + hkv) * d * ELEM * (u - 1) / u
+        held = max(_local_bytes(plan.local, rank, b, h, hkv, d, problem.mode) for plan in plans for rank in range(u))
         return _Timeline(time, compute, sent + whole_ring.sent,
-                         2 * b * moved * (h + hkv) * d * ELEM + whole_ring.extra_mem)
+                         2 * b * moved * (h + hkv) * d * ELEM + whole_ring.extra_mem + held)
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:
@@ -572,8 +591,9 @@ class Model:
     # -- one strategy -----------------------------------------------------------------------------
     def _memory(self, problem: Problem, p: int, extra: float) -> float:
         """Per-rank GiB: the shards of q, k, v and out (with gradients and dout for fwd_bwd, and the
-        float32 output accumulator and lse), plus what the schedule holds (``extra``: its buffers, and
-        the rows of the largest batched documents call gathered at once)."""
+        float32 output accumulator and lse), plus what the schedule holds (``extra``: its buffers, the
+        rows of the largest batched documents call gathered at once, and what documents attended where
+        they lie hold: :func:`_local_bytes`)."""
         if problem.mode == "decode":
             return _gib(problem.batch * problem.seq_len / p * problem.kv_heads * problem.head_dim * 2 * ELEM + extra)
         n = problem.seq_len / p

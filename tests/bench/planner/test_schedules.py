@@ -331,3 +331,19 @@ def test_the_hybrids_row_exchange_keeping_local_documents_attends_them_beside_th
     local = slow.predict("hybrid_documents_row_groups_local", both, 4, (2, 2))
     every = slow.predict("hybrid_documents_row_groups", both, 4, (2, 2))
     assert local.bytes_sent < 0.6 * every.bytes_sent and local.exposed_ms < every.exposed_ms
+
+
+def test_documents_kept_where_they_lie_hold_their_rows_taken_out_and_their_gradients():
+    """A rank's local documents hold, per row (b=1, 4 heads, 2 kv heads, D=8, bf16): their output
+    (64 bytes), and where their rows are not one run their q, k, v copies (128); backward also the
+    q, k, v gradients (128) and, not one run, the output gradient's rows (64)."""
+    from dilated.bench.planner.schedules import _local_bytes
+    from dilated.parallel.local_documents import contiguous_ranges, local_documents
+
+    cu = [0, 4, 8, 12, 16, 20, 32]  # rank 0: documents 0, 2 and 3 kept, 1 between them exchanged
+    kept = local_documents("always", cu, contiguous_ranges(32, 2), True, exchanged=[1])
+    assert kept.spans == (((0, 4), (8, 4), (12, 4)), ((0, 4), (4, 12)))
+    assert _local_bytes(kept, 0, 1, 4, 2, 8, "fwd") == 12 * (128 + 64)
+    assert _local_bytes(kept, 0, 1, 4, 2, 8, "fwd_bwd") == 12 * (128 + 64 + 64 + 128)
+    assert _local_bytes(kept, 1, 1, 4, 2, 8, "fwd") == 16 * 64  # one run: views, no copies
+    assert _local_bytes(kept, 1, 1, 4, 2, 8, "fwd_bwd") == 16 * (64 + 128)
