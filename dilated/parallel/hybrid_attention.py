@@ -34,7 +34,7 @@ from .document_attention import DocumentParts, document_attention
 from .document_groups import attend_by_document_groups, check_groups_of_one_kind
 from .document_layout import DocumentLayout, ranges_to_positions
 from .local_documents import check_local_documents, grid_local_documents
-from .row_documents import RowPlan, crossing_layout, pipelines, row_groups, row_plans
+from .row_documents import RowPlan, by_documents_plans, row_plans
 from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
@@ -197,12 +197,9 @@ class HybridAttention(nn.Module):
         its whole documents; else None (the whole shard exchanged at once)."""
         by_documents = self.document_groups == "always"
         plans = row_plans(layout, self.ulysses_size, self.local_documents, by_documents)
-        if plans is not None:
-            return layout, plans[self.ring_rank]
-        if not by_documents or not pipelines(layout):
-            return None
-        cu, groups = row_groups(layout, self.ring_rank)
-        return layout, RowPlan(tuple(cu), tuple(map(tuple, groups)), (True, False), crossing_layout(layout), None)
+        if plans is None and by_documents:
+            plans = by_documents_plans(layout)
+        return None if plans is None else (layout, plans[self.ring_rank])
 
     def _by_row_documents(self, q, k, v, layout: DocumentLayout, plan: RowPlan):
         """The row's pieces of crossing documents exchanged and ringed first, its other documents

@@ -135,3 +135,16 @@ def row_plans(layout: DocumentLayout, ulysses_size: int, local_setting, by_docum
                                local))
         return tuple(out)
     return layout.derived(("row_plans", ulysses_size, local_setting, by_documents), make)
+
+
+def by_documents_plans(layout: DocumentLayout) -> tuple | None:
+    """Every row's :class:`RowPlan` keeping nothing: its pieces of crossing documents exchanged and
+    ringed over :func:`crossing_layout`, then its whole documents; None where not every row holds
+    both (:func:`pipelines`)."""
+    def make():
+        if not pipelines(layout):
+            return None
+        ring = crossing_layout(layout)
+        return tuple(RowPlan(tuple(cu), tuple(map(tuple, groups)), (True, False), ring, None)
+                     for cu, groups in (row_groups(layout, j) for j in range(layout.world_size)))
+    return layout.derived("by_documents_plans", make)

@@ -43,7 +43,7 @@ from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
 from ...parallel.local_documents import contiguous_ranges, grid_local_documents, local_documents
-from ...parallel.row_documents import RowPlan, crossing_layout, pipelines, row_groups, row_plans
+from ...parallel.row_documents import by_documents_plans, row_plans
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
@@ -508,11 +508,10 @@ class Model:
         both; else one exchange."""
         layout = DocumentLayout.balance(problem.cu_seqlens(), r, problem.causal)
         plans = row_plans(layout, u, local, by_documents) if local else None
+        if plans is None and by_documents:
+            plans = by_documents_plans(layout)
         if plans is None:
-            if not by_documents or not pipelines(layout):
-                return self._hybrid(problem, u, r, "documents", 1, False)
-            plans = [RowPlan(tuple(cu), tuple(map(tuple, g)), (True, False), crossing_layout(layout), None)
-                     for cu, g in (row_groups(layout, j) for j in range(r))]
+            return self._hybrid(problem, u, r, "documents", 1, False)
         b, d, h = problem.batch, problem.head_dim, problem.heads
         hkv = kv_heads_for(h, problem.kv_heads, u)
         column, row = [i * u for i in range(r)], list(range(u))
