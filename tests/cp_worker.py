@@ -653,3 +653,37 @@ def hybrid_row_documents(rank, world):
             assert says in str(e), e
         else:
             raise AssertionError(f"HybridAttention({kw}) accepted")
+
+
+@worker
+def hybrid_local_rows_grids(rank, world, grids):
+    """HybridAttention on the documents' layout with its defaults (each rank's documents within its
+    part of the row kept where every row keeps some, the rest exchanged at once), and by documents,
+    on every grid of ``grids`` (a ring of one row; a row of one rank), on a mix found for each grid
+    whose rows keep documents: exact against every document alone in float64, forward and gradients."""
+    import random
+
+    from dilated.parallel.row_documents import row_plans
+
+    n = 16 * world
+    for ulysses_size, ring_size in grids:
+        rng = random.Random(ulysses_size)
+        for _ in range(200):  # the same draws on every rank
+            cu = [0, *sorted(rng.sample(range(1, 4 * n), rng.randint(8, n // 2))), 4 * n]
+            layout = dilated.DocumentLayout.balance(cu, ring_size, True)
+            if row_plans(layout, ulysses_size, "always", False) and any(
+                    p.groups for p in row_plans(layout, ulysses_size, "always", False)):
+                break
+        else:
+            raise AssertionError(f"no mix of 200 keeps documents within the rows of {ring_size}x{ulysses_size}")
+        for groups in (1, "always"):
+            module = dilated.HybridAttention(ulysses_size, ring_size, causal=True, layout="documents",
+                                             backend="manual", local_documents="always", document_groups=groups)
+            q, k, v = _full(41 + ulysses_size, 4 * n, 4 * world, world)
+            dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8), dtype=q.dtype)
+            layout = module.document_layout(cu)
+            ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
+            out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+            out.backward(module.shard(dout))
+            _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, True,
+                                  f"hybrid {ring_size}x{ulysses_size} local rows groups={groups} {cu}")

@@ -330,3 +330,8 @@ def test_the_hybrids_row_exchange_with_local_documents_work_by_hand():
             pytest.approx(by_hand)
         assert RING_IMPLEMENTATIONS["hybrid_documents_row_groups"].work_per_rank(case, 4) == pytest.approx(
             [float(keys[layout.positions(r // 2)].sum()) / 2 for r in range(4)])
+
+
+@pytest.mark.parametrize("world, grids", [(4, [(2, 2), (4, 1), (1, 4)]), (6, [(3, 2), (2, 3)])])
+def test_the_hybrid_keeps_documents_within_its_rows_on_every_grid(world, grids):
+    spawn(cp_worker.hybrid_local_rows_grids, args=(world, free_port(), grids), nprocs=world)
