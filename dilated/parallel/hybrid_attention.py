@@ -209,7 +209,7 @@ class HybridAttention(nn.Module):
 
         def across_rows(qg, kg, vg, cu_g):  # the crossing documents' pieces of every row, round the column
             parts = DocumentParts.on(qg, kg, vg, causal=self.causal, scale=self.scale, backend=self.backend,
-                                     layout=plan.crossing)
+                                     layout=plan.ring_layout)
             call = parts.call(self.ring_rank, self.ring_group, self.stats, transport="ring")
             return document_attention(qg.contiguous(), kg.contiguous(), vg.contiguous(), call)
 

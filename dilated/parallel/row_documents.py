@@ -68,7 +68,7 @@ def crossing_layout(layout: DocumentLayout) -> DocumentLayout:
 class RowPlan:
     """What a grid row exchanges and attends: ``cu`` its pieces in its order as the documents of its
     shard (cumulative lengths); ``groups`` the pieces (indices) each exchange carries, in order;
-    ``rings[g]`` whether group ``g`` is attended by the ring over ``crossing`` (the layout of the
+    ``rings[g]`` whether group ``g`` is attended by the ring over ``ring_layout`` (the layout of the
     pieces the rings carry), else on the row's heads; ``local`` the documents (pieces) the row's
     ranks attend where they lie (:class:`~dilated.parallel.local_documents.LocalDocuments` over the
     row's ``ulysses_size`` contiguous parts), or None."""
@@ -76,7 +76,7 @@ class RowPlan:
     cu: tuple
     groups: tuple
     rings: tuple
-    crossing: DocumentLayout | None
+    ring_layout: DocumentLayout | None
     local: LocalDocuments | None
 
 

@@ -90,12 +90,12 @@ def test_a_rows_one_exchange_rings_its_exchanged_pieces_in_the_rows_order(seed):
         assert [list(g) for g in plan.groups] == ([moved] if moved else [])
         assert plan.rings == ((bool(crossing),) if moved else ())
         if not crossing:
-            assert plan.crossing is None
+            assert plan.ring_layout is None
             continue
         pieces = layout.pieces_of(row)
-        ring = plan.crossing.pieces_of(row)
+        ring = plan.ring_layout.pieces_of(row)
         assert [x.length for x in ring] == [pieces[i].length for i in moved]
         for x, i in zip(ring, moved):
             y = pieces[i]
             assert (x.start - x.doc_start, x.doc_end - x.doc_start) == (y.start - y.doc_start, y.doc_end - y.doc_start)
-            assert (y.doc in crossing) == (x.doc in plan.crossing.crossing())
+            assert (y.doc in crossing) == (x.doc in plan.ring_layout.crossing())

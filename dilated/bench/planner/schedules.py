@@ -517,7 +517,7 @@ class Model:
         column, row = [i * u for i in range(r)], list(range(u))
         ring, whole_ring = {}, _Timeline(0.0, 0.0)
         if any(any(plan.rings) for plan in plans):
-            crossing = plans[0].crossing  # the layout the rows' ring carries
+            crossing = plans[0].ring_layout  # the layout the rows' ring carries
             ring["fwd"] = whole_ring = self._documents(replace(problem, mode="fwd"), column, h // u, hkv // u, "ring",
                                                        crossing)
             if problem.mode == "fwd_bwd":
