@@ -2,7 +2,7 @@
 documents (mean 1K and 8K), a new mix for each of 200 builds (none cached), P=4 and 8; and of the
 rest of a rank's host work for the batch: its positions (``layout.positions``, what ``shard``
 takes, with the rank's pieces where the layout makes them when first asked) and its plan of crossing
-rows and rectangles (``rank_plan``, what a call runs).
+rows and rectangles (``rank_plan``, what a call runs); then the hybrid's row plans.
 
     python benchmarks/specialized/time_document_layout.py
     python benchmarks/specialized/time_document_layout.py --against COMMIT   # that commit's code, in turns
@@ -113,6 +113,30 @@ def main() -> None:
                       f"{statistics.median(rs):.3f} ms (max {max(rs):.3f})")
             if len(versions) > 1:
                 print(f"{spec}, P={p_}: the same layouts, positions and rank plans from both: {same}")
+    _time_row_plans()
+
+
+def _time_row_plans() -> None:
+    """The hybrid's host work per batch on the documents' layout over its rows: every row's plan of
+    the documents its ranks keep and the rest it exchanges (``row_plans``, what
+    ``HybridAttention(layout="documents")`` computes for each new mix, the layout over the rows
+    built first and not counted), 2 x 2 and 2 x 4 (ulysses x ring) grids."""
+    from dilated.parallel.row_documents import row_plans
+
+    for spec in ("lognormal:1k,1.0", "lognormal:8k,1.0"):
+        for u, r in ((2, 2), (2, 4)):
+            times, full_gcs = {True: [], False: []}, 0
+            for i in range(1, 201):
+                layout = document_layout.DocumentLayout.balance(cu_seqlens_of(f"{spec}#{i}", 1 << 20), r)
+                before = gc.get_stats()[2]["collections"]
+                start = time.perf_counter()
+                plans = row_plans(layout, u, "auto", by_documents=False)
+                times[plans is not None].append((time.perf_counter() - start) * 1e3)
+                full_gcs += gc.get_stats()[2]["collections"] - before
+            said = [f"{'rows keeping documents' if kept else 'none kept'} in {len(ts)} of 200 mixes, median "
+                    f"{statistics.median(ts):.3f} ms (max {max(ts):.3f})" for kept, ts in times.items() if ts]
+            print(f"{spec}: the hybrid's row plans, {u} x {r} (ulysses x ring): {'; '.join(said)}; {full_gcs} of "
+                  "the plans ran a full garbage collection of the process")
 
 
 if __name__ == "__main__":
