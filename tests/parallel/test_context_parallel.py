@@ -241,6 +241,15 @@ def test_document_parallel_attention_in_the_kernels_varlen_entry_points(kernel):
     spawn(cp_worker.documents_varlen, args=(2, free_port(), kernel), nprocs=2)
 
 
+def _causal_keys(cu) -> torch.Tensor:
+    """The keys each position attends, causal within its document (a float64 loop)."""
+    keys = torch.zeros(cu[-1], dtype=torch.float64)
+    for a, b in zip(cu, cu[1:]):
+        for i in range(a, b):
+            keys[i] = i - a + 1
+    return keys
+
+
 def test_hybrid_on_the_document_layout_work_by_hand():
     """The work of each rank of a 2x2 grid whose ring runs on the documents' layout, counted by
     hand: the keys each position attends (a float64 loop over the documents), summed over the
@@ -252,10 +261,7 @@ def test_hybrid_on_the_document_layout_work_by_hand():
 
     cu = (0, 40, 46, 100, 128)
     case = Case(batch=1, seq_len=128, num_heads=4, head_dim=8, causal=True, documents="given")
-    keys = torch.zeros(128, dtype=torch.float64)
-    for a, b in zip(cu, cu[1:]):
-        for i in range(a, b):
-            keys[i] = i - a + 1
+    keys = _causal_keys(cu)
     layout = dilated.DocumentLayout.balance(cu, 2, True)
     by_hand = [float(keys[layout.positions(r // 2)].sum()) / 2 for r in range(4)]
     impl = RING_IMPLEMENTATIONS["hybrid_documents"]
@@ -312,10 +318,7 @@ def test_the_hybrids_row_exchange_with_local_documents_work_by_hand():
 
     cu = (0, 6, 12, 23, 25, 43, 53, 66, 81, 87, 88, 102, 105, 165, 173, 179, 195, 210, 227, 233, 237, 255, 256)
     case = Case(batch=1, seq_len=256, num_heads=4, head_dim=8, causal=True, documents="given")
-    keys = torch.zeros(256, dtype=torch.float64)
-    for a, b in zip(cu, cu[1:]):
-        for i in range(a, b):
-            keys[i] = i - a + 1
+    keys = _causal_keys(cu)
     layout = dilated.DocumentLayout.balance(cu, 2, True)
     by_hand = []
     for row in range(2):
