@@ -50,18 +50,7 @@ def crossing_layout(layout: DocumentLayout) -> DocumentLayout:
     """The layout of ``layout``'s crossing documents alone, packed in sequence order: each row holds
     its pieces of them (rows of different lengths: a layout for the ring inside a module, not for
     :func:`dilated.shard`)."""
-    crossing = sorted(layout.crossing())
-    cu = layout.cu_seqlens
-    index = {d: i for i, d in enumerate(crossing)}
-    packed = list(itertools.accumulate((cu[d + 1] - cu[d] for d in crossing), initial=0))
-
-    def moved(x: Piece) -> Piece:
-        i = index[x.doc]
-        return Piece(i, packed[i] + x.start - x.doc_start, x.length, packed[i], packed[i + 1])
-
-    cut = tuple(tuple(moved(x) for x in sorted(mine, key=lambda x: x.start) if x.doc in index)
-                for mine in layout.cut)
-    return DocumentLayout(tuple(packed), layout.world_size, layout.causal, ((),) * layout.world_size, cut)
+    return exchanged_layout(layout, [row_groups(layout, j)[1][0] for j in range(layout.world_size)])
 
 
 @dataclass(frozen=True)
