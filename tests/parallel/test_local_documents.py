@@ -122,3 +122,49 @@ def test_auto_keeps_documents_local_only_where_at_most_half_the_rows_move(spec, 
     from dilated.bench.documents import cu_seqlens_of
 
     assert (local_documents("auto", cu_seqlens_of(spec, n), contiguous_ranges(n, 4), True) is not None) == kept
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_around_exchanges_gives_the_output_side_the_longest_documents_that_fit_its_share(seed):
+    """A rank's local documents split between the two exchanges: every document on exactly one side,
+    each side in ascending order; the output's side at most ``share`` of the work, counted position by
+    position, and no document left before it that would still fit (the longest taken first, a
+    document that does not fit passed over); both sides given only where each holds some."""
+    from dilated.parallel.local_documents import around_exchanges
+
+    rng = random.Random(seed)
+    at, spans = 0, []
+    for _ in range(rng.randint(1, 12)):
+        at += rng.randint(0, 5)
+        spans.append((at, rng.choice([1, 2, 3, 5, 8, 13, 40, 100])))
+        at += spans[-1][1]
+    causal, share = rng.random() < 0.5, rng.choice([0.25, 0.4, 0.5])
+
+    def work(s):
+        return sum(i + 1 if causal else s[1] for i in range(s[1]))
+
+    before, after = around_exchanges(spans, causal, share)
+    if not after:
+        assert before == tuple(spans)
+        return
+    assert sorted(before + after) == spans and list(before) == sorted(before) and list(after) == sorted(after)
+    assert before, "every document on the output's side: nothing split"
+    total, given = sum(map(work, spans)), sum(map(work, after))
+    assert given <= share * total
+    assert all(work(s) > share * total - given for s in before), (spans, before, after)
+    # the longest document that fits alone is on the output's side
+    assert max(s[1] for s in after) >= max((s[1] for s in before if work(s) <= share * total), default=0)
+
+
+def test_around_exchanges_on_three_equal_documents_and_the_output_share():
+    """Llama-3-8B heads (32 q, 8 kv): the output is 0.4 of the bytes in and out (32 of 48 + 32); of three
+    equal documents one fits, the last of ties; one document alone, or one too long for the share, is not split."""
+    from dilated.parallel.local_documents import around_exchanges, output_share
+
+    assert output_share(32, 8) == pytest.approx(0.4) and output_share(16, 16) == pytest.approx(0.25)
+    spans = [(0, 4096), (4096, 4096), (8192, 4096)]
+    assert around_exchanges(spans, True, 0.4) == (((0, 4096), (4096, 4096)), ((8192, 4096),)) or \
+        around_exchanges(spans, True, 0.4) == (((4096, 4096), (8192, 4096)), ((0, 4096),))
+    assert around_exchanges([(0, 4096)], True, 0.4) == (((0, 4096),), ())
+    assert around_exchanges([(0, 4096), (4096, 8)], True, 0.4) == (((0, 4096),), ((4096, 8),))
+    assert around_exchanges([(0, 64), (64, 64)], True, 0.25) == (((0, 64), (64, 64)), ())
