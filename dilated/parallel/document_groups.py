@@ -6,8 +6,8 @@ input exchange at once (each rank sends the rows of its shard that belong to the
 to every rank its heads); group ``g`` attends while later groups' rows arrive and group ``g - 1``'s
 output goes back, so only the first group's inputs and the last group's output are waited for.
 Backward mirrors it. Documents a rank keeps where they lie (:mod:`dilated.parallel.local_documents`)
-attend in the same call on all its heads and need no exchange: issued after the input exchanges so
-that they run beside them, and (``local_after``) after the groups, beside their output exchanges. Unlike head groups (:mod:`dilated.parallel.head_groups`), a group's attention
+attend in the same call on all its heads, issued after the input exchanges so that they run beside
+them, and need no exchange. Unlike head groups (:mod:`dilated.parallel.head_groups`), a group's attention
 holds all of the rank's heads: the kernel calls are about the ones of one exchange (a length's
 batched call split where a group boundary falls inside it).
 
@@ -181,23 +181,14 @@ class DocumentGroupCall:
     heads; a list: one per group), the groups' :class:`RowGroup` s, over ``group``, counted in
     ``stats``; ``local``: this rank's rows of documents it attends where they lie (a slice, or an
     index tensor) and their cumulative lengths packed in that order
-    (:mod:`dilated.parallel.local_documents`), or None; ``local_after``: more of them, attended
-    after the groups (beside their output exchanges; backward, before them, beside the output
-    gradient's), or None; ``local_attend`` attends them (default ``attend``)."""
+    (:mod:`dilated.parallel.local_documents`), or None; ``local_attend`` attends them (default
+    ``attend``)."""
     attend: Callable
     groups: list
     group: object
     stats: CommStats
     local: tuple | None = None
-    local_after: tuple | None = None
     local_attend: Callable | None = None
-
-    def attend_local(self, part: tuple | None, q, k, v, grad: bool):
-        """``(output, graph)`` of the local documents ``part`` (``(rows, cu)``), or None."""
-        if part is None:
-            return None
-        rows, cu = part
-        return _attend_graph(self.local_attend or self.attend, [_take_rows(x, rows) for x in (q, k, v)], cu, grad)
 
 
 def _take_rows(x: torch.Tensor, rows) -> torch.Tensor:
@@ -235,51 +226,44 @@ class _AttendByDocumentGroups(torch.autograd.Function):
 
         inputs = [[send(x, rg) for x in (q, k, v)] for rg in call.groups]  # every input exchange at once
         grad = any(ctx.needs_input_grad[:3])
-        local = call.attend_local(call.local, q, k, v, grad)  # its own documents, all heads, beside the inputs
+        local = None
+        if call.local is not None:  # this rank's own documents, on all its heads, while the exchanges run
+            rows, cu = call.local
+            attend = call.local_attend or call.attend
+            local = _attend_graph(attend, [_take_rows(x, rows) for x in (q, k, v)], cu, grad)
         graphs, back = [], []
         attends = call.attend if isinstance(call.attend, list) else [call.attend] * len(call.groups)
         for rg, exchanges, attend in zip(call.groups, inputs, attends):
             og, graph = _attend_graph(attend, [_whole_group(ex.wait(), rg.counts, b) for ex in exchanges], rg.cu, grad)
             graphs.append(graph)
             back.append(_back(og, rg, call, b))
-        after = call.attend_local(call.local_after, q, k, v, grad)  # beside the outputs going back
         out = q.new_empty(*q.shape[:3], v.shape[3])
-        for part, done in ((call.local, local), (call.local_after, after)):
-            if done is not None:
-                _put_rows(out, part[0], done[0])
+        if local is not None:
+            _put_rows(out, call.local[0], local[0])
         for rg, ex in zip(call.groups, back):
             _into_rows(out, ex.wait(), rg.rows, p)
-        ctx.call, ctx.graphs = call, graphs
-        ctx.local_graphs = tuple(None if done is None else done[1] for done in (local, after))
+        ctx.call, ctx.graphs, ctx.local_graph = call, graphs, None if local is None else local[1]
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        call, graphs, (local, after) = ctx.call, ctx.graphs, ctx.local_graphs
-        ctx.graphs = ctx.local_graphs = None  # each graph is used once
+        call, graphs, local_graph = ctx.call, ctx.graphs, ctx.local_graph
+        ctx.graphs = ctx.local_graph = None  # each graph is used once
         p, b = dist.get_world_size(call.group), dout.shape[0]
         me = dist.get_rank(call.group)
         dout = dout.contiguous()
         d_in = [AllToAll(_to_heads(dout, rg.rows, p), call.group, call.stats, [b * rg.counts[me]] * p,
                          [b * c for c in rg.counts]) for rg in call.groups]
         out = [dout.new_empty(s) for s in ctx.shapes]
-
-        def local_grads(part, graph):
-            if graph is not None:
-                rows = part[0]
-                for dst, g in zip(out, torch.autograd.grad(graph[1], graph[0], _take_rows(dout, rows))):
-                    _put_rows(dst, rows, g)
-
-        # beside the output gradient coming in: the documents attended after the groups (else all of them)
-        first, last = ((call.local_after, after), (call.local, local)) if after else ((call.local, local), None)
-        local_grads(*first)
+        if local_graph is not None:
+            rows = call.local[0]
+            for dst, g in zip(out, torch.autograd.grad(local_graph[1], local_graph[0], _take_rows(dout, rows))):
+                _put_rows(dst, rows, g)
         back = []
         for rg, ex, (leaves, og) in zip(call.groups, d_in, graphs):
             grads = torch.autograd.grad(og, leaves, _whole_group(ex.wait(), rg.counts, b))
             back.append([_back(g, rg, call, b) for g in grads])
-        if last is not None:  # beside the gradients going back
-            local_grads(*last)
         for rg, exchanges in zip(call.groups, back):
             for dst, ex in zip(out, exchanges):
                 _into_rows(dst, ex.wait(), rg.rows, p)
@@ -295,8 +279,7 @@ def _back(x: torch.Tensor, rg: RowGroup, call: DocumentGroupCall, b: int):
 
 def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable, *,
                               cu: list[int], groups: list[list[int]], group, stats: CommStats,
-                              local: tuple | None = None, local_after: tuple | None = None,
-                              local_attend: Callable | None = None) -> torch.Tensor:
+                              local: tuple | None = None, local_attend: Callable | None = None) -> torch.Tensor:
     """``attend(q, k, v, cu)`` on the packed documents of each of ``groups`` (lists of document
     indices of the global cumulative lengths ``cu``), this rank's heads, from and to contiguous
     sequence shards, differentiable. ``q`` ``[B, N/P, H, D]``, ``k``, ``v`` ``[B, N/P, H_kv, D]`` with
@@ -305,16 +288,11 @@ def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows of this rank's shard (a slice or an index tensor) whose documents (cumulative lengths
     ``cu_local``, packed in that order) it attends where they lie on all its heads, issued after the
     groups' input exchanges so that they run beside them, by ``local_attend`` (default ``attend``; given
-    where ``attend`` is a list); ``local_after``: more such rows, ``(rows, cu_local)``, attended after
-    the groups, beside their output exchanges (backward: first, beside the output gradient's exchange;
-    :func:`~dilated.parallel.local_documents.around_exchanges` splits a rank's documents so). Every
-    document is in exactly one group or in some rank's ``local`` or ``local_after``. Returns this
-    rank's ``[B, N/P, H, D]``."""
-    if local_after is not None and local is None:
-        raise ValueError("local_after: give the documents attended beside the input exchanges as local")
+    where ``attend`` is a list). Every document is in exactly one group or in some rank's ``local``.
+    Returns this rank's ``[B, N/P, H, D]``."""
     if local is not None and local_attend is None and isinstance(attend, list):
         raise ValueError("local_attend: with one attend per group, give the one for the local documents")
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     rgs = row_groups(cu, groups, rank, p, q.device)
-    call = DocumentGroupCall(attend, rgs, group, stats, local, local_after, local_attend)
+    call = DocumentGroupCall(attend, rgs, group, stats, local, local_attend)
     return _AttendByDocumentGroups.apply(q.contiguous(), k.contiguous(), v.contiguous(), call)

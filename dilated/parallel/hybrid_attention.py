@@ -32,8 +32,8 @@ from .head_groups import attend_by_head_groups, check_head_groups, head_groups_f
 from .sharding import CommStats, shard, unshard
 from .document_attention import DocumentParts, document_attention
 from .document_groups import attend_by_document_groups, check_groups_of_one_kind
-from .document_layout import DocumentLayout
-from .local_documents import check_local_documents, grid_local_documents, output_share
+from .document_layout import DocumentLayout, ranges_to_positions
+from .local_documents import check_local_documents, grid_local_documents
 from .row_documents import RowPlan, by_documents_plans, row_plans
 from ..functional import attention
 from ..dense import default_scale
@@ -217,16 +217,17 @@ class HybridAttention(nn.Module):
             return attention(qg, kg, vg, causal=self.causal, scale=self.scale, backend=self.backend,
                              cu_seqlens=torch.tensor(cu_g, dtype=torch.int32))
 
-        mine = after = None
-        u = self.ulysses_rank
-        if plan.local is not None and plan.local.spans[u]:  # beside the inputs' exchange, the longest the output's
-            share = output_share(q.shape[2], k.shape[2])  # k, v: kv heads repeated to what the row splits
-            mine, after = layout.derived(
-                ("row_local_rows", self.ring_rank, self.ulysses_size, self.local_documents, u, share, str(q.device)),
-                lambda: plan.local.parts_around_exchanges(u, self.causal, share, q.device))
+        mine, u = None, self.ulysses_rank
+        if plan.local is not None and plan.local.spans[u]:
+            def rows():
+                at = plan.local.local_rows(u)
+                return at if isinstance(at, slice) else ranges_to_positions(*at, q.device)
+            mine = (layout.derived(("row_local_rows", self.ring_rank, self.ulysses_size, self.local_documents, u,
+                                    str(q.device)), rows),
+                    plan.local.local_cu(u))
         return attend_by_document_groups(q, k, v, [across_rows if ring else within_row for ring in plan.rings],
                                          cu=list(plan.cu), groups=[list(g) for g in plan.groups],
-                                         group=self.ulysses_group, stats=self.stats, local=mine, local_after=after,
+                                         group=self.ulysses_group, stats=self.stats, local=mine,
                                          local_attend=within_row)
 
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:

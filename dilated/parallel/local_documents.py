@@ -22,7 +22,7 @@ import bisect
 import functools
 from dataclasses import dataclass
 
-from .document_layout import DocumentLayout, document_work, ranges_to_positions
+from .document_layout import DocumentLayout, document_work
 
 #: ``"auto"`` exchanges the slowest rank's heaviest documents until its work is at most this over the mean
 LOCAL_IMBALANCE = 1.02
@@ -60,78 +60,19 @@ class LocalDocuments:
 
     def local_cu(self, rank: int) -> tuple:
         """Cumulative lengths ``(0, ...)`` of rank ``rank``'s local documents packed in its local order."""
-        return spans_cu(self.spans[rank])
+        cu = [0]
+        for _, m in self.spans[rank]:
+            cu.append(cu[-1] + m)
+        return tuple(cu)
 
     def local_rows(self, rank: int):
         """Rank ``rank``'s rows of local documents: a ``slice`` where they are one run, else the
         ``(starts, lengths)`` of their runs."""
-        return spans_rows(self.spans[rank])
-
-    def around_exchanges(self, rank: int, causal: bool, share: float) -> tuple[tuple, tuple]:
-        """Rank ``rank``'s local documents as ``(before, after)`` spans: :func:`around_exchanges`."""
-        return around_exchanges(self.spans[rank], causal, share)
-
-    def parts_around_exchanges(self, rank: int, causal: bool, share: float, device) -> tuple:
-        """:meth:`around_exchanges` as ``(before, after)``, each ``(rows, cumulative lengths)`` (rows: a
-        slice or positions on ``device``) or None where empty: what
-        :func:`~dilated.parallel.document_groups.attend_by_document_groups` takes as ``local`` and ``local_after``."""
-        return tuple(None if not s else (rows_on(spans_rows(s), device), spans_cu(s))
-                     for s in self.around_exchanges(rank, causal, share))
-
-
-def spans_cu(spans) -> tuple:
-    """Cumulative lengths ``(0, ...)`` of the documents ``spans`` (``(local start, length)``) packed in that order."""
-    cu = [0]
-    for _, m in spans:
-        cu.append(cu[-1] + m)
-    return tuple(cu)
-
-
-def spans_rows(spans):
-    """The rows of ``spans`` (``(local start, length)``, ascending): a ``slice`` where they are one run,
-    else the ``(starts, lengths)`` of their runs."""
-    lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
-    if sum(m for _, m in spans) == hi - lo:
-        return slice(lo, hi)
-    return [a for a, _ in spans], [m for _, m in spans]
-
-
-def rows_on(rows, device):
-    """:func:`spans_rows`' rows as a rank indexes with them: a slice as it is, runs as their positions on ``device``."""
-    return rows if isinstance(rows, slice) else ranges_to_positions(*rows, device)
-
-
-def output_share(heads: int, kv_heads: int) -> float:
-    """The share of an exchange's bytes, in and out, that goes out: forward, the output (``heads``)
-    of what moves in (q, k, v: ``heads + 2 kv_heads``) and out; backward, the output gradient in of
-    the same. What :func:`around_exchanges` gives the documents attended beside it."""
-    return heads / (2 * (heads + kv_heads))
-
-
-def around_exchanges(spans, causal: bool, share: float) -> tuple[tuple, tuple]:
-    """A rank's local documents (``spans``, ``(local start, length)`` ascending) split between the two
-    exchanges of the others' attention: ``before`` attended beside the q, k, v exchange (backward:
-    the gradients' exchange back), ``after`` beside the output's (backward: the output gradient's).
-    ``after`` takes the longest documents, longest first, while their work fits in ``share`` of the
-    local documents' work (a document that does not fit is passed over), so that each side's
-    attention hides its exchange in proportion to its bytes (:func:`output_share`) and most document
-    lengths fall whole in one side (a length's batched call is not split); ``()`` where none fits
-    or all do. Both keep the ascending order."""
-    return _around_exchanges(tuple(map(tuple, spans)), bool(causal), float(share))
-
-
-@functools.lru_cache(maxsize=64)
-def _around_exchanges(spans: tuple, causal: bool, share: float) -> tuple[tuple, tuple]:
-    work = [document_work(m, causal) for _, m in spans]
-    room, after = share * sum(work), set()
-    for i in sorted(range(len(spans)), key=lambda i: -spans[i][1]):  # longest first, ties in order
-        if work[i] <= room:
-            after.add(i)
-            room -= work[i]
-    if not after or len(after) == len(spans):
-        return spans, ()
-    return (tuple(s for i, s in enumerate(spans) if i not in after),
-            tuple(s for i, s in enumerate(spans) if i in after))
+        mine = self.spans[rank]
+        lo, hi = mine[0][0], mine[-1][0] + mine[-1][1]
+        if sum(m for _, m in mine) == hi - lo:
+            return slice(lo, hi)
+        return [a for a, _ in mine], [m for _, m in mine]
 
 
 def local_documents(setting, cu, ranges, causal: bool, exchanged=()) -> LocalDocuments | None:

@@ -18,8 +18,7 @@ reads its own kv head), which costs kv traffic but no extra attention work.
 
 Packed documents that lie whole within one rank's shard need no exchange: with ``local_documents``
 (default ``"auto"``: all but the longest few where those would leave the ranks' work uneven) a
-rank attends them where they lie, on all its heads, beside the exchange of the other documents:
-most beside the q, k, v exchange, the longest beside the output's
+rank attends them where they lie, on all its heads, beside the exchange of the other documents
 (:mod:`dilated.parallel.local_documents`).
 """
 from __future__ import annotations
@@ -34,7 +33,8 @@ from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .document_groups import attend_by_document_groups, check_document_groups, check_groups_of_one_kind, groups_to_use
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
-from .local_documents import check_local_documents, contiguous_ranges, local_documents, output_share
+from .document_layout import ranges_to_positions
+from .local_documents import check_local_documents, contiguous_ranges, local_documents
 from .sharding import CommStats, rank_and_size
 from ..functional import attention
 from ..dense import default_scale
@@ -140,20 +140,21 @@ class UlyssesAttention(nn.Module):
             cu_t = torch.tensor(cu, dtype=torch.int32)
             return attention(qg, kg, vg, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_t)
 
-        mine = after = None
+        mine = None
         if local:
             rank = rank_and_size(self.group)[0]
             if not local.exchanged:  # every document where it lies: nothing to exchange
                 return attend_documents(q, k, v, local.local_cu(rank))
-            if local.spans[rank]:  # beside the inputs' exchange, and the longest beside the output's
-                mine, after = local.parts_around_exchanges(rank, self.causal, output_share(q.shape[2], hkv),
-                                                           q.device)
+            if local.spans[rank]:
+                rows = local.local_rows(rank)
+                mine = (rows if isinstance(rows, slice) else ranges_to_positions(*rows, q.device),
+                        local.local_cu(rank))
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
         if local or by_docs:
             return attend_by_document_groups(q, k, v, attend_documents, cu=docs,
                                              groups=[list(local.exchanged)] if local else by_docs, group=self.group,
-                                             stats=self.stats, local=mine, local_after=after)
+                                             stats=self.stats, local=mine)
 
         def attend(qh, kh, vh):
             return attention(qh, kh, vh, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_seqlens)

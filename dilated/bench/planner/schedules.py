@@ -19,8 +19,7 @@ kv heads (:func:`dilated.parallel.ulysses_attention.kv_heads_for`), the local do
   (:mod:`dilated.parallel.head_groups`): the first group's inputs and the last group's output are
   exposed, the rest overlaps the other groups' attention; packed documents that stay where they lie
   (:mod:`dilated.parallel.local_documents`, as the module decides) attend on all of their rank's
-  heads while the crossing documents' inputs move, the crossing documents after them, the longest
-  of them (:func:`~dilated.parallel.local_documents.around_exchanges`) while the output moves back;
+  heads while the crossing documents' inputs move, the crossing documents after them;
 * the hybrid: Ulysses inside each row of the grid, its ring across rows on each head group; on the
   documents' layout with every document whole within a rank's part, each rank's own documents only;
 * decode: each rank's read of its cache shard, then one all-gather of ``B x Tq x H x (D + 1)``
@@ -43,8 +42,7 @@ from ...parallel.document_groups import document_groups_for, group_spans, groups
 from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
-from ...parallel.local_documents import (contiguous_ranges, grid_local_documents, local_documents, output_share,
-                                         spans_cu)
+from ...parallel.local_documents import contiguous_ranges, grid_local_documents, local_documents
 from ...parallel.row_documents import by_documents_plans, row_plans
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
@@ -142,10 +140,10 @@ class _Timeline:
     extra_mem: float = 0.0  # bytes the schedule holds beyond the shards (per rank)
 
 
-def _pipeline(inputs: list[float], computes: list[float], outputs: list[float], after: float = 0.0) -> float:
+def _pipeline(inputs: list[float], computes: list[float], outputs: list[float]) -> float:
     """The end of a head-group pipeline (ms): one communication stream runs every group's input
     exchange from time 0, then each group's output exchange once that group is done; one compute
-    stream runs group ``g`` once its inputs have arrived and group ``g - 1`` is done, then ``after``."""
+    stream runs group ``g`` once its inputs have arrived and group ``g - 1`` is done."""
     comm, ready = 0.0, []
     for x in inputs:
         comm += x
@@ -154,20 +152,7 @@ def _pipeline(inputs: list[float], computes: list[float], outputs: list[float], 
     for r, c, o in zip(ready, computes, outputs):
         t = max(t, r) + c
         comm = max(comm, t) + o
-    return max(comm, t + after)
-
-
-def _around_exchanges_ms(kernels: KernelModel, kept, rank: int, b: int, h: int, hkv: int, d: int, causal: bool,
-                         mode: str) -> tuple[float, float]:
-    """``(ms, ms)`` of a rank's documents attended where they lie (``kept``) before the exchanged
-    documents' attention (beside its input exchange) and after it (beside its output exchange), as
-    :func:`~dilated.parallel.local_documents.around_exchanges` splits them: forward its ``before``
-    then its ``after``; backward the other way round (all of them first where it keeps one part)."""
-    if kept is None or not kept.spans[rank]:
-        return 0.0, 0.0
-    before, after = (kernels.documents_ms(spans_cu(s), b, h, hkv, d, causal, mode) if s else 0.0
-                     for s in kept.around_exchanges(rank, causal, output_share(h, hkv)))
-    return (before, after) if mode == "fwd" or not after else (after, before)
+    return comm
 
 
 def _local_bytes(kept, rank: int, b: int, h: int, hkv: int, d: int, mode: str) -> float:
@@ -435,15 +420,10 @@ class Model:
             ins, outs = (q_ms + 2 * kv_ms, q_ms) if mode == "fwd" else (q_ms, q_ms + 2 * kv_ms)
             times, computes = [], []
             for r in range(p):
-                if not moved:
-                    own = (self.kernels.documents_ms(kept.local_cu(r), b, h, hkv, d, problem.causal, mode)
-                           if kept.spans[r] else 0.0)
-                    times.append(own)
-                    computes.append(own)
-                    continue
-                first, last = _around_exchanges_ms(self.kernels, kept, r, b, h, hkv, d, problem.causal, mode)
-                times.append(_pipeline([0.0, ins], [first, cross], [0.0, outs], last))
-                computes.append(first + cross + last)
+                own = (self.kernels.documents_ms(kept.local_cu(r), b, h, hkv, d, problem.causal, mode)
+                       if kept.spans[r] else 0.0)
+                times.append(max(own, ins) + cross + outs if moved else own)
+                computes.append(own + cross)
             time, compute = time + max(times), compute + max(computes)
             sent += 2 * b * most * (h + hkv) * d * ELEM * (p - 1) / p
         held = max(_local_bytes(kept, r, b, h, hkv, d, problem.mode) for r in range(p))
@@ -566,11 +546,11 @@ class Model:
                 ins = [q + 2 * kv if mode == "fwd" else q for _, q, kv in parts]
                 outs = [q if mode == "fwd" else q + 2 * kv for _, q, kv in parts]
                 for rank in range(u):
-                    # its own documents beside every group's input exchange, and beside their outputs'
-                    first, last = _around_exchanges_ms(self.kernels, plan.local, rank, b, h, hkv, d, problem.causal,
-                                                       mode)
-                    times.append(_pipeline([0.0, *ins], [first, *attends], [0.0, *outs], last))
-                    computes.append(first + sum(attends) + last)
+                    own = (self.kernels.documents_ms(plan.local.local_cu(rank), b, h, hkv, d, problem.causal, mode)
+                           if plan.local is not None and plan.local.spans[rank] else 0.0)
+                    # its own documents first on the compute stream, beside every group's input exchange
+                    times.append(_pipeline([0.0, *ins], [own, *attends], [0.0, *outs]))
+                    computes.append(own + sum(attends))
             time, compute = time + max(times), compute + max(computes)
         sent = (2 if problem.mode == "fwd_bwd" else 1) * 2 * b * moved * (h + hkv) * d * ELEM * (u - 1) / u
         held = max(_local_bytes(plan.local, rank, b, h, hkv, d, problem.mode) for plan in plans for rank in range(u))
