@@ -498,18 +498,21 @@ def document_parallel(rank, world, port):
                 ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
                 ref = _documents_reference(*ref_in, cu, causal)
                 ref_grads = torch.autograd.grad(ref, ref_in, dout)
-                for mod in (dilated.DocumentParallelAttention(causal=causal, backend="manual"),
-                            dilated.RingAttention(causal=causal, backend="manual", layout="documents")):
+                # and on the layout that cuts every document of 2P positions or more head-tail
+                head_tail = dilated.DocumentLayout.head_tail(cu, world, causal)
+                for given, mod in itertools.product(
+                        (layout, head_tail), (dilated.DocumentParallelAttention(causal=causal, backend="manual"),
+                                              dilated.RingAttention(causal=causal, backend="manual", layout="documents"))):
                     steps = mod.stats.steps
-                    mine = [mod.shard(x, layout).clone().requires_grad_() for x in (q, k, v)]
-                    out = mod(*mine, layout=layout)
-                    grads = torch.autograd.grad(out, mine, mod.shard(dout, layout))
-                    what = f"{type(mod).__name__} {name} causal={causal} h={h}/{hkv}"
+                    mine = [mod.shard(x, given).clone().requires_grad_() for x in (q, k, v)]
+                    out = mod(*mine, layout=given)
+                    grads = torch.autograd.grad(out, mine, mod.shard(dout, given))
+                    what = f"{type(mod).__name__} {name} causal={causal} h={h}/{hkv} head_tail={given is head_tail}"
                     _check(f"out of {what}", mod.unshard(out.detach()), ref, tol=1e-9)
                     for t, gl, rg in zip("qkv", grads, ref_grads):
                         _check(f"d{t} of {what}", mod.unshard(gl), rg, tol=1e-9)
                     if isinstance(mod, dilated.RingAttention):  # P - 1 hops each way, none without crossing rows
-                        assert mod.stats.steps - steps == (2 * (world - 1) if crossing else 0), what
+                        assert mod.stats.steps - steps == (2 * (world - 1) if given.crossing() else 0), what
                 # only crossing documents' rows travel: none where no document crosses
                 assert (rank_plan(layout, rank).rows == 0) == (not crossing), what
     assert paths == {"whole", "head-tail", "cut at room"}, paths

@@ -145,7 +145,7 @@ class DistributedImplementation(Implementation):
             raise NotImplementedError(f"{self.name} does not take packed documents (cu_seqlens)")
         model = self.factory(case, backend, self.group)
         if case.documents:
-            model = WithDocuments(model, case.documents, case.seq_len)
+            model = WithDocuments(model, case.documents, case.seq_len, head_tail=self.layout == "documents_head_tail")
         self._model = model  # gathers results through its own unshard (its layout)
         return model
 
@@ -195,8 +195,8 @@ class DistributedImplementation(Implementation):
             return list(kept.work)
         if self.splits_heads:  # every rank: all queries, H/P heads
             return [work_per_rank(case, 1, "contiguous")[0] / p] * p
-        if self.layout == "documents":  # the queries DocumentLayout gives each rank
-            return document_layout_work(case, p)
+        if self.layout in ("documents", "documents_head_tail"):  # the queries DocumentLayout gives each rank
+            return document_layout_work(case, p, head_tail=self.layout == "documents_head_tail")
         if self.layout in ("hybrid", "hybrid_documents"):  # a ring over the rows, heads split within a row
             return grid_work_per_rank(case, p, ulysses_size_for(p, case.num_heads) or 1,
                                       "zigzag" if self.layout == "hybrid" else "documents")

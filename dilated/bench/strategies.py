@@ -128,6 +128,10 @@ RING_IMPLEMENTATIONS = {
     "ring_documents": _make("ring_documents", "dense", "documents", lambda c, b, g: _ring(c, b, "documents", True, g),
                             "RingAttention on the documents' DocumentLayout: only crossing documents' K/V rows "
                             "passed round the ring"),
+    "ring_head_tail": _make("ring_head_tail", "dense", "documents_head_tail",
+                            lambda c, b, g: _ring(c, b, "documents", True, g),
+                            "RingAttention on DocumentLayout.head_tail: every document cut head-tail over the ranks "
+                            "(TransformerEngine's THD layout), so every document's K/V rows go round the ring"),
     **{name: _hybrid_impl(name, groups) for name, groups in HYBRID_HEAD_GROUPS.items()},
     **{name: _row_groups_impl(name, local) for name, local in ROW_GROUPS.items()},
 }

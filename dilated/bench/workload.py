@@ -6,15 +6,23 @@ import torch
 
 
 class WithDocuments(torch.nn.Module):
-    """A sequence-parallel module called with the case's packed documents (``cu_seqlens``)."""
+    """A sequence-parallel module called with the case's packed documents (``cu_seqlens``); with
+    ``head_tail``, a module on a document layout called with their
+    :meth:`~dilated.DocumentLayout.head_tail` layout instead (every document cut over the ranks)."""
 
-    def __init__(self, module, spec: str, n: int):
+    def __init__(self, module, spec: str, n: int, head_tail: bool = False):
         super().__init__()
-        self.module, self.spec, self.n = module, spec, n
+        self.module, self.spec, self.n, self.head_tail = module, spec, n, head_tail
 
     def forward(self, q, k, v):
-        from .documents import cu_tensor
+        from .documents import cu_seqlens_of, cu_tensor
 
+        if self.head_tail:
+            from dilated import DocumentLayout
+
+            layout = DocumentLayout.head_tail(cu_seqlens_of(self.spec, self.n),
+                                              torch.distributed.get_world_size(self.module.group), self.module.causal)
+            return self.module(q, k, v, layout=layout)
         return self.module(q, k, v, cu_seqlens=cu_tensor(self.spec, self.n, q.device))
 
     def __getattr__(self, name):  # stats, transport_used, shard/unshard: the module's
@@ -61,15 +69,16 @@ def per_document_order(cu, p: int) -> torch.Tensor:
     return torch.tensor(order, dtype=torch.long)
 
 
-def document_layout_work(case, p: int) -> list[float]:
+def document_layout_work(case, p: int, head_tail: bool = False) -> list[float]:
     """Attended pairs of each rank's query positions in the :class:`~dilated.DocumentLayout` of the
-    case's documents (one document without ``--doc-lengths``)."""
+    case's documents (one document without ``--doc-lengths``): balanced, or ``head_tail``."""
     from dilated import DocumentLayout
 
     from .documents import cu_seqlens_of
 
     cu = cu_seqlens_of(case.documents, case.seq_len) if case.documents else (0, case.seq_len)
-    return [float(w) for w in DocumentLayout.balance(cu, p, case.causal).work_per_rank()]
+    layout = (DocumentLayout.head_tail if head_tail else DocumentLayout.balance)(cu, p, case.causal)
+    return [float(w) for w in layout.work_per_rank()]
 
 
 def grid_work_per_rank(case, p: int, ulysses: int, ring_layout: str) -> list[float]:

@@ -260,6 +260,15 @@ class DocumentLayout:
             raise ValueError(f"min_piece must be a positive int, got {min_piece!r}")
         return _balanced(cu, world_size, bool(causal), min_piece)
 
+    @classmethod
+    def head_tail(cls, cu_seqlens, world_size: int, causal: bool = True) -> "DocumentLayout":
+        """The layout that cuts every document of at least ``2P`` positions head-tail (rank ``r``
+        its pieces ``r`` and ``2P-1-r``: TransformerEngine's THD layout, the zigzag of each
+        document), the shorter ones whole as :meth:`balance` assigns them: every rank holds an equal
+        share of nearly every document, and nearly every document crosses every rank. What
+        :meth:`balance` is measured against; the modules take it as their ``layout``."""
+        return _head_tail_layout(_check(cu_seqlens, world_size), world_size, bool(causal))
+
     @property
     def seq_len(self) -> int:
         return self.cu_seqlens[-1]
@@ -357,6 +366,14 @@ def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout
             best = found
     whole, cut = best[1]
     return DocumentLayout(cu, p, causal, tuple(tuple(sorted(docs)) for docs in whole), tuple(map(tuple, cut)))
+
+
+@functools.lru_cache(maxsize=16)
+def _head_tail_layout(cu: tuple, p: int, causal: bool) -> DocumentLayout:
+    docs = _documents(cu, causal)
+    cut = {d for m, _, d in docs.in_order if m >= 2 * p} if p > 1 else set()
+    (whole, pieces), _ = _assign(cu, p, causal, cut, docs)
+    return DocumentLayout(cu, p, causal, tuple(tuple(sorted(d)) for d in whole), tuple(map(tuple, pieces)))
 
 
 def given_or_last(layout: "DocumentLayout | None", last: "DocumentLayout | None") -> "DocumentLayout":

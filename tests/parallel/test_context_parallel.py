@@ -274,6 +274,24 @@ def test_hybrid_on_the_document_layout_work_by_hand():
 
 
 
+def test_the_ring_on_the_head_tail_layout_work_by_hand():
+    """``ring_head_tail``'s work per rank, counted by hand: documents of 20, 24 and 84 positions,
+    P=2, causal, each cut into four chunks of which rank 0 holds the first and last, rank 1 the
+    middle two; the keys of those positions summed (a float64 loop over the documents). The
+    balanced layout of these documents gives other work (2042 and 2038)."""
+    from dilated.bench.registry import Case
+    from dilated.bench.strategies import RING_IMPLEMENTATIONS
+
+    cu = (0, 20, 44, 128)
+    keys = _causal_keys(cu)
+    mine = [[*range(0, 5), *range(15, 20), *range(20, 26), *range(38, 44), *range(44, 65), *range(107, 128)],
+            [*range(5, 15), *range(26, 38), *range(65, 107)]]
+    case = Case(batch=1, seq_len=128, num_heads=4, head_dim=8, causal=True, documents="given")
+    with mock.patch("dilated.bench.documents.cu_seqlens_of", return_value=cu):
+        work = RING_IMPLEMENTATIONS["ring_head_tail"].work_per_rank(case, 2)
+    assert work == [float(keys[m].sum()) for m in mine]
+
+
 def test_the_hybrids_row_exchange_by_documents_is_exact():
     spawn(cp_worker.hybrid_row_documents, args=(4, free_port()), nprocs=4)
 

@@ -230,3 +230,43 @@ def test_positions_on_a_device_are_the_hosts():
         assert on[r].device.type == device and torch.equal(on[r].cpu(), layout.positions(r))
         assert layout.positions(r, device) is on[r]  # kept with the layout, per device
     assert torch.equal(order.cpu(), layout.order())
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_head_tail_gives_every_rank_chunks_r_and_2p_minus_1_minus_r_of_every_document(p):
+    """DocumentLayout.head_tail, position by position: a document of a multiple of 2P positions is
+    cut into 2P chunks of which rank r holds chunk r and chunk 2P-1-r (TransformerEngine's THD
+    layout), so it crosses every rank; P documents of one position fill the one position each rank
+    has left, whole."""
+    c = 6
+    lengths = [2 * p * c, 2 * p * 2 * c, 2 * p * 3 * c] + [1] * p
+    cu = [0]
+    for m in lengths:
+        cu.append(cu[-1] + m)
+    n = cu[-1]
+    layout = DocumentLayout.head_tail(cu, p, True)
+    _check_partition(layout, n, p)
+    owner = torch.empty(n, dtype=torch.long)
+    for r in range(p):
+        owner[layout.positions(r)] = r
+    for d in (0, 1, 2):  # multiples of 2P positions
+        a, b = cu[d], cu[d + 1]
+        chunk = (b - a) // (2 * p)
+        expect = [min(j, 2 * p - 1 - j) for j in range(2 * p) for _ in range(chunk)]
+        assert owner[a:b].tolist() == expect, d
+    assert sorted(owner[cu[3:-1]].tolist()) == list(range(p))  # one short document on each rank
+    assert layout.crossing() == frozenset({0, 1, 2})
+
+
+@pytest.mark.parametrize("spec,n", [("lognormal:8k,1.0", 1 << 18), ("lognormal:1k,1.0", 1 << 20)])
+@pytest.mark.parametrize("p", [2, 4])
+def test_head_tail_balances_each_document_over_the_ranks(spec, n, p):
+    """Each rank's work, counted position by position, within a hair of the mean (every document of
+    2P positions or more split evenly); every such document crosses every rank."""
+    cu = cu_seqlens_of(spec, n)
+    layout = DocumentLayout.head_tail(cu, p, True)
+    _check_partition(layout, n, p)
+    work = [_work_of_positions(cu, layout.positions(r), True) for r in range(p)]
+    assert max(work) / (sum(work) / p) < 1.002, work
+    assert layout.work_per_rank() == work
+    assert len(layout.crossing()) == sum(1 for a, b in zip(cu, cu[1:]) if b - a >= 2 * p)

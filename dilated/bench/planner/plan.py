@@ -9,8 +9,8 @@ from .schedules import Model, Prediction, Problem
 
 #: strategies planned for dense sequences and for packed documents
 DENSE = ["ring", "ring_zigzag", "ulysses", "hybrid"]
-DOCUMENTS = ["ring_zigzag", "ulysses", "documents", "ring_documents", "hybrid", "hybrid_documents",
-             "hybrid_documents_row_groups", "hybrid_documents_row_groups_local"]
+DOCUMENTS = ["ring_zigzag", "ulysses", "documents", "ring_documents", "ring_head_tail", "hybrid",
+             "hybrid_documents", "hybrid_documents_row_groups", "hybrid_documents_row_groups_local"]
 
 
 def grids(world: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:

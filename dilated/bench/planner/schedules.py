@@ -642,6 +642,9 @@ class Model:
         if strategy in ("documents", "ring_documents"):
             return self._documents(problem, ranks, problem.heads, problem.kv_heads,
                                    "all_gather" if strategy == "documents" else "ring")
+        if strategy == "ring_head_tail":
+            return self._documents(problem, ranks, problem.heads, problem.kv_heads, "ring",
+                                   DocumentLayout.head_tail(problem.cu_seqlens(), world, problem.causal))
         if strategy == "ulysses_document_groups":
             if problem.heads % world:
                 raise ValueError(f"Ulysses splits {problem.heads} heads over {world} ranks: not divisible")
@@ -683,6 +686,7 @@ STRATEGIES = {
     **{name: None for name in ROW_GROUPS},
     "documents": None,
     "ring_documents": None,
+    "ring_head_tail": None,
     "decode": None,
 }
 
@@ -696,6 +700,8 @@ def measured_as(strategy: str) -> str:
         return "hybrid_documents" if strategy.startswith("hybrid_documents") else "hybrid"
     if strategy in ("documents", "ring_documents"):
         return strategy
+    if strategy == "ring_head_tail":
+        return "ring_documents"
     return "ring_zigzag"
 
 

@@ -347,3 +347,25 @@ def test_documents_kept_where_they_lie_hold_their_rows_taken_out_and_their_gradi
     assert _local_bytes(kept, 0, 1, 4, 2, 8, "fwd_bwd") == 12 * (128 + 64 + 64 + 128)
     assert _local_bytes(kept, 1, 1, 4, 2, 8, "fwd") == 16 * 64  # one run: views, no copies
     assert _local_bytes(kept, 1, 1, 4, 2, 8, "fwd_bwd") == 16 * (64 + 128)
+
+
+def test_the_ring_on_the_head_tail_layout_attends_every_documents_pieces_and_relays_all_their_rows():
+    """``ring_head_tail`` (DocumentLayout.head_tail, P=2): on free links, the slowest rank's own pieces
+    (each document's head and tail with themselves) and its rectangles over the other rank's pieces;
+    every document crosses, so every row goes round the ring, where ``ring_documents`` keeps the four
+    documents whole, two on each rank, and relays none."""
+    from dilated.parallel.document_attention import rank_plan
+    from dilated.parallel.document_layout import DocumentLayout
+
+    cu = (0, 8192, 16384, 24576, 32768)
+    prob = Problem(32768, 32, 8, 128, causal=True, mode="fwd", cu=cu)
+    m = model(free_links())
+    layout = DocumentLayout.head_tail(cu, 2, True)
+    km = m.kernels
+    by_hand = max(km.documents_ms(rank_plan(layout, r).local_cu, 1, 32, 8, 128, True, "fwd")
+                  + km.rectangles_ms(rank_plan(layout, r).cu_q, rank_plan(layout, r).cu_k, 1, 32, 8, 128, "fwd")
+                  for r in range(2))
+    p = m.predict("ring_head_tail", prob, 2)
+    assert p.time_ms == pytest.approx(by_hand + p.overhead_ms, rel=1e-6)
+    assert rank_plan(layout, 0).rows == 16384  # every row of the rank's pieces
+    assert p.bytes_sent == 16384 * 8 * 2 * 128 * 2 and m.predict("ring_documents", prob, 2).bytes_sent == 0
