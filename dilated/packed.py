@@ -187,6 +187,15 @@ def split_small_calls(calls, heads: int, head_dim: int, causal: bool):
     return big, sorted(small)
 
 
+def small_rectangles(cu_q, cu_k, heads: int, head_dim: int) -> bool:
+    """Whether the rectangles ``cu_q`` x ``cu_k`` (cumulative query and key counts, every key
+    visible) are on average smaller than :data:`SMALL_CALL_FLOPS` per batch row: then, with ``auto``
+    and no varlen entry point, they run in one call of torch's varlen kernel, as the documents of
+    small batched calls do, not in a call each."""
+    pairs = [(b - a) * (d - c) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    return bool(pairs) and 4 * sum(pairs) * heads * head_dim < SMALL_CALL_FLOPS * len(pairs)
+
+
 def _small_rows(docs, device):
     """``(positions of the documents' rows, one document after another; their cumulative lengths)``."""
     starts, lengths = host_values_on(docs, torch.int64, device)[0].unbind(1)

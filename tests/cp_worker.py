@@ -383,6 +383,42 @@ def documents_varlen(rank, world, kernel):
 
 
 @worker
+def documents_small_rectangles(rank, world):
+    """Without a varlen entry point, ``auto`` runs crossing rectangles too small for a call each in one
+    call of torch's varlen kernel (a stand-in of its ops, tests/varlen_standins.py): on the layout that
+    cuts every document head-tail, DocumentParallelAttention and RingAttention(layout="documents"),
+    causal and not, exact against each document run alone; with every call counted small, the local
+    pieces and the rectangles go to that kernel (two forward calls, two backward), with none counted
+    small, neither does."""
+    import varlen_standins
+    from dilated import packed
+    from dilated.backends import varlen as varlen_module
+    from dilated.parallel import document_attention
+
+    varlen_module.torch_varlen_ops = lambda: varlen_standins.TORCH_OPS["new"]
+    document_attention.small_documents_kernel = lambda q, k, v, causal=False: varlen_module.TorchVarlen()
+    n = 24 * world
+    cu = [0, 4 * world, 12 * world, 18 * world, n]
+    for small, calls in ((float("inf"), 2), (0.0, 0)):
+        packed.SMALL_CALL_FLOPS = small
+        for causal in (True, False):
+            layout = dilated.DocumentLayout.head_tail(cu, world, causal)
+            for module in (dilated.DocumentParallelAttention(causal=causal, backend="auto"),
+                           dilated.RingAttention(causal=causal, backend="auto", layout="documents")):
+                q, k, v = _full(3, n, 4, 2)
+                dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=q.dtype)
+                ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
+                before = dict(varlen_standins.CALLS)
+                out = module(ql, kl, vl, layout=layout)
+                out.backward(module.shard(dout, layout))
+                ran = {key: varlen_standins.CALLS[key] - before.get(key, 0) for key in varlen_standins.CALLS}
+                what = f"{type(module).__name__} small={small} causal={causal}"
+                assert sum(c for key, c in ran.items() if key.endswith("forward")) == calls, (what, ran)
+                assert sum(c for key, c in ran.items() if key.endswith("backward")) == calls, (what, ran)
+                _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal, what)
+
+
+@worker
 def decode(rank, world, seed):
     """decode_attention over a cache split unevenly over the ranks (one rank holding no rows), GQA,
     one and several query tokens, against float64 softmax over the whole cache; one collective."""

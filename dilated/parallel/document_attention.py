@@ -19,7 +19,8 @@ Backward runs the second part first, sends its dK/dV back to the keys' owners wi
 reduce-scatter (float32; on the ring, ``P - 1`` hops each adding its own part) that overlaps the
 local pieces' backward, and adds them to the owners' gradients. Kernels: the backend's varlen entry point where it has one (flash-attn 4, torch's
 varlen flash kernel), else the pieces in batched calls per length (local) and one call per
-rectangle (crossing).
+rectangle (crossing), with ``auto`` those too small for a call each in one call of torch's varlen
+kernel (:func:`dilated.packed.small_rectangles`).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from ..dense import AttentionSpec, attention_backward, attention_forward, defaul
 from ..indexed_rows import add_rows_, add_to_slots_, merge_rows_
 from .document_calls import block_documents_backward, block_documents_forward
 from .ring_exchange import RingExchange
+from ..packed import small_rectangles
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,14 +164,24 @@ class DocumentCall:
         return block_documents_backward(self.spec, self.varlen, self.small, tensors, list(self.plan.local_cu),
                                         self.spec.causal)
 
+    def rectangles_kernel(self, q, cu_q, cu_k) -> VarlenKernel | None:
+        """The varlen kernel of the rectangles ``cu_q`` x ``cu_k`` of ``q``'s heads: the backend's
+        entry point where it has one; else torch's (``small``, with ``auto``) where they are on
+        average too small for a call each (:func:`dilated.packed.small_rectangles`); else None, a
+        dense call per rectangle."""
+        if self.varlen is not None or self.small is None:
+            return self.varlen
+        return self.small if small_rectangles(cu_q, cu_k, q.shape[2], q.shape[3]) else None
+
     def crossing_forward(self, q, k, v, cu_q, cu_k):
         """``(out, lse [B, H, T])`` of the rectangles ``cu_q`` x ``cu_k`` (cumulative query and key
         counts; every key of a rectangle visible)."""
         spec = self.spec
         b, tq, h = q.shape[:3]
-        if self.varlen is not None:
+        kernel = self.rectangles_kernel(q, cu_q, cu_k)
+        if kernel is not None:
             call = _batched_call(cu_q, cu_k, b, tq, k.shape[1], False, spec.scale, q.device)
-            out, lse = self.varlen.forward(_flat(q), _flat(k), _flat(v), call)
+            out, lse = kernel.forward(_flat(q), _flat(k), _flat(v), call)
             return out.view(b, tq, h, out.shape[-1]), lse.view(h, b, tq).transpose(0, 1)
         outs, lses = [], []
         for (qa, qb), (ka, kb) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
@@ -181,11 +193,12 @@ class DocumentCall:
     def crossing_backward(self, dout, q, k, v, out, lse, cu_q, cu_k):
         """``(dq, dk, dv)`` of the rectangles of :meth:`crossing_forward`."""
         spec = self.spec
-        if self.varlen is not None:
+        kernel = self.rectangles_kernel(q, cu_q, cu_k)
+        if kernel is not None:
             b, tq, h = q.shape[:3]
             call = _batched_call(cu_q, cu_k, b, tq, k.shape[1], False, spec.scale, q.device)
             lse_rows = lse.transpose(0, 1).reshape(h, b * tq)
-            grads = self.varlen.backward(_flat(dout), _flat(q), _flat(k), _flat(v), _flat(out), lse_rows, call)
+            grads = kernel.backward(_flat(dout), _flat(q), _flat(k), _flat(v), _flat(out), lse_rows, call)
             return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
         parts = []
         for (qa, qb), (ka, kb) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):

@@ -241,6 +241,11 @@ def test_document_parallel_attention_in_the_kernels_varlen_entry_points(kernel):
     spawn(cp_worker.documents_varlen, args=(2, free_port(), kernel), nprocs=2)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_crossing_rectangles_run_in_torchs_varlen_kernel(world):
+    spawn(cp_worker.documents_small_rectangles, args=(world, free_port()), nprocs=world)
+
+
 def _causal_keys(cu) -> torch.Tensor:
     """The keys each position attends, causal within its document (a float64 loop)."""
     keys = torch.zeros(cu[-1], dtype=torch.float64)

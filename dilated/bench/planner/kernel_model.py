@@ -22,7 +22,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from ...packed import document_calls, split_small_calls
+from ...packed import document_calls, small_rectangles, split_small_calls
 from .calibration import Calibration, log_interp
 
 
@@ -269,16 +269,21 @@ class KernelModel:
     def rectangles_ms(self, cu_q, cu_k, batch: int, heads: int, kv_heads: int, head_dim: int, mode: str) -> float:
         """Rectangles of query rows ``cu_q`` over all-visible key rows ``cu_k`` (crossing documents'
         queries over the keys other ranks hold): one varlen call where the calibrated backend has a
-        varlen entry point (its FLOPs at the rate of rectangles of their mean size), else one dense
-        call per rectangle (:meth:`dilated.parallel.document_attention.DocumentCall.crossing_forward`)."""
+        varlen entry point (its FLOPs at the rate of rectangles of their mean size), or where they are
+        too small for a call each (:func:`dilated.packed.small_rectangles`: torch's varlen kernel, at
+        the calibrated factor of the small documents' call), else one dense call per rectangle
+        (:meth:`dilated.parallel.document_attention.DocumentCall.rectangles_kernel`)."""
         sizes = [(b - a, d - c) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]) if b > a and d > c]
         if not sizes:
             return 0.0
-        if self.calibration.varlen_kernel is None:
+        varlen = self.calibration.varlen_kernel is not None
+        if not varlen and not small_rectangles(cu_q, cu_k, heads, head_dim):
             return sum(self.call_ms(m, n, batch, heads, kv_heads, head_dim, False, mode) for m, n in sizes)
         flops = sum(call_flops(batch, m, n, heads, head_dim, False) for m, n in sizes)
         lq = max(1, round(sum(m for m, _ in sizes) / len(sizes)))
         lk = max(1, round(sum(n for _, n in sizes) / len(sizes)))
         one = self.call_ms(lq, lk, batch * len(sizes), heads, kv_heads, head_dim, False, mode)
-        return (flops * one / call_flops(batch * len(sizes), lq, lk, heads, head_dim, False)
-                + self.per_call_ms(head_dim, heads // kv_heads, False, mode))
+        ms = flops * one / call_flops(batch * len(sizes), lq, lk, heads, head_dim, False)
+        if not varlen:  # torch's varlen kernel, as the documents of small calls run (its calibrated factor)
+            return ms * self._factor(head_dim, heads // kv_heads, False, mode)
+        return ms + self.per_call_ms(head_dim, heads // kv_heads, False, mode)

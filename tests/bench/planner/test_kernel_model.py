@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from dilated.bench.flops import dense_flops
@@ -110,9 +112,22 @@ def test_the_small_documents_call_is_scaled_by_what_the_calibrated_short_mix_too
 
 
 def test_crossing_rectangles_are_one_dense_call_each_without_a_varlen_kernel():
+    """Rectangles of 4000 x 20000 and 8000 x 16000 rows (about 1.2e12 FLOPs each at 32 heads of 128,
+    over dilated.packed.SMALL_CALL_FLOPS): a dense call each."""
+    km = KernelModel(calibration())
+    cu_q, cu_k = (0, 4000, 12000), (0, 20000, 36000)
+    want = true_ms(1, 4000, 20000, 32, 128, False, "fwd") + true_ms(1, 8000, 16000, 32, 128, False, "fwd")
+    assert km.rectangles_ms(cu_q, cu_k, 1, 32, 8, 128, "fwd") == pytest.approx(want, rel=1e-9)
+
+
+def test_small_crossing_rectangles_are_one_call_of_torchs_varlen_kernel():
+    """Rectangles of 1000 x 5000 and 2000 x 4000 rows (1.1e11 FLOPs on average, under
+    dilated.packed.SMALL_CALL_FLOPS): one call, their FLOPs at the rate of two rectangles of the mean
+    size (1500 x 4500) at once (no calibrated factor for the small call here)."""
     km = KernelModel(calibration())
     cu_q, cu_k = (0, 1000, 3000), (0, 5000, 9000)
-    want = true_ms(1, 1000, 5000, 32, 128, False, "fwd") + true_ms(1, 2000, 4000, 32, 128, False, "fwd")
+    flops = dense_flops(1, 32, 1000, 5000, 128, False, "fwd") + dense_flops(1, 32, 2000, 4000, 128, False, "fwd")
+    want = flops / true_rate(math.sqrt(1500 * 4500), 2 * 1500 * 32)
     assert km.rectangles_ms(cu_q, cu_k, 1, 32, 8, 128, "fwd") == pytest.approx(want, rel=1e-9)
 
 
