@@ -155,6 +155,19 @@ def _pipeline(inputs: list[float], computes: list[float], outputs: list[float]) 
     return comm
 
 
+def _crossing_bytes(t: int, keys: int, b: int, h: int, hkv: int, d: int, mode: str) -> float:
+    """What a rank's rectangles of crossing documents hold besides the gathered rows
+    (:class:`dilated.parallel.document_attention.DocumentCall`): their ``t`` query rows taken out, the
+    ``keys`` key and value rows taken from the gathered buffer, their output and float32 lse; backward
+    the keys and values again, the rows of the output gradient, q and out taken out, their gradients
+    and the kernel's float32 dq accumulator."""
+    q_row, kv_row = b * h * d * ELEM, b * hkv * 2 * d * ELEM
+    held = t * (2 * q_row + b * h * ACC) + keys * kv_row
+    if mode == "fwd_bwd":
+        held = t * (4 * q_row + q_row * ACC / ELEM + b * h * ACC) + 2 * keys * kv_row
+    return float(held)
+
+
 def _local_bytes(kept, rank: int, b: int, h: int, hkv: int, d: int, mode: str) -> float:
     """What a rank's documents attended where they lie (``kept``, a
     :class:`~dilated.parallel.local_documents.LocalDocuments`) hold: their q, k, v rows taken out of
@@ -338,6 +351,8 @@ class Model:
         if problem.mode == "fwd_bwd":
             sent += rows * row_bytes * ACC / ELEM * (p - 1)
             extra += p * rows * row_bytes * ACC / ELEM
+        extra += max(_crossing_bytes(plan.cu_q[-1], plan.cu_k[-1], b, heads, kv_heads, d, problem.mode)
+                     for plan in plans)
         return _Timeline(max(times), max(computes), sent, extra)
 
     # -- Ulysses ----------------------------------------------------------------------------------

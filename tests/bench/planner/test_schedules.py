@@ -369,3 +369,21 @@ def test_the_ring_on_the_head_tail_layout_attends_every_documents_pieces_and_rel
     assert p.time_ms == pytest.approx(by_hand + p.overhead_ms, rel=1e-6)
     assert rank_plan(layout, 0).rows == 16384  # every row of the rank's pieces
     assert p.bytes_sent == 16384 * 8 * 2 * 128 * 2 and m.predict("ring_documents", prob, 2).bytes_sent == 0
+
+
+def test_the_rectangles_of_crossing_documents_hold_their_rows_taken_out():
+    """One causal document of 8K rows cut head-tail over 2 ranks: rank 1 holds its pieces 1 and 2
+    (4096 query rows), piece 1 over piece 0's 2048 keys, piece 2 over pieces 0 and 1 (6144 key rows
+    in all). Forward (bf16, 32 heads, 8 kv heads, D=128): the query rows taken out and their output
+    (2 x 4096 x 32 x 128 x 2 bytes), their float32 lse (4096 x 32 x 4) and the key and value rows
+    (6144 x 8 x 256 x 2); backward also dout, q and out's rows, the gradients, a float32 dq."""
+    from dilated.bench.planner.schedules import _crossing_bytes
+    from dilated.parallel.document_attention import rank_plan
+    from dilated.parallel.document_layout import DocumentLayout
+
+    plan = rank_plan(DocumentLayout.balance((0, 8192), 2, True), 1)
+    assert (plan.cu_q[-1], plan.cu_k[-1]) == (4096, 6144)
+    fwd = 2 * 4096 * 32 * 128 * 2 + 4096 * 32 * 4 + 6144 * 8 * 256 * 2
+    assert _crossing_bytes(4096, 6144, 1, 32, 8, 128, "fwd") == fwd
+    bwd = 4096 * 32 * 128 * (4 * 2 + 4) + 4096 * 32 * 4 + 2 * 6144 * 8 * 256 * 2
+    assert _crossing_bytes(4096, 6144, 1, 32, 8, 128, "fwd_bwd") == bwd
