@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..indexed_rows import place_rows_
 from ..packed import document_calls, split_small_calls
 from .all_to_all import AllToAll
 from .document_layout import ranges_to_positions
@@ -169,10 +170,13 @@ def _to_ranks(x: torch.Tensor, counts) -> torch.Tensor:
 
 def _into_rows(dst: torch.Tensor, recv: torch.Tensor, rows: torch.Tensor, p: int) -> None:
     """Put received ``[P * B * r, h, D]`` (rank ``i``'s heads of this rank's ``rows`` in block ``i``)
-    into ``dst`` ``[B, n, P * h, D]`` at ``rows`` (one copy)."""
+    into ``dst`` ``[B, n, P * h, D]`` at ``rows``: block ``i`` into heads ``i * h .. (i + 1) * h - 1``
+    (:func:`~dilated.indexed_rows.place_rows_`, one pass each)."""
     b, n, _, d = dst.shape
     h = recv.shape[1]
-    dst.view(b, n, p, h, d).index_copy_(1, rows, recv.view(p, b, -1, h, d).permute(1, 2, 0, 3, 4))
+    heads, blocks = dst.view(b, n, p, h, d), recv.view(p, b, -1, h, d)
+    for i in range(p):
+        place_rows_(heads[:, :, i], rows, blocks[i])
 
 
 @dataclass
@@ -197,11 +201,13 @@ def _take_rows(x: torch.Tensor, rows) -> torch.Tensor:
 
 
 def _put_rows(dst: torch.Tensor, rows, x: torch.Tensor) -> None:
-    """Write ``x`` into rows ``rows`` (a slice or an index tensor) of ``dst`` ``[B, n, ...]``."""
+    """Write ``x`` into rows ``rows`` (a slice or an index tensor) of ``dst`` ``[B, n, H, D]``
+    (:func:`~dilated.indexed_rows.place_rows_`: ``index_copy_`` writes such rows at a fraction of the
+    memory's rate)."""
     if isinstance(rows, slice):
         dst[:, rows] = x
     else:
-        dst.index_copy_(1, rows, x)
+        place_rows_(dst, rows, x)
 
 
 def _attend_graph(attend, qkv, cu, grad: bool):

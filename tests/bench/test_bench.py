@@ -715,3 +715,33 @@ def test_residue_major_rows_are_checked_in_their_order(sampled, monkeypatch):
         assert right["check"]["grad_rel_err"] < 1e-5
     assert right["kernels"] == ["manual"] and right["one_call_floor_ratio"] > 0 and "floor_ratio" not in right
     assert not wrong["check"]["passed"]
+
+
+def test_trace_summary_tells_a_ranks_wait_from_its_work(tmp_path):
+    """benchmarks/specialized/trace_summary.py on two written traces: rank 0's compute stream idles
+    3 ms while its NCCL kernel runs 3 ms; rank 1's index copy takes 2.5 ms more than rank 0's."""
+    import gzip
+    import json as _json
+
+    def trace(name, copy_us, nccl_us):
+        ev = [{"ph": "X", "cat": "kernel", "name": "cudnn_fwd", "ts": 0, "dur": 1000, "args": {"stream": 7}},
+              {"ph": "X", "cat": "kernel", "name": "index_elementwise_kernel", "ts": 1000, "dur": copy_us,
+               "args": {"stream": 7}},
+              {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 1000 + copy_us, "dur": nccl_us,
+               "args": {"stream": 17}},
+              {"ph": "X", "cat": "kernel", "name": "cudnn_bwd", "ts": 1000 + copy_us + nccl_us, "dur": 1000,
+               "args": {"stream": 7}}]
+        path = tmp_path / name
+        with gzip.open(path, "wt") as f:
+            _json.dump({"traceEvents": ev}, f)
+        return str(path)
+
+    paths = [trace("rank0.json.gz", 500, 3000), trace("rank1.json.gz", 3000, 100)]
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/specialized/trace_summary.py"), *paths],
+                         capture_output=True, text=True, check=True)
+    out = res.stdout
+    assert "idle 3.00 ms at 1.5 ms: after index_elementwise_kernel | before cudnn_bwd" in out, out
+    assert "NCCL at 1.5 ms for 3.00 ms" in out, out
+    assert "attention (cuDNN)" in out and "2.00 ms (   2)" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("index_elementwise_kernel"))
+    assert row.split()[1:] == ["0.50", "ms", "(", "1)", "3.00", "ms", "(", "1)"], row  # rank 0, rank 1

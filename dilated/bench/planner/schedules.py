@@ -168,6 +168,20 @@ def _crossing_bytes(t: int, keys: int, b: int, h: int, hkv: int, d: int, mode: s
     return float(held)
 
 
+def _own_documents_ms(kernels: KernelModel, kept, rank: int, b: int, h: int, hkv: int, d: int, causal: bool,
+                      mode: str) -> float:
+    """A rank's documents attended where they lie (``kept``, a
+    :class:`~dilated.parallel.local_documents.LocalDocuments`, or None): their calls, and where their
+    rows are not one run, those rows taken out of the shard and their results put back (the
+    calibrated cost per element of the documents path's gathers and scatters)."""
+    if kept is None or not kept.spans[rank]:
+        return 0.0
+    ms = kernels.documents_ms(kept.local_cu(rank), b, h, hkv, d, causal, mode)
+    if not isinstance(kept.local_rows(rank), slice):
+        ms += kernels.documents_extra_ms(0, b * kept.local_cu(rank)[-1], h, hkv, d, causal, mode)
+    return ms
+
+
 def _local_bytes(kept, rank: int, b: int, h: int, hkv: int, d: int, mode: str) -> float:
     """What a rank's documents attended where they lie (``kept``, a
     :class:`~dilated.parallel.local_documents.LocalDocuments`) hold: their q, k, v rows taken out of
@@ -435,8 +449,7 @@ class Model:
             ins, outs = (q_ms + 2 * kv_ms, q_ms) if mode == "fwd" else (q_ms, q_ms + 2 * kv_ms)
             times, computes = [], []
             for r in range(p):
-                own = (self.kernels.documents_ms(kept.local_cu(r), b, h, hkv, d, problem.causal, mode)
-                       if kept.spans[r] else 0.0)
+                own = _own_documents_ms(self.kernels, kept, r, b, h, hkv, d, problem.causal, mode)
                 times.append(max(own, ins) + cross + outs if moved else own)
                 computes.append(own + cross)
             time, compute = time + max(times), compute + max(computes)
@@ -561,8 +574,7 @@ class Model:
                 ins = [q + 2 * kv if mode == "fwd" else q for _, q, kv in parts]
                 outs = [q if mode == "fwd" else q + 2 * kv for _, q, kv in parts]
                 for rank in range(u):
-                    own = (self.kernels.documents_ms(plan.local.local_cu(rank), b, h, hkv, d, problem.causal, mode)
-                           if plan.local is not None and plan.local.spans[rank] else 0.0)
+                    own = _own_documents_ms(self.kernels, plan.local, rank, b, h, hkv, d, problem.causal, mode)
                     # its own documents first on the compute stream, beside every group's input exchange
                     times.append(_pipeline([0.0, *ins], [own, *attends], [0.0, *outs]))
                     computes.append(own + sum(attends))

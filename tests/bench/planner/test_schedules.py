@@ -387,3 +387,21 @@ def test_the_rectangles_of_crossing_documents_hold_their_rows_taken_out():
     assert _crossing_bytes(4096, 6144, 1, 32, 8, 128, "fwd") == fwd
     bwd = 4096 * 32 * 128 * (4 * 2 + 4) + 4096 * 32 * 4 + 2 * 6144 * 8 * 256 * 2
     assert _crossing_bytes(4096, 6144, 1, 32, 8, 128, "fwd_bwd") == bwd
+
+
+def test_own_documents_not_in_one_run_pay_for_their_rows_taken_out_and_put_back():
+    """A rank whose own documents are one run of its shard attends them in place; one whose own
+    documents are split by a document that moves pays the documents path's cost per element of
+    gathers and scatters on their rows (here stood in by 1 ms per row)."""
+    from dilated.bench.planner.schedules import _own_documents_ms
+    from dilated.parallel.local_documents import contiguous_ranges, local_documents
+
+    cu = [0, 4, 8, 40, 44, 48, *range(49, 97)]  # rank 0: 4 + 4, a long one exchanged, 4 + 4; rank 1: one run
+    kept = local_documents("auto", cu, contiguous_ranges(96, 2), True)
+    assert kept.exchanged == (2,)
+    km = KernelModel(calibration())
+    km.documents_extra_ms = lambda calls, rows, *rest: calls * 1000.0 + rows * 1.0
+    for rank, rows, extra in ((0, 16, 16.0), (1, 48, 0.0)):
+        bare = km.documents_ms(kept.local_cu(rank), 1, 32, 8, 128, True, "fwd")
+        assert kept.local_cu(rank)[-1] == rows
+        assert _own_documents_ms(km, kept, rank, 1, 32, 8, 128, True, "fwd") == pytest.approx(bare + extra)
