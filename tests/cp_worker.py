@@ -370,16 +370,26 @@ def documents_varlen(rank, world, kernel):
         module = dilated.DocumentParallelAttention(causal=causal, backend=backend)
         layout = dilated.DocumentLayout.balance(cu, world, causal, min_piece=2)
         assert layout.crossing(), "no crossing document: the rectangles would not run"
-        q, k, v = _full(7, n, 4, 2)
-        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8), dtype=q.dtype)
-        ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
-        before = dict(varlen_standins.CALLS)
-        out = module(ql, kl, vl, layout=layout)
-        out.backward(module.shard(dout, layout))
-        ran = {key: varlen_standins.CALLS[key] - before.get(key, 0) for key in varlen_standins.CALLS}
-        assert sum(c for key, c in ran.items() if key.endswith("forward")) == 2, ran  # local + rectangles
-        assert sum(c for key, c in ran.items() if key.endswith("backward")) == 2, ran
-        _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal, f"{kernel} causal={causal}")
+        (q, k, v), mine, out, dout, ran = _counting_varlen_calls(module, layout, n, 7)
+        assert ran == (2, 2), ran  # local + rectangles, forward and backward
+        _matches_per_document(module, (q, k, v), mine, out, dout, cu, causal, f"{kernel} causal={causal}")
+
+
+def _counting_varlen_calls(module, layout, n: int, seed: int):
+    """``module`` (on a document layout) forward and backward on fresh inputs of ``n`` rows sharded by
+    ``layout``: ``(global q, k, v; the shards; out; dout; (forward, backward) calls of the varlen
+    stand-ins it made)``."""
+    import varlen_standins
+
+    q, k, v = _full(seed, n, 4, 2)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=q.dtype)
+    mine = tuple(module.shard(t, layout).requires_grad_() for t in (q, k, v))
+    before = dict(varlen_standins.CALLS)
+    out = module(*mine, layout=layout)
+    out.backward(module.shard(dout, layout))
+    ran = {key: varlen_standins.CALLS[key] - before.get(key, 0) for key in varlen_standins.CALLS}
+    return (q, k, v), mine, out, dout, tuple(sum(c for key, c in ran.items() if key.endswith(end))
+                                             for end in ("forward", "backward"))
 
 
 @worker
@@ -405,17 +415,10 @@ def documents_small_rectangles(rank, world):
             layout = dilated.DocumentLayout.head_tail(cu, world, causal)
             for module in (dilated.DocumentParallelAttention(causal=causal, backend="auto"),
                            dilated.RingAttention(causal=causal, backend="auto", layout="documents")):
-                q, k, v = _full(3, n, 4, 2)
-                dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=q.dtype)
-                ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
-                before = dict(varlen_standins.CALLS)
-                out = module(ql, kl, vl, layout=layout)
-                out.backward(module.shard(dout, layout))
-                ran = {key: varlen_standins.CALLS[key] - before.get(key, 0) for key in varlen_standins.CALLS}
+                qkv, mine, out, dout, ran = _counting_varlen_calls(module, layout, n, 3)
                 what = f"{type(module).__name__} small={small} causal={causal}"
-                assert sum(c for key, c in ran.items() if key.endswith("forward")) == calls, (what, ran)
-                assert sum(c for key, c in ran.items() if key.endswith("backward")) == calls, (what, ran)
-                _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal, what)
+                assert ran == (calls, calls), (what, ran)
+                _matches_per_document(module, qkv, mine, out, dout, cu, causal, what)
 
 
 @worker
