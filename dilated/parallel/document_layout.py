@@ -264,9 +264,9 @@ class DocumentLayout:
     def head_tail(cls, cu_seqlens, world_size: int, causal: bool = True) -> "DocumentLayout":
         """The layout that cuts every document of at least ``2P`` positions head-tail (rank ``r``
         its pieces ``r`` and ``2P-1-r``: TransformerEngine's THD layout, the zigzag of each
-        document), the shorter ones whole as :meth:`balance` assigns them: every rank holds an equal
-        share of nearly every document, and nearly every document crosses every rank. What
-        :meth:`balance` is measured against; the modules take it as their ``layout``."""
+        document), the shorter ones as :meth:`balance` assigns them (whole where a rank has room):
+        every rank holds an equal share of nearly every document, and nearly every document crosses
+        every rank. What :meth:`balance` is measured against; the modules take it as their ``layout``."""
         return _head_tail_layout(_check(cu_seqlens, world_size), world_size, bool(causal))
 
     @property
@@ -364,7 +364,12 @@ def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout
         found = _search(cu, p, causal, min_piece)
         if found[0] < best[0] - 1e-9:
             best = found
-    whole, cut = best[1]
+    return _layout(cu, p, causal, best[1])
+
+
+def _layout(cu: tuple, p: int, causal: bool, assignment) -> DocumentLayout:
+    """The layout of an assignment ``(whole, pieces)`` of :func:`_assign`."""
+    whole, cut = assignment
     return DocumentLayout(cu, p, causal, tuple(tuple(sorted(docs)) for docs in whole), tuple(map(tuple, cut)))
 
 
@@ -372,8 +377,7 @@ def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout
 def _head_tail_layout(cu: tuple, p: int, causal: bool) -> DocumentLayout:
     docs = _documents(cu, causal)
     cut = {d for m, _, d in docs.in_order if m >= 2 * p} if p > 1 else set()
-    (whole, pieces), _ = _assign(cu, p, causal, cut, docs)
-    return DocumentLayout(cu, p, causal, tuple(tuple(sorted(d)) for d in whole), tuple(map(tuple, pieces)))
+    return _layout(cu, p, causal, _assign(cu, p, causal, cut, docs)[0])
 
 
 def given_or_last(layout: "DocumentLayout | None", last: "DocumentLayout | None") -> "DocumentLayout":
