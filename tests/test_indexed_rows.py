@@ -111,6 +111,12 @@ def check_place(device, dtype, gen):
     expect[:, rows] = calls.cpu().reshape(b, 24, h, d)[:, real]
     place_rows_(dst, rows.to(device), calls, real.to(device))
     assert torch.equal(dst.cpu(), expect)
+    # into one rank's heads of a [B, N, P * h, D] output (Ulysses' exchanged rows): a strided view of it
+    whole = torch.randn(b, n, 2 * h, d, generator=gen).to(device, dtype)
+    expect = whole.cpu().clone()
+    expect.view(b, n, 2, h, d)[:, rows, 1] = src.cpu()
+    place_rows_(whole.view(b, n, 2, h, d)[:, :, 1], rows.to(device), src)
+    assert torch.equal(whole.cpu(), expect)
 
 
 def check_all(device="cpu"):
