@@ -32,7 +32,7 @@ from .head_groups import attend_by_head_groups, check_head_groups, head_groups_f
 from .sharding import CommStats, shard, unshard
 from .document_attention import DocumentParts, document_attention
 from .document_groups import attend_by_document_groups, check_groups_of_one_kind
-from .document_layout import DocumentLayout, ranges_to_positions
+from .document_layout import DocumentLayout
 from .local_documents import check_local_documents, grid_local_documents
 from .row_documents import RowPlan, by_documents_plans, row_plans
 from ..functional import attention
@@ -219,12 +219,8 @@ class HybridAttention(nn.Module):
 
         mine, u = None, self.ulysses_rank
         if plan.local is not None and plan.local.spans[u]:
-            def rows():
-                at = plan.local.local_rows(u)
-                return at if isinstance(at, slice) else ranges_to_positions(*at, q.device)
-            mine = (layout.derived(("row_local_rows", self.ring_rank, self.ulysses_size, self.local_documents, u,
-                                    str(q.device)), rows),
-                    plan.local.local_cu(u))
+            mine = layout.derived(("row_local_rows", self.ring_rank, self.ulysses_size, self.local_documents, u,
+                                   str(q.device)), lambda: plan.local.rows_and_cu(u, q.device))
         return attend_by_document_groups(q, k, v, [across_rows if ring else within_row for ring in plan.rings],
                                          cu=list(plan.cu), groups=[list(g) for g in plan.groups],
                                          group=self.ulysses_group, stats=self.stats, local=mine,

@@ -22,7 +22,7 @@ import bisect
 import functools
 from dataclasses import dataclass
 
-from .document_layout import DocumentLayout, document_work
+from .document_layout import DocumentLayout, document_work, ranges_to_positions
 
 #: ``"auto"`` exchanges the slowest rank's heaviest documents until its work is at most this over the mean
 LOCAL_IMBALANCE = 1.02
@@ -73,6 +73,13 @@ class LocalDocuments:
         if sum(m for _, m in mine) == hi - lo:
             return slice(lo, hi)
         return [a for a, _ in mine], [m for _, m in mine]
+
+    def rows_and_cu(self, rank: int, device) -> tuple:
+        """``(rows, cumulative lengths)`` of rank ``rank``'s local documents as
+        :func:`~dilated.parallel.document_groups.attend_by_document_groups` takes them (``local``):
+        the rows a ``slice`` where they are one run, else their positions on ``device``."""
+        rows = self.local_rows(rank)
+        return (rows if isinstance(rows, slice) else ranges_to_positions(*rows, device)), self.local_cu(rank)
 
 
 def local_documents(setting, cu, ranges, causal: bool, exchanged=()) -> LocalDocuments | None:

@@ -33,7 +33,6 @@ from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .document_groups import attend_by_document_groups, check_document_groups, check_groups_of_one_kind, groups_to_use
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
-from .document_layout import ranges_to_positions
 from .local_documents import check_local_documents, contiguous_ranges, local_documents
 from .sharding import CommStats, rank_and_size
 from ..functional import attention
@@ -146,9 +145,7 @@ class UlyssesAttention(nn.Module):
             if not local.exchanged:  # every document where it lies: nothing to exchange
                 return attend_documents(q, k, v, local.local_cu(rank))
             if local.spans[rank]:
-                rows = local.local_rows(rank)
-                mine = (rows if isinstance(rows, slice) else ranges_to_positions(*rows, q.device),
-                        local.local_cu(rank))
+                mine = local.rows_and_cu(rank, q.device)
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
         if local or by_docs:
