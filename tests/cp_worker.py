@@ -494,19 +494,6 @@ def ulysses_local_documents(rank, world):
             out.backward(module.shard(dout))
             _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
                                   f"ulysses local documents P={world} causal={causal} H={h}/{hkv} {cu}")
-    # the crossing documents pipelined by groups beside the local ones (document_groups="always"): one
-    # exchange of q, k, v and one of the output per group, a group per crossing document up to three
-    if world >= 3:
-        q, k, v = _full(43, n * world, 2 * world, world)
-        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(7), dtype=q.dtype)
-        module = dilated.UlyssesAttention(causal=True, backend="manual", local_documents="always",
-                                          document_groups="always")
-        ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
-        out = module(ql, kl, vl, cu_seqlens=torch.tensor(crossing, dtype=torch.int32))
-        assert module.stats.collectives == 4 * min(world - 1, 3), module.stats.as_dict()
-        out.backward(module.shard(dout))
-        _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, crossing, True,
-                              f"ulysses local documents by groups P={world} {crossing}")
     # uneven: one rank's shard holds a long document, the others short ones: "auto" exchanges the long one
     # (fewer bytes than every document), "always" none; and one long document in the middle of rank 0's
     # shard between short ones: its own documents are two runs of rows, gathered and put back

@@ -52,18 +52,15 @@ def check_groups_of_one_kind(document_groups, head_groups) -> None:
 EDGE_SHARE = 1 / 8
 
 
-def document_groups_for(cu: list[int], docs=None) -> list[list[int]]:
+def document_groups_for(cu: list[int]) -> list[list[int]]:
     """Documents (indices into ``cu``'s documents, each group in sequence order) in the order their
     groups attend: the longest documents up to :data:`EDGE_SHARE` of the rows (at least one) first,
-    the next longest as many last, the rest between; fewer groups where there are fewer documents.
-    ``docs``: group only these documents (default: all), the share of their rows."""
-    docs = range(len(cu) - 1) if docs is None else docs
-    longest = sorted(docs, key=lambda d: cu[d] - cu[d + 1])  # longest first, ties in order
-    total = sum(cu[d + 1] - cu[d] for d in longest)
+    the next longest as many last, the rest between; fewer groups where there are fewer documents."""
+    longest = sorted(range(len(cu) - 1), key=lambda d: cu[d] - cu[d + 1])  # longest first, ties in order
     edges, at = [], 0
     for _ in range(2):
         rows, group = 0, []
-        while at < len(longest) - 1 and (not group or rows < EDGE_SHARE * total):
+        while at < len(longest) - 1 and (not group or rows < EDGE_SHARE * cu[-1]):
             group.append(longest[at])
             rows += cu[longest[at] + 1] - cu[longest[at]]
             at += 1
@@ -76,26 +73,22 @@ CALLS_SHARE = 1.25
 
 
 def groups_to_use(setting, cu: list[int], heads: int, head_dim: int, causal: bool,
-                  one_call: bool, docs=None) -> list[list[int]] | None:
+                  one_call: bool) -> list[list[int]] | None:
     """The groups a ``document_groups=setting`` call pipelines by (None: one exchange). ``"always"``:
     :func:`document_groups_for` wherever it makes two groups or more. ``"auto"``: only where they
     pay. A group's documents attend in calls of their own, so the groups pay where they make about
     the kernel calls of one exchange: not where the documents run in one varlen call (``one_call``:
-    one call per group instead, and head groups pipeline that call), nor where they make more than
-    :data:`CALLS_SHARE` times the batched calls of one exchange (documents of one length: one batched
-    call becomes one per group). ``heads``: this rank's query heads after the exchange.
-
-    ``docs``: only these documents are exchanged, beside others each rank attends where they lie
-    (:mod:`dilated.parallel.local_documents`); nothing but the groups can then hide the last output's
-    exchange (and backward the gradients'), so one varlen call is no reason against them."""
+    one call per group instead), nor where they make more than :data:`CALLS_SHARE` times the batched
+    calls of one exchange (documents of one length: one batched call becomes one per group).
+    ``heads``: this rank's query heads after the exchange."""
     if setting == 1:
         return None
-    groups = document_groups_for(cu, docs)
+    groups = document_groups_for(cu)
     if len(groups) < 2:
         return None
     if setting == "always":
         return groups
-    if one_call and docs is None:
+    if one_call:
         return None
 
     def calls(lengths):
@@ -104,9 +97,8 @@ def groups_to_use(setting, cu: list[int], heads: int, head_dim: int, causal: boo
         return len(big) + bool(small)
 
     lengths = [b - a for a, b in zip(cu, cu[1:])]
-    whole = calls([lengths[d] for d in (range(len(lengths)) if docs is None else sorted(docs))])
     grouped = sum(calls([lengths[d] for d in g]) for g in groups)
-    return groups if one_call or grouped <= CALLS_SHARE * whole else None
+    return groups if grouped <= CALLS_SHARE * calls(lengths) else None
 
 
 @dataclass(frozen=True)

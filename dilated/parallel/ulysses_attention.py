@@ -120,9 +120,8 @@ class UlyssesAttention(nn.Module):
         local = None if docs is None else local_documents(self.local_documents, docs,
                                                           contiguous_ranges(docs[-1], p), self.causal)
         one_call = docs is not None and varlen_kernel(qh, kh, vh, self.backend, self.causal) is not None
-        by_docs = None if docs is None or self.head_groups not in ("auto", 1) else groups_to_use(
-            self.document_groups, docs, qh.shape[2], q.shape[3], self.causal, one_call,
-            docs=local.exchanged if local else None)
+        by_docs = None if docs is None or local or self.head_groups not in ("auto", 1) else groups_to_use(
+            self.document_groups, docs, qh.shape[2], q.shape[3], self.causal, one_call)
         groups = 1 if by_docs or local else head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
         return (hkv, groups, scale, docs, by_docs, local), signature(
             q, k, v, causal=self.causal, scale=scale, algorithm="ulysses", documents=docs, head_groups=groups,
@@ -151,7 +150,7 @@ class UlyssesAttention(nn.Module):
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
         if local or by_docs:
             return attend_by_document_groups(q, k, v, attend_documents, cu=docs,
-                                             groups=by_docs or [list(local.exchanged)], group=self.group,
+                                             groups=[list(local.exchanged)] if local else by_docs, group=self.group,
                                              stats=self.stats, local=mine)
 
         def attend(qh, kh, vh):
