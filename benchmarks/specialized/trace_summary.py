@@ -3,8 +3,8 @@
 
 For each trace: every CUDA stream's busy time, its NCCL kernels (start, duration) and its longest
 idle gaps (what ran before and after), the host's longest synchronisations; then the GPU time per
-kernel (attention kernels of cuDNN and flash summed under one name each) side by side for the
-traces given, such as the ranks of one row.
+kernel (attention kernels of cuDNN, flash-attn 4 and torch's flash summed under one name each) side
+by side for the traces given, such as the ranks of one row.
 
     python benchmarks/specialized/trace_summary.py TRACE.json[.gz] [TRACE.json[.gz] ...]
 """
@@ -30,6 +30,8 @@ def _kind(name: str) -> str:
     low = name.lower()
     if "nccl" in low:
         return "nccl"
+    if "flash_attncute" in low:  # flash-attn 4's CuTe-DSL kernels (their names also hold sm90)
+        return "attention (flash-attn 4)"
     if "cudnn" in low or "sm90" in low or "fmha" in low:
         return "attention (cuDNN)"
     if "flash" in low:

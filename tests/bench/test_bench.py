@@ -719,7 +719,8 @@ def test_residue_major_rows_are_checked_in_their_order(sampled, monkeypatch):
 
 def test_trace_summary_tells_a_ranks_wait_from_its_work(tmp_path):
     """benchmarks/specialized/trace_summary.py on two written traces: rank 0's compute stream idles
-    3 ms while its NCCL kernel runs 3 ms; rank 1's index copy takes 2.5 ms more than rank 0's."""
+    3 ms while its NCCL kernel runs 3 ms; rank 1's index copy takes 2.5 ms more than rank 0's; flash-attn 4's
+    kernel is named apart from cuDNN's."""
     import gzip
     import json as _json
 
@@ -730,7 +731,9 @@ def test_trace_summary_tells_a_ranks_wait_from_its_work(tmp_path):
               {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 1000 + copy_us, "dur": nccl_us,
                "args": {"stream": 17}},
               {"ph": "X", "cat": "kernel", "name": "cudnn_bwd", "ts": 1000 + copy_us + nccl_us, "dur": 1000,
-               "args": {"stream": 7}}]
+               "args": {"stream": 7}},
+              {"ph": "X", "cat": "kernel", "name": "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90_0",
+               "ts": 3000 + copy_us + nccl_us, "dur": 250, "args": {"stream": 7}}]
         path = tmp_path / name
         with gzip.open(path, "wt") as f:
             _json.dump({"traceEvents": ev}, f)
@@ -743,5 +746,7 @@ def test_trace_summary_tells_a_ranks_wait_from_its_work(tmp_path):
     assert "idle 3.00 ms at 1.5 ms: after index_elementwise_kernel | before cudnn_bwd" in out, out
     assert "NCCL at 1.5 ms for 3.00 ms" in out, out
     assert "attention (cuDNN)" in out and "2.00 ms (   2)" in out, out
+    fa4 = next(line for line in out.splitlines() if line.startswith("attention (flash-attn 4)"))
+    assert fa4.split()[3:] == ["0.25", "ms", "(", "1)", "0.25", "ms", "(", "1)"], fa4
     row = next(line for line in out.splitlines() if line.startswith("index_elementwise_kernel"))
     assert row.split()[1:] == ["0.50", "ms", "(", "1)", "3.00", "ms", "(", "1)"], row  # rank 0, rank 1
