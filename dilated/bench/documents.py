@@ -72,9 +72,11 @@ def cu_seqlens_of(spec: str, n: int) -> tuple[int, ...]:
     return tuple(cu)
 
 
-def cu_tensor(spec: str | None, n: int, device) -> torch.Tensor | None:
-    """:func:`cu_seqlens_of` as the int32 tensor the library takes (None without documents)."""
-    return None if spec is None else torch.tensor(cu_seqlens_of(spec, n), dtype=torch.int32, device=device)
+def cu_tensor(spec: str | None, n: int) -> torch.Tensor | None:
+    """:func:`cu_seqlens_of` as the int32 tensor the library takes (None without documents), on the
+    host as the library asks: it reads the lengths there, and a CUDA tensor's would be a copy to the
+    GPU and one back, each waiting for the GPU's queue, in every timed call."""
+    return None if spec is None else torch.tensor(cu_seqlens_of(spec, n), dtype=torch.int32)
 
 
 def attended_pairs(cu, causal: bool) -> float:

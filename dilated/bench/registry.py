@@ -163,7 +163,7 @@ def get_implementation(name: str) -> Implementation:
 def _dense(case, backend, compile=False):
     def fn(q, k, v):
         return dilated.attention(q, k, v, causal=case.causal, backend=backend,
-                                 cu_seqlens=cu_tensor(case.documents, case.seq_len, q.device))
+                                 cu_seqlens=cu_tensor(case.documents, case.seq_len))
 
     if compile:
         return torch.compile(fn)

@@ -23,7 +23,7 @@ class WithDocuments(torch.nn.Module):
             layout = DocumentLayout.head_tail(cu_seqlens_of(self.spec, self.n),
                                               torch.distributed.get_world_size(self.module.group), self.module.causal)
             return self.module(q, k, v, layout=layout)
-        return self.module(q, k, v, cu_seqlens=cu_tensor(self.spec, self.n, q.device))
+        return self.module(q, k, v, cu_seqlens=cu_tensor(self.spec, self.n))
 
     def __getattr__(self, name):  # stats, transport_used, shard/unshard: the module's
         try:

@@ -4,6 +4,7 @@ import io
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -750,3 +751,32 @@ def test_trace_summary_tells_a_ranks_wait_from_its_work(tmp_path):
     assert fa4.split()[3:] == ["0.25", "ms", "(", "1)", "0.25", "ms", "(", "1)"], fa4
     row = next(line for line in out.splitlines() if line.startswith("index_elementwise_kernel"))
     assert row.split()[1:] == ["0.50", "ms", "(", "1)", "3.00", "ms", "(", "1)"], row  # rank 0, rank 1
+
+
+def test_the_harness_gives_the_library_its_documents_on_the_host():
+    """The timed calls pass ``cu_seqlens`` as a CPU tensor, as the library asks (it reads the lengths
+    on the host; a GPU tensor's read waits for the GPU in every call): whatever device q is on (meta
+    here, standing in for CUDA), the single-GPU baseline and the sequence-parallel wrapper both."""
+    import dilated
+    from dilated.bench import registry
+    from dilated.bench.workload import WithDocuments
+
+    seen = []
+
+    class Record(torch.nn.Module):
+        def forward(self, q, k, v, cu_seqlens=None):
+            seen.append(cu_seqlens)
+            return q
+
+    q = torch.empty(1, 64, 2, 8, device="meta")
+    WithDocuments(Record(), "fixed:16", 64)(q, q, q)
+    case = types.SimpleNamespace(causal=True, documents="fixed:16", seq_len=64)
+    real = dilated.attention
+    try:
+        dilated.attention = lambda q, k, v, **kw: seen.append(kw["cu_seqlens"]) or q
+        registry._dense(case, "manual")(q, q, q)
+    finally:
+        dilated.attention = real
+    assert len(seen) == 2
+    for cu in seen:
+        assert cu.device.type == "cpu" and cu.dtype == torch.int32 and cu.tolist() == [0, 16, 32, 48, 64]
