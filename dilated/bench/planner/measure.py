@@ -209,7 +209,7 @@ def time_documents(shape, cu, causal: bool, mode: str, device, backend: str, rep
     n, grad = cu[-1], mode == "fwd_bwd"
     q = torch.randn(1, n, h, d, device=device, dtype=torch.bfloat16, requires_grad=grad)
     k, v = (torch.randn(1, n, hkv, d, device=device, dtype=torch.bfloat16, requires_grad=grad) for _ in range(2))
-    dout, cu_t = torch.randn_like(q), torch.tensor(cu, dtype=torch.int32, device=device)
+    dout, cu_t = torch.randn_like(q), torch.tensor(cu, dtype=torch.int32)  # on the host, as the harness's
 
     def step():
         if grad:
