@@ -1,10 +1,12 @@
 """What the GPU did in a profiled call: a summary of the Chrome/Perfetto traces that the benchmarks'
 ``--profile DIR`` writes (one per row and rank), to tell waiting from working.
 
-For each trace: every CUDA stream's busy time, its NCCL kernels (start, duration) and its longest
-idle gaps (what ran before and after), the host's longest synchronisations; then the GPU time per
-kernel (attention kernels of cuDNN, flash-attn 4 and torch's flash summed under one name each) side
-by side for the traces given, such as the ranks of one row.
+For each trace: every CUDA stream's busy time, its NCCL kernels (start, duration), its idle time
+and how much of it came before the host had launched the next kernel (the GPU waiting for the
+host rather than for another stream), its longest idle gaps (what ran before and after), the
+host's longest synchronisations; then the GPU time per kernel (attention kernels of cuDNN,
+flash-attn 4 and torch's flash summed under one name each) side by side for the traces given,
+such as the ranks of one row.
 
     python benchmarks/specialized/trace_summary.py TRACE.json[.gz] [TRACE.json[.gz] ...]
 """
@@ -39,6 +41,17 @@ def _kind(name: str) -> str:
     return name[:64]
 
 
+def _launched_late(before: dict, after: dict, launches: dict) -> float:
+    """Of the idle time between two events of a stream, the part before the host had launched the
+    second (its runtime call, by correlation id, ended after the first event ended): time the GPU
+    waited for the host, not for another stream. 0 where the launch is not in the trace."""
+    launch = launches.get(after.get("args", {}).get("correlation"))
+    if launch is None:
+        return 0.0
+    end = before["ts"] + before["dur"]
+    return max(0.0, min(after["ts"] - end, launch["ts"] + launch["dur"] - end))
+
+
 def timeline(path: str, gaps: int = 8) -> str:
     """Streams, NCCL kernels, idle gaps and host synchronisations of one trace."""
     events = _events(path)
@@ -49,6 +62,8 @@ def timeline(path: str, gaps: int = 8) -> str:
     t1 = max(e["ts"] + e["dur"] for e in gpu)
     lines = [f"== {os.path.basename(path)}: {(t1 - t0) / 1e3:.1f} ms from the first kernel to the last, "
              f"{len(gpu)} GPU events"]
+    launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+                and "correlation" in e.get("args", {})}
     streams = collections.defaultdict(list)
     for e in gpu:
         streams[e.get("args", {}).get("stream", e.get("tid"))].append(e)
@@ -59,8 +74,12 @@ def timeline(path: str, gaps: int = 8) -> str:
                      f"NCCL {len(nccl)} ({sum(e['dur'] for e in nccl) / 1e3:.1f} ms)")
         lines += [f"   NCCL at {(e['ts'] - t0) / 1e3:.1f} ms for {e['dur'] / 1e3:.2f} ms: {e['name'][:60]}" for e in nccl]
         idle = sorted(((b["ts"] - a["ts"] - a["dur"], a, b) for a, b in zip(es, es[1:])), key=lambda x: -x[0])
+        late = {id(b): _launched_late(a, b, launches) for _, a, b in idle}
+        lines.append(f"   idle {sum(g for g, _, _ in idle) / 1e3:.2f} ms: "
+                     f"{sum(late.values()) / 1e3:.2f} ms of it before the host had launched the next kernel")
         lines += [f"   idle {g / 1e3:.2f} ms at {(a['ts'] + a['dur'] - t0) / 1e3:.1f} ms: after {a['name'][:48]} | "
-                  f"before {b['name'][:48]}" for g, a, b in idle[:gaps] if g > 500]
+                  f"before {b['name'][:48]}" + (f" (launched {late[id(b)] / 1e3:.2f} ms late)" if late[id(b)] else "")
+                  for g, a, b in idle[:gaps] if g > 500]
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
             and "synchron" in e["name"].lower()]
     lines += [f" host {e['name']} {e['dur'] / 1e3:.2f} ms" for e in sorted(host, key=lambda e: -e["dur"])[:4]]

@@ -720,8 +720,9 @@ def test_residue_major_rows_are_checked_in_their_order(sampled, monkeypatch):
 
 def test_trace_summary_tells_a_ranks_wait_from_its_work(tmp_path):
     """benchmarks/specialized/trace_summary.py on two written traces: rank 0's compute stream idles
-    3 ms while its NCCL kernel runs 3 ms; rank 1's index copy takes 2.5 ms more than rank 0's; flash-attn 4's
-    kernel is named apart from cuDNN's."""
+    3 ms while its NCCL kernel runs 3 ms, then 1 ms of which 0.61 ms before the host had launched the
+    next kernel; rank 1's index copy takes 2.5 ms more than rank 0's; flash-attn 4's kernel is named
+    apart from cuDNN's."""
     import gzip
     import json as _json
 
@@ -732,9 +733,13 @@ def test_trace_summary_tells_a_ranks_wait_from_its_work(tmp_path):
               {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 1000 + copy_us, "dur": nccl_us,
                "args": {"stream": 17}},
               {"ph": "X", "cat": "kernel", "name": "cudnn_bwd", "ts": 1000 + copy_us + nccl_us, "dur": 1000,
-               "args": {"stream": 7}},
+               "args": {"stream": 7, "correlation": 1}},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1200, "dur": 10,
+               "args": {"correlation": 1}},  # launched long before it ran: waiting for NCCL
               {"ph": "X", "cat": "kernel", "name": "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90_0",
-               "ts": 3000 + copy_us + nccl_us, "dur": 250, "args": {"stream": 7}}]
+               "ts": 3000 + copy_us + nccl_us, "dur": 250, "args": {"stream": 7, "correlation": 2}},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2600 + copy_us + nccl_us,
+               "dur": 10, "args": {"correlation": 2}}]  # launched 0.61 ms after cudnn_bwd ended
         path = tmp_path / name
         with gzip.open(path, "wt") as f:
             _json.dump({"traceEvents": ev}, f)
@@ -746,6 +751,10 @@ def test_trace_summary_tells_a_ranks_wait_from_its_work(tmp_path):
     out = res.stdout
     assert "idle 3.00 ms at 1.5 ms: after index_elementwise_kernel | before cudnn_bwd" in out, out
     assert "NCCL at 1.5 ms for 3.00 ms" in out, out
+    # rank 0's compute stream: 3 ms waiting for NCCL, then 1 ms before the host had launched the next kernel
+    assert "idle 4.00 ms: 0.61 ms of it before the host had launched the next kernel" in out, out
+    assert "idle 1.00 ms at 5.5 ms: after cudnn_bwd | before kernel_cutlass_kernel_flash_attncuteflash_fwd_sm " \
+           "(launched 0.61 ms late)" in out, out
     assert "attention (cuDNN)" in out and "2.00 ms (   2)" in out, out
     fa4 = next(line for line in out.splitlines() if line.startswith("attention (flash-attn 4)"))
     assert fa4.split()[3:] == ["0.25", "ms", "(", "1)", "0.25", "ms", "(", "1)"], fa4
