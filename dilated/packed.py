@@ -15,17 +15,20 @@ and share the bucket's call. Padding at the end is exact under causality: a real
 keys at or before it, never a padded one, and the padded rows' outputs are dropped (their
 gradients are zero). So the calls are at most one per distinct length (non-causal) or about four
 per octave of lengths (causal). Their backward gathers each call's rows again and scatters its
-gradients back (:class:`DocumentsFunction`), as the rings do.
+gradients back (:class:`DocumentsFunction`), as the rings do. The calls' row indices are made on
+the device once per mix and kept for the last few (:func:`document_rows`): a model's layers and a
+call's backward meet one batch's documents again.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 
 import torch
 
 from .indexed_rows import place_rows_
-from ._transfer import host_values_on
+from ._transfer import host_values_on, made_for_a_cache
 from .backends import get_backend
 from .backends.graph_shapes import build_at_first_call
 from .backends.kernel_log import note_kernel
@@ -141,6 +144,37 @@ class DocumentsFunction(torch.autograd.Function):
         return *grads, None, None, None, None, None
 
 
+def document_rows(cu: list[int], causal: bool, heads: int, head_dim: int, small: bool, device) -> tuple:
+    """``(rest, calls)`` of the packed documents ``cu`` on ``device``: the rows of the documents that
+    the small-documents call takes (:func:`_small_rows`; None where none do or ``small`` is off) and
+    each batched call's rows (:func:`_document_rows`). A model's layers, and a call's backward, meet
+    one batch's documents again, so the last :data:`KEPT_MIXES` are kept (their index tensors, about
+    ``4 * 8`` bytes per position) instead of being made again in a dozen small kernels per call;
+    under CUDA-graph capture they are made anew (the graph keeps what it reads)."""
+    device = torch.device(device)
+    key = (tuple(cu), causal, heads, head_dim, SMALL_CALL_FLOPS if small else None, device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _make_rows(*key)
+    return _kept_rows(*key)
+
+
+#: the mixes :func:`document_rows` keeps (a Ulysses layer meets two: its own and the exchanged documents)
+KEPT_MIXES = 4
+
+
+@functools.lru_cache(maxsize=KEPT_MIXES)
+def _kept_rows(cu: tuple, causal: bool, heads: int, head_dim: int, small_flops, device: torch.device) -> tuple:
+    return made_for_a_cache(lambda: _make_rows(cu, causal, heads, head_dim, small_flops, device), device)
+
+
+def _make_rows(cu: tuple, causal: bool, heads: int, head_dim: int, small_flops, device) -> tuple:
+    """:func:`document_rows`; ``small_flops``: :data:`SMALL_CALL_FLOPS` as it is now (None: no small call)."""
+    calls, rest = document_calls(list(cu), causal), []
+    if small_flops is not None:
+        calls, rest = split_small_calls(calls, heads, head_dim, causal)
+    return (_small_rows(rest, device) if rest else None), tuple(_document_rows(calls, device))
+
+
 def _document_rows(calls, device):
     """Per kernel call of :func:`document_calls`: ``(length, documents, pos, pad, real, at)``: the
     positions its ``[documents, length]`` rows read, the indices of its padding rows among them
@@ -218,17 +252,15 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
     b, n = q.shape[:2]
     if len(cu) == 2:
         return attend(q, k, v)
-    calls, rest = document_calls(cu, causal), []
-    if small is not None:
-        calls, rest = split_small_calls(calls, q.shape[2], q.shape[3], causal)
+    rest, calls = document_rows(cu, causal, q.shape[2], q.shape[3], small is not None, q.device)
     out = lse = None
     if rest:
-        pos, cu_rest = _small_rows(rest, q.device)
+        pos, cu_rest = rest
         o, l = varlen_forward(small[0], *(x.index_select(1, pos) for x in (q, k, v)), cu_rest, causal, small[1])
         out, lse = o.new_empty(b, n, *o.shape[2:]), l.new_empty(b, l.shape[1], n)
         place_rows_(out, pos, o)
         lse[:, :, pos] = l
-    for length, count, pos, pad, real, at in _document_rows(calls, q.device):
+    for length, count, pos, pad, real, at in calls:
         qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
         with build_at_first_call():  # a bounded set of shapes that new mixes meet again
             o, l = attend(qg, kg, vg)
@@ -259,17 +291,15 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
         return backward(*tensors) if dlse is None else backward(*tensors, dlse=dlse)
     h = lse.shape[1]
     grads = [None, None, None]
-    calls, rest = document_calls(cu, causal), []
-    if small is not None:
-        calls, rest = split_small_calls(calls, q.shape[2], q.shape[3], causal)
+    rest, calls = document_rows(cu, causal, q.shape[2], q.shape[3], small is not None, q.device)
     if rest:
-        pos, cu_rest = _small_rows(rest, q.device)
+        pos, cu_rest = rest
         rows = tuple(x.index_select(1, pos) for x in (dout, q, k, v, out)) + (lse.index_select(2, pos),)
         for i, (x, gi) in enumerate(zip((q, k, v), varlen_backward(
                 small[0], rows, cu_rest, causal, small[1], None if dlse is None else dlse.index_select(2, pos)))):
             grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
             place_rows_(grads[i], pos, gi)
-    for length, count, pos, pad, real, at in _document_rows(calls, q.device):
+    for length, count, pos, pad, real, at in calls:
         dg, qg, kg, vg, og = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:])
                               for x in (dout, q, k, v, out))
         lg, dlg = (None if x is None else _gather(x, pos, pad, 2).reshape(b, h, count, length).transpose(1, 2)

@@ -283,3 +283,31 @@ def test_a_hybrid_with_a_ring_of_one_is_ulysses(gen):
                 assert rel_err(g, rg) < 4e-4, f"d{name}"
     finally:
         dist.destroy_process_group()
+
+
+def test_a_mix_met_again_makes_no_new_rows(monkeypatch, gen):
+    """The rows of a mix's batched calls are made once and kept: a call's backward, and the next
+    call at the same mix (a model's next layer), make none; mixes met one after another, more of
+    them than are kept and some of one length and count of documents, each match every document
+    alone, forward and gradients, the second time round too."""
+    from dilated import packed
+
+    made = []
+    real = packed._make_rows
+    monkeypatch.setattr(packed, "_make_rows", lambda *a: made.append(a[0]) or real(*a))
+    packed._kept_rows.cache_clear()
+    mixes = [[0, 1, 6, 19, 20, 33, 40], [0, 3, 4, 11, 29, 31, 40], [0, 7, 13, 19, 20, 33, 40],
+             [0, 13, 19, 20, 26, 39, 40], [0, 8, 16, 24, 32, 40], [0, 5, 13, 21, 29, 40]]
+    assert len(mixes) > packed.KEPT_MIXES
+    for rnd in range(2):
+        for cu in mixes:
+            q = rand(2, 40, 4, 8, gen=gen, requires_grad=True)
+            k, v = rand(2, 40, 2, 8, gen=gen, requires_grad=True), rand(2, 40, 2, 8, gen=gen, requires_grad=True)
+            before = len(made)
+            for _ in range(2):
+                out, lse = dilated.attention(q, k, v, causal=True, backend="manual", return_lse=True,
+                                             cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+            qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+            ref, ref_lse = _per_document(qd, kd, vd, cu, True)
+            _assert_matches(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
+            assert made[before:] == [tuple(cu)], (rnd, cu, made[before:])  # once: forwards and backward
