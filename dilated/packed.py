@@ -21,9 +21,8 @@ call's backward meet one batch's documents again.
 """
 from __future__ import annotations
 
-import functools
 import itertools
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import torch
 
@@ -148,23 +147,29 @@ def document_rows(cu: list[int], causal: bool, heads: int, head_dim: int, small:
     """``(rest, calls)`` of the packed documents ``cu`` on ``device``: the rows of the documents that
     the small-documents call takes (:func:`_small_rows`; None where none do or ``small`` is off) and
     each batched call's rows (:func:`_document_rows`). A model's layers, and a call's backward, meet
-    one batch's documents again, so the last :data:`KEPT_MIXES` are kept (their index tensors, about
-    ``4 * 8`` bytes per position) instead of being made again in a dozen small kernels per call;
-    under CUDA-graph capture they are made anew (the graph keeps what it reads)."""
+    one batch's documents again, so the last mixes are kept (:data:`KEPT_MIXES`, up to
+    :data:`KEPT_POSITIONS` positions in all; their index tensors take about ``4 * 8`` bytes per
+    position) instead of being made again in a dozen small kernels per call; under CUDA-graph
+    capture they are made anew (the graph keeps what it reads)."""
     device = torch.device(device)
     key = (tuple(cu), causal, heads, head_dim, SMALL_CALL_FLOPS if small else None, device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return _make_rows(*key)
-    return _kept_rows(*key)
+    rows = _KEPT.pop(key, None)
+    if rows is None:
+        rows = made_for_a_cache(lambda: _make_rows(*key), device)
+    _KEPT[key] = rows  # the most recent last
+    while len(_KEPT) > 1 and (len(_KEPT) > KEPT_MIXES or sum(k[0][-1] for k in _KEPT) > KEPT_POSITIONS):
+        _KEPT.popitem(last=False)
+    return rows
 
 
-#: the mixes :func:`document_rows` keeps (a Ulysses layer meets two: its own and the exchanged documents)
-KEPT_MIXES = 4
+#: :func:`document_rows` keeps at most this many mixes (a ring's steps on documents meet several per call) ...
+KEPT_MIXES = 16
+#: ... holding at most this many positions in all (the most recent mix is kept whatever its size)
+KEPT_POSITIONS = 1 << 22
 
-
-@functools.lru_cache(maxsize=KEPT_MIXES)
-def _kept_rows(cu: tuple, causal: bool, heads: int, head_dim: int, small_flops, device: torch.device) -> tuple:
-    return made_for_a_cache(lambda: _make_rows(cu, causal, heads, head_dim, small_flops, device), device)
+_KEPT: OrderedDict = OrderedDict()
 
 
 def _make_rows(cu: tuple, causal: bool, heads: int, head_dim: int, small_flops, device) -> tuple:

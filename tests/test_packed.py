@@ -289,13 +289,14 @@ def test_a_mix_met_again_makes_no_new_rows(monkeypatch, gen):
     """The rows of a mix's batched calls are made once and kept: a call's backward, and the next
     call at the same mix (a model's next layer), make none; mixes met one after another, more of
     them than are kept and some of one length and count of documents, each match every document
-    alone, forward and gradients, the second time round too."""
+    alone, forward and gradients, the second time round too; what is kept stays within its bounds."""
     from dilated import packed
 
     made = []
     real = packed._make_rows
     monkeypatch.setattr(packed, "_make_rows", lambda *a: made.append(a[0]) or real(*a))
-    packed._kept_rows.cache_clear()
+    packed._KEPT.clear()
+    monkeypatch.setattr(packed, "KEPT_MIXES", 4)
     mixes = [[0, 1, 6, 19, 20, 33, 40], [0, 3, 4, 11, 29, 31, 40], [0, 7, 13, 19, 20, 33, 40],
              [0, 13, 19, 20, 26, 39, 40], [0, 8, 16, 24, 32, 40], [0, 5, 13, 21, 29, 40]]
     assert len(mixes) > packed.KEPT_MIXES
@@ -311,3 +312,8 @@ def test_a_mix_met_again_makes_no_new_rows(monkeypatch, gen):
             ref, ref_lse = _per_document(qd, kd, vd, cu, True)
             _assert_matches(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
             assert made[before:] == [tuple(cu)], (rnd, cu, made[before:])  # once: forwards and backward
+            assert len(packed._KEPT) <= 4
+    monkeypatch.setattr(packed, "KEPT_POSITIONS", 100)  # two mixes of 40 positions at most
+    for cu in mixes:
+        dilated.attention(q, k, v, causal=True, backend="manual", cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    assert [key[0] for key in packed._KEPT] == [tuple(cu) for cu in mixes[-2:]]
