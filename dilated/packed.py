@@ -155,13 +155,20 @@ def document_rows(cu: list[int], causal: bool, heads: int, head_dim: int, small:
     key = (tuple(cu), causal, heads, head_dim, SMALL_CALL_FLOPS if small else None, device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return _make_rows(*key)
-    rows = _KEPT.pop(key, None)
-    if rows is None:
+    kept = _KEPT.pop(key, None)
+    if kept is None:
         rows = made_for_a_cache(lambda: _make_rows(*key), device)
-    _KEPT[key] = rows  # the most recent last
+        made = None
+        if device.type == "cuda":  # made where the current stream has waited for them: a call on another waits too
+            made = torch.cuda.Event()
+            made.record(torch.cuda.current_stream(device))
+        kept = rows, made
+    elif kept[1] is not None:
+        torch.cuda.current_stream(device).wait_event(kept[1])
+    _KEPT[key] = kept  # the most recent last
     while len(_KEPT) > 1 and (len(_KEPT) > KEPT_MIXES or sum(k[0][-1] for k in _KEPT) > KEPT_POSITIONS):
         _KEPT.popitem(last=False)
-    return rows
+    return kept[0]
 
 
 #: :func:`document_rows` keeps at most this many mixes (a ring's steps on documents meet several per call) ...
