@@ -143,6 +143,14 @@ class DocumentsFunction(torch.autograd.Function):
         return *grads, None, None, None, None, None
 
 
+#: :func:`document_rows` keeps at most this many mixes (a ring's steps on documents meet several per call) ...
+KEPT_MIXES = 16
+#: ... holding at most this many positions in all (the most recent mix is kept whatever its size)
+KEPT_POSITIONS = 1 << 22
+
+_KEPT: OrderedDict = OrderedDict()
+
+
 def document_rows(cu: list[int], causal: bool, heads: int, head_dim: int, small: bool, device) -> tuple:
     """``(rest, calls)`` of the packed documents ``cu`` on ``device``: the rows of the documents that
     the small-documents call takes (:func:`_small_rows`; None where none do or ``small`` is off) and
@@ -169,14 +177,6 @@ def document_rows(cu: list[int], causal: bool, heads: int, head_dim: int, small:
     while len(_KEPT) > 1 and (len(_KEPT) > KEPT_MIXES or sum(k[0][-1] for k in _KEPT) > KEPT_POSITIONS):
         _KEPT.popitem(last=False)
     return kept[0]
-
-
-#: :func:`document_rows` keeps at most this many mixes (a ring's steps on documents meet several per call) ...
-KEPT_MIXES = 16
-#: ... holding at most this many positions in all (the most recent mix is kept whatever its size)
-KEPT_POSITIONS = 1 << 22
-
-_KEPT: OrderedDict = OrderedDict()
 
 
 def _make_rows(cu: tuple, causal: bool, heads: int, head_dim: int, small_flops, device) -> tuple:

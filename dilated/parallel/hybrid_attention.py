@@ -219,8 +219,7 @@ class HybridAttention(nn.Module):
 
         mine, u = None, self.ulysses_rank
         if plan.local is not None and plan.local.spans[u]:
-            mine = layout.derived(("row_local_rows", self.ring_rank, self.ulysses_size, self.local_documents, u,
-                                   str(q.device)), lambda: plan.local.rows_and_cu(u, q.device))
+            mine = plan.local.rows_and_cu(u, q.device)
         return attend_by_document_groups(q, k, v, [across_rows if ring else within_row for ring in plan.rings],
                                          cu=list(plan.cu), groups=[list(g) for g in plan.groups],
                                          group=self.ulysses_group, stats=self.stats, local=mine,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .document_layout import DocumentLayout, document_work, ranges_to_positions
 
@@ -51,6 +51,7 @@ class LocalDocuments:
     exchanged: tuple
     spans: tuple
     work: tuple
+    _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (rank, device) -> rows
 
     @property
     def imbalance(self) -> float:
@@ -77,9 +78,14 @@ class LocalDocuments:
     def rows_and_cu(self, rank: int, device) -> tuple:
         """``(rows, cumulative lengths)`` of rank ``rank``'s local documents as
         :func:`~dilated.parallel.document_groups.attend_by_document_groups` takes them (``local``):
-        the rows a ``slice`` where they are one run, else their positions on ``device``."""
-        rows = self.local_rows(rank)
-        return (rows if isinstance(rows, slice) else ranges_to_positions(*rows, device)), self.local_cu(rank)
+        the rows a ``slice`` where they are one run, else their positions on ``device`` (made once
+        per rank and device and kept with these documents)."""
+        key = (rank, str(device))
+        if key not in self._rows:
+            rows = self.local_rows(rank)
+            self._rows[key] = (rows if isinstance(rows, slice) else ranges_to_positions(*rows, device)), \
+                self.local_cu(rank)
+        return self._rows[key]
 
 
 def local_documents(setting, cu, ranges, causal: bool, exchanged=()) -> LocalDocuments | None:
