@@ -531,6 +531,57 @@ def ulysses_local_documents(rank, world):
             raise AssertionError(f"local_documents={bad!r} was accepted")
 
 
+@worker
+def local_documents_beside_both_exchanges(rank, world):
+    """A rank's own documents attend in two parts: the first after the exchanged documents' input
+    exchanges are issued, the second after their output's exchange is issued (backward: the first
+    after the output gradient's exchange, the second after the q, k, v gradients' exchanges back);
+    exact against every document alone."""
+    from dilated.parallel import document_groups as dg
+
+    n = 16 * world
+    crossing = [0, 3, 5, *[x for r in range(1, world) for x in (r * n - 3, r * n + 3, r * n + 5)], n * world]
+    q, k, v = _full(17, n * world, 2 * world, world)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8), dtype=q.dtype)
+    events, real = [], dg.AllToAll
+
+    def exchange(x, *args):
+        events.append("exchange")
+        return real(x, *args)
+
+    def attend(qg, kg, vg, cu_g):
+        own = qg.shape[2] == q.shape[2]  # a rank's own documents attend on all its heads
+        name = f"own {qg.shape[1]}" if own else "exchanged"
+        events.append(name)
+        out = dilated.attention(qg, kg, vg, causal=True, backend="manual",
+                                cu_seqlens=torch.tensor(cu_g, dtype=torch.int32))
+        if out.requires_grad:
+            out.register_hook(lambda g: events.append(f"backward {name}"))
+        return out
+
+    module = dilated.UlyssesAttention(causal=True, backend="manual", local_documents="always")
+    ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
+    from dilated.parallel.local_documents import contiguous_ranges, local_documents
+    from dilated.parallel.sharding import CommStats
+
+    kept = local_documents("always", crossing, contiguous_ranges(n * world, world), True)
+    parts = kept.parts(rank, "cpu")
+    assert len(parts) == 2 and [x[1][-1] for x in parts] == [sum(m for _, m in s) for s in kept.part_spans(rank)]
+    dg.AllToAll = exchange
+    try:
+        out = dg.attend_by_document_groups(ql, kl, vl, attend, cu=crossing, groups=[list(kept.exchanged)],
+                                           group=None, stats=CommStats(), local=parts)
+        forward, events[:] = list(events), []
+        out.backward(module.shard(dout))
+    finally:
+        dg.AllToAll = real
+    a, b = (f"own {x[1][-1]}" for x in parts)
+    assert forward == ["exchange"] * 3 + [a, "exchanged", "exchange", b], forward
+    assert events == ["exchange", f"backward {a}", "backward exchanged", *["exchange"] * 3, f"backward {b}"], events
+    _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, crossing, True,
+                          f"own documents beside both exchanges P={world}")
+
+
 def _sent_by_every_document(q, k, v, cu, world):
     """Bytes a rank sends forward with every document exchanged."""
     module = dilated.UlyssesAttention(causal=True, backend="manual", local_documents=False, document_groups=1,

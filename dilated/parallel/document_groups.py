@@ -6,10 +6,13 @@ input exchange at once (each rank sends the rows of its shard that belong to the
 to every rank its heads); group ``g`` attends while later groups' rows arrive and group ``g - 1``'s
 output goes back, so only the first group's inputs and the last group's output are waited for.
 Backward mirrors it. Documents a rank keeps where they lie (:mod:`dilated.parallel.local_documents`)
-attend in the same call on all its heads, issued after the input exchanges so that they run beside
-them, and need no exchange. Unlike head groups (:mod:`dilated.parallel.head_groups`), a group's attention
-holds all of the rank's heads: the kernel calls are about the ones of one exchange (a length's
-batched call split where a group boundary falls inside it).
+attend in the same call on all its heads and need no exchange: their first part after the input
+exchanges are issued, so that it runs beside them, their second after the last group's output
+exchange is issued, so that it runs beside that one (backward: beside the output gradient's
+exchange, and beside the q, k, v gradients' exchanges back). Unlike head groups
+(:mod:`dilated.parallel.head_groups`), a group's attention holds all of the rank's heads: the kernel
+calls are about the ones of one exchange (a length's batched call split where a group boundary falls
+inside it).
 
 :func:`document_groups_for` picks the groups: the longest documents up to an eighth of the rows
 first (few rows to wait for, the most attention per row to hide the others' exchanges behind), the
@@ -183,15 +186,16 @@ def _into_rows(dst: torch.Tensor, recv: torch.Tensor, rows: torch.Tensor, p: int
 class DocumentGroupCall:
     """One pipelined call: ``attend(q, k, v, cu)`` on a group's packed documents (all of this rank's
     heads; a list: one per group), the groups' :class:`RowGroup` s, over ``group``, counted in
-    ``stats``; ``local``: this rank's rows of documents it attends where they lie (a slice, or an
-    index tensor) and their cumulative lengths packed in that order
-    (:mod:`dilated.parallel.local_documents`), or None; ``local_attend`` attends them (default
+    ``stats``; ``local``: the parts of the documents this rank attends where they lie
+    (:meth:`~dilated.parallel.local_documents.LocalDocuments.parts`), each its rows (a slice, or an
+    index tensor) and their cumulative lengths packed in that order: the first attends before the
+    groups, the others after them; ``()`` where it keeps none; ``local_attend`` attends them (default
     ``attend``)."""
     attend: Callable
     groups: list
     group: object
     stats: CommStats
-    local: tuple | None = None
+    local: tuple = ()
     local_attend: Callable | None = None
 
 
@@ -232,44 +236,51 @@ class _AttendByDocumentGroups(torch.autograd.Function):
 
         inputs = [[send(x, rg) for x in (q, k, v)] for rg in call.groups]  # every input exchange at once
         grad = any(ctx.needs_input_grad[:3])
-        local = None
-        if call.local is not None:  # this rank's own documents, on all its heads, while the exchanges run
-            rows, cu = call.local
-            attend = call.local_attend or call.attend
-            local = _attend_graph(attend, [_take_rows(x, rows) for x in (q, k, v)], cu, grad)
+
+        def own(rows, cu):  # this rank's own documents, on all its heads, beside an exchange
+            return _attend_graph(call.local_attend or call.attend, [_take_rows(x, rows) for x in (q, k, v)], cu, grad)
+
+        local = [own(*part) for part in call.local[:1]]  # beside the input exchanges
         graphs, back = [], []
         attends = call.attend if isinstance(call.attend, list) else [call.attend] * len(call.groups)
         for rg, exchanges, attend in zip(call.groups, inputs, attends):
             og, graph = _attend_graph(attend, [_whole_group(ex.wait(), rg.counts, b) for ex in exchanges], rg.cu, grad)
             graphs.append(graph)
             back.append(_back(og, rg, call, b))
+        local += [own(*part) for part in call.local[1:]]  # beside the last group's output exchange
         out = q.new_empty(*q.shape[:3], v.shape[3])
-        if local is not None:
-            _put_rows(out, call.local[0], local[0])
+        for (rows, _), (og, _) in zip(call.local, local):
+            _put_rows(out, rows, og)
         for rg, ex in zip(call.groups, back):
             _into_rows(out, ex.wait(), rg.rows, p)
-        ctx.call, ctx.graphs, ctx.local_graph = call, graphs, None if local is None else local[1]
+        ctx.call, ctx.graphs, ctx.local_graphs = call, graphs, [graph for _, graph in local]
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        call, graphs, local_graph = ctx.call, ctx.graphs, ctx.local_graph
-        ctx.graphs = ctx.local_graph = None  # each graph is used once
+        call, graphs, local_graphs = ctx.call, ctx.graphs, ctx.local_graphs
+        ctx.graphs = ctx.local_graphs = None  # each graph is used once
         p, b = dist.get_world_size(call.group), dout.shape[0]
         me = dist.get_rank(call.group)
         dout = dout.contiguous()
         d_in = [AllToAll(_to_heads(dout, rg.rows, p), call.group, call.stats, [b * rg.counts[me]] * p,
                          [b * c for c in rg.counts]) for rg in call.groups]
         out = [dout.new_empty(s) for s in ctx.shapes]
-        if local_graph is not None:
-            rows = call.local[0]
-            for dst, g in zip(out, torch.autograd.grad(local_graph[1], local_graph[0], _take_rows(dout, rows))):
+
+        def own(part, graph):  # the gradients of this rank's own documents, beside an exchange
+            rows, (leaves, og) = part[0], graph
+            for dst, g in zip(out, torch.autograd.grad(og, leaves, _take_rows(dout, rows))):
                 _put_rows(dst, rows, g)
+
+        for part, graph in zip(call.local[:1], local_graphs[:1]):  # beside the output gradient's exchange
+            own(part, graph)
         back = []
         for rg, ex, (leaves, og) in zip(call.groups, d_in, graphs):
             grads = torch.autograd.grad(og, leaves, _whole_group(ex.wait(), rg.counts, b))
             back.append([_back(g, rg, call, b) for g in grads])
+        for part, graph in zip(call.local[1:], local_graphs[1:]):  # beside the gradients' exchanges back
+            own(part, graph)
         for rg, exchanges in zip(call.groups, back):
             for dst, ex in zip(out, exchanges):
                 _into_rows(dst, ex.wait(), rg.rows, p)
@@ -285,18 +296,19 @@ def _back(x: torch.Tensor, rg: RowGroup, call: DocumentGroupCall, b: int):
 
 def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable, *,
                               cu: list[int], groups: list[list[int]], group, stats: CommStats,
-                              local: tuple | None = None, local_attend: Callable | None = None) -> torch.Tensor:
+                              local: tuple = (), local_attend: Callable | None = None) -> torch.Tensor:
     """``attend(q, k, v, cu)`` on the packed documents of each of ``groups`` (lists of document
     indices of the global cumulative lengths ``cu``), this rank's heads, from and to contiguous
     sequence shards, differentiable. ``q`` ``[B, N/P, H, D]``, ``k``, ``v`` ``[B, N/P, H_kv, D]`` with
     ``H`` and ``H_kv`` divisible by ``P``; ``attend`` takes ``[B, N_g, h, D]`` and the group's
-    cumulative lengths (a list: group ``g``'s is ``attend[g]``). ``local``: ``(rows, cu_local)``,
-    rows of this rank's shard (a slice or an index tensor) whose documents (cumulative lengths
-    ``cu_local``, packed in that order) it attends where they lie on all its heads, issued after the
-    groups' input exchanges so that they run beside them, by ``local_attend`` (default ``attend``; given
-    where ``attend`` is a list). Every document is in exactly one group or in some rank's ``local``.
+    cumulative lengths (a list: group ``g``'s is ``attend[g]``). ``local``: parts ``(rows,
+    cu_local)``, rows of this rank's shard (a slice or an index tensor) whose documents (cumulative
+    lengths ``cu_local``, packed in that order) it attends where they lie on all its heads, the first
+    part issued after the groups' input exchanges so that it runs beside them, the others after the
+    last group's output exchange, by ``local_attend`` (default ``attend``; given where ``attend`` is a
+    list). Every document is in exactly one group or in some rank's ``local``.
     Returns this rank's ``[B, N/P, H, D]``."""
-    if local is not None and local_attend is None and isinstance(attend, list):
+    if local and local_attend is None and isinstance(attend, list):
         raise ValueError("local_attend: with one attend per group, give the one for the local documents")
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     rgs = row_groups(cu, groups, rank, p, q.device)

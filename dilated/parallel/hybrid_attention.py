@@ -217,9 +217,7 @@ class HybridAttention(nn.Module):
             return attention(qg, kg, vg, causal=self.causal, scale=self.scale, backend=self.backend,
                              cu_seqlens=torch.tensor(cu_g, dtype=torch.int32))
 
-        mine, u = None, self.ulysses_rank
-        if plan.local is not None and plan.local.spans[u]:
-            mine = plan.local.rows_and_cu(u, q.device)
+        mine = () if plan.local is None else plan.local.parts(self.ulysses_rank, q.device)
         return attend_by_document_groups(q, k, v, [across_rows if ring else within_row for ring in plan.rings],
                                          cu=list(plan.cu), groups=[list(g) for g in plan.groups],
                                          group=self.ulysses_group, stats=self.stats, local=mine,

@@ -15,11 +15,17 @@ short ones stay; where that leaves more than :data:`MOST_EXCHANGED` of the rows 
 keeps none local (the exchange of every document, pipelined by document groups where they pay,
 hides more). ``"always"`` keeps every document that lies whole within a rank where it is; ``False``
 exchanges them all.
+
+A rank attends its own documents in two parts of about equal work (:meth:`LocalDocuments.parts`):
+the first while the exchanged documents' inputs arrive, the second while their output goes back
+(backward: while the output gradient arrives, and while the q, k, v gradients go back), so that
+neither exchange leaves the compute stream waiting where a rank has its own documents to attend.
 """
 from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 from .document_layout import DocumentLayout, document_work, ranges_to_positions
@@ -46,11 +52,13 @@ class LocalDocuments:
     """Which documents stay where they lie. ``exchanged``: the other documents (indices, in order).
     ``spans[r]``: rank ``r``'s local documents as ``(local start, length)`` in its local order (rows
     of its positions), ``()`` where it keeps none. ``work[r]``: the (query, key) pairs rank ``r``
-    attends, over all heads (its local documents', and ``1/P`` of the exchanged documents')."""
+    attends, over all heads (its local documents', and ``1/P`` of the exchanged documents');
+    ``causal``: whether a document's queries see only the keys before them."""
 
     exchanged: tuple
     spans: tuple
     work: tuple
+    causal: bool = True
     _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (rank, device) -> rows
 
     @property
@@ -61,31 +69,50 @@ class LocalDocuments:
 
     def local_cu(self, rank: int) -> tuple:
         """Cumulative lengths ``(0, ...)`` of rank ``rank``'s local documents packed in its local order."""
-        cu = [0]
-        for _, m in self.spans[rank]:
-            cu.append(cu[-1] + m)
-        return tuple(cu)
+        return spans_cu(self.spans[rank])
 
     def local_rows(self, rank: int):
         """Rank ``rank``'s rows of local documents: a ``slice`` where they are one run, else the
         ``(starts, lengths)`` of their runs."""
-        mine = self.spans[rank]
-        lo, hi = mine[0][0], mine[-1][0] + mine[-1][1]
-        if sum(m for _, m in mine) == hi - lo:
-            return slice(lo, hi)
-        return [a for a, _ in mine], [m for _, m in mine]
+        return spans_rows(self.spans[rank])
 
-    def rows_and_cu(self, rank: int, device) -> tuple:
-        """``(rows, cumulative lengths)`` of rank ``rank``'s local documents as
-        :func:`~dilated.parallel.document_groups.attend_by_document_groups` takes them (``local``):
-        the rows a ``slice`` where they are one run, else their positions on ``device`` (made once
-        per rank and device and kept with these documents)."""
+    def part_spans(self, rank: int) -> tuple:
+        """Rank ``rank``'s local documents (its :attr:`spans`) cut in local order into two parts of
+        about equal work (one part where it keeps one document, none where it keeps none)."""
+        mine = self.spans[rank]
+        if len(mine) < 2:
+            return (mine,) if mine else ()
+        work = list(itertools.accumulate(document_work(m, self.causal) for _, m in mine))
+        cut = min(range(1, len(mine)), key=lambda i: abs(2 * work[i - 1] - work[-1]))
+        return mine[:cut], mine[cut:]
+
+    def parts(self, rank: int, device) -> tuple:
+        """``(rows, cumulative lengths)`` of each of :meth:`part_spans` as
+        :func:`~dilated.parallel.document_groups.attend_by_document_groups` takes them (``local``): the
+        rows a ``slice`` where they are one run, else their positions on ``device`` (made once per rank
+        and device and kept with these documents)."""
         key = (rank, str(device))
         if key not in self._rows:
-            rows = self.local_rows(rank)
-            self._rows[key] = (rows if isinstance(rows, slice) else ranges_to_positions(*rows, device)), \
-                self.local_cu(rank)
+            made = []
+            for spans in self.part_spans(rank):
+                rows = spans_rows(spans)
+                made.append((rows if isinstance(rows, slice) else ranges_to_positions(*rows, device), spans_cu(spans)))
+            self._rows[key] = tuple(made)
         return self._rows[key]
+
+
+def spans_cu(spans) -> tuple:
+    """Cumulative lengths ``(0, ...)`` of the documents ``spans`` (``(local start, length)``) packed in order."""
+    return tuple(itertools.accumulate((m for _, m in spans), initial=0))
+
+
+def spans_rows(spans):
+    """The rows of ``spans`` (``(local start, length)``, ascending): a ``slice`` where they are one
+    run, else the ``(starts, lengths)`` of their runs."""
+    lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
+    if sum(m for _, m in spans) == hi - lo:
+        return slice(lo, hi)
+    return [a for a, _ in spans], [m for _, m in spans]
 
 
 def local_documents(setting, cu, ranges, causal: bool, exchanged=()) -> LocalDocuments | None:
@@ -177,7 +204,7 @@ def _local(cu: tuple, ranges: tuple, causal: bool, target: float | None,
     if not any(mine):
         return None
     spans = tuple(tuple(sorted((off, m) for _, off, m, _ in docs)) for docs in mine)
-    return LocalDocuments(tuple(sorted(exchanged)), spans, tuple(w + moved / p for w in own))
+    return LocalDocuments(tuple(sorted(exchanged)), spans, tuple(w + moved / p for w in own), causal)
 
 
 def _with_offsets(mine):

@@ -18,8 +18,8 @@ reads its own kv head), which costs kv traffic but no extra attention work.
 
 Packed documents that lie whole within one rank's shard need no exchange: with ``local_documents``
 (default ``"auto"``: all but the longest few where those would leave the ranks' work uneven) a
-rank attends them where they lie, on all its heads, beside the exchange of the other documents
-(:mod:`dilated.parallel.local_documents`).
+rank attends them where they lie, on all its heads, in two parts: beside the exchange of the other
+documents' inputs, and beside that of their output (:mod:`dilated.parallel.local_documents`).
 """
 from __future__ import annotations
 
@@ -139,13 +139,12 @@ class UlyssesAttention(nn.Module):
             cu_t = torch.tensor(cu, dtype=torch.int32)
             return attention(qg, kg, vg, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_t)
 
-        mine = None
+        mine = ()
         if local:
             rank = rank_and_size(self.group)[0]
             if not local.exchanged:  # every document where it lies: nothing to exchange
                 return attend_documents(q, k, v, local.local_cu(rank))
-            if local.spans[rank]:
-                mine = local.rows_and_cu(rank, q.device)
+            mine = local.parts(rank, q.device)
         if hkv != k.shape[2]:
             k, v = (x.repeat_interleave(hkv // k.shape[2], dim=2) for x in (k, v))
         if local or by_docs:

@@ -306,6 +306,11 @@ def test_ulysses_attends_documents_where_they_lie_exactly(world):
     spawn(cp_worker.ulysses_local_documents, args=(world, free_port()), nprocs=world)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_own_documents_attend_beside_the_input_and_the_output_exchanges(world):
+    spawn(cp_worker.local_documents_beside_both_exchanges, args=(world, free_port()), nprocs=world)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ulysses_by_groups_of_documents_is_exact(world):
     spawn(cp_worker.ulysses_document_groups, args=(world, free_port()), nprocs=world)

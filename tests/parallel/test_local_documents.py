@@ -122,3 +122,26 @@ def test_auto_keeps_documents_local_only_where_at_most_half_the_rows_move(spec, 
     from dilated.bench.documents import cu_seqlens_of
 
     assert (local_documents("auto", cu_seqlens_of(spec, n), contiguous_ranges(n, 4), True) is not None) == kept
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_own_documents_parts_are_the_cut_of_about_equal_work(seed):
+    """Two parts of a rank's documents in local order, together its documents, the cut where the
+    parts' work (counted over every query) is nearest equal; one part for one document."""
+    rng = random.Random(seed)
+    p, causal = 2, seed % 2 == 0
+    n = p * 64
+    cu = [0, *sorted(rng.sample(range(1, n), rng.randint(2, 20))), n]
+    got = local_documents("always", cu, contiguous_ranges(n, p), causal)
+    for r in range(p):
+        mine = got.spans[r] if got else ()
+        parts = got.part_spans(r) if got else ()
+        if len(mine) < 2:
+            assert parts == ((mine,) if mine else ())
+            continue
+        assert len(parts) == 2 and parts[0] + parts[1] == mine and parts[0] and parts[1]
+
+        def work(spans):
+            return sum(_pairs(0, m, causal) for _, m in spans)
+        best = min(abs(work(mine[:i]) - work(mine[i:])) for i in range(1, len(mine)))
+        assert abs(work(parts[0]) - work(parts[1])) == best

@@ -19,7 +19,8 @@ kv heads (:func:`dilated.parallel.ulysses_attention.kv_heads_for`), the local do
   (:mod:`dilated.parallel.head_groups`): the first group's inputs and the last group's output are
   exposed, the rest overlaps the other groups' attention; packed documents that stay where they lie
   (:mod:`dilated.parallel.local_documents`, as the module decides) attend on all of their rank's
-  heads while the crossing documents' inputs move, the crossing documents after them;
+  heads in two parts, the first while the crossing documents' inputs move, the second while their
+  output moves back;
 * the hybrid: Ulysses inside each row of the grid, its ring across rows on each head group; on the
   documents' layout with every document whole within a rank's part, each rank's own documents only;
 * decode: each rank's read of its cache shard, then one all-gather of ``B x Tq x H x (D + 1)``
@@ -42,7 +43,8 @@ from ...parallel.document_groups import document_groups_for, group_spans, groups
 from ...parallel.document_layout import DocumentLayout
 from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
-from ...parallel.local_documents import contiguous_ranges, grid_local_documents, local_documents
+from ...parallel.local_documents import (contiguous_ranges, grid_local_documents, local_documents, spans_cu,
+                                         spans_rows)
 from ...parallel.row_documents import by_documents_plans, row_plans
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
@@ -169,17 +171,31 @@ def _crossing_bytes(t: int, keys: int, b: int, h: int, hkv: int, d: int, mode: s
 
 
 def _own_documents_ms(kernels: KernelModel, kept, rank: int, b: int, h: int, hkv: int, d: int, causal: bool,
-                      mode: str) -> float:
+                      mode: str, parts: bool = True) -> list[float]:
     """A rank's documents attended where they lie (``kept``, a
-    :class:`~dilated.parallel.local_documents.LocalDocuments`, or None): their calls, and where their
-    rows are not one run, those rows taken out of the shard and their results put back (the
-    calibrated cost per element of the documents path's gathers and scatters)."""
+    :class:`~dilated.parallel.local_documents.LocalDocuments`, or None), per part of them as the
+    pipeline runs them beside exchanges (:meth:`~dilated.parallel.local_documents.LocalDocuments.part_spans`,
+    two parts at most: ``[]`` where none; ``parts=False``: all in one, where nothing is exchanged):
+    its calls, and where its rows are not one run, those rows taken out of the shard and their
+    results put back (the calibrated cost per element of the documents path's gathers and scatters)."""
     if kept is None or not kept.spans[rank]:
-        return 0.0
-    ms = kernels.documents_ms(kept.local_cu(rank), b, h, hkv, d, causal, mode)
-    if not isinstance(kept.local_rows(rank), slice):
-        ms += kernels.documents_extra_ms(0, b * kept.local_cu(rank)[-1], h, hkv, d, causal, mode)
-    return ms
+        return []
+    out = []
+    for spans in kept.part_spans(rank) if parts else (kept.spans[rank],):
+        cu = spans_cu(spans)
+        ms = kernels.documents_ms(cu, b, h, hkv, d, causal, mode)
+        if not isinstance(spans_rows(spans), slice):
+            ms += kernels.documents_extra_ms(0, b * cu[-1], h, hkv, d, causal, mode)
+        out.append(ms)
+    return out
+
+
+def _beside(own: list[float], ins: list[float], attends: list[float], outs: list[float]) -> float:
+    """The end of a pipeline of exchanged groups (:func:`_pipeline`: ``ins``, ``attends``, ``outs``)
+    with a rank's own documents' parts (``own``, two at most) beside it: the first before the groups,
+    beside their inputs, the second after them, beside the last group's output."""
+    first, second = (own + [0.0, 0.0])[:2]
+    return _pipeline([0.0, *ins, 0.0], [first, *attends, second], [0.0, *outs, 0.0])
 
 
 def _local_bytes(kept, rank: int, b: int, h: int, hkv: int, d: int, mode: str) -> float:
@@ -429,10 +445,11 @@ class Model:
     def _ulysses_local(self, problem: Problem, ranks: list[int], kept) -> _Timeline:
         """Ulysses with documents that stay where they lie (``kept``, a
         :class:`~dilated.parallel.local_documents.LocalDocuments`): each rank attends its own on all
-        its heads while the exchanged documents' q, k and v rows move (one exchange each), then the
-        exchanged documents on its share of the heads, then their output goes back (backward: the
-        output gradient in, the q, k, v gradients back); an exchange takes the time of the rank with
-        the most exchanged rows. Without exchanged documents nothing moves."""
+        its heads in two parts (:func:`_beside`): the first while the exchanged documents' q, k and v
+        rows move (one exchange each), then the exchanged documents on its share of the heads, then
+        the second while their output goes back (backward: the output gradient in, the q, k, v
+        gradients back); an exchange takes the time of the rank with the most exchanged rows. Without
+        exchanged documents nothing moves."""
         p, cu = len(ranks), list(problem.cu_seqlens())
         b, d, h = problem.batch, problem.head_dim, problem.heads
         moved = kept.exchanged
@@ -449,9 +466,9 @@ class Model:
             ins, outs = (q_ms + 2 * kv_ms, q_ms) if mode == "fwd" else (q_ms, q_ms + 2 * kv_ms)
             times, computes = [], []
             for r in range(p):
-                own = _own_documents_ms(self.kernels, kept, r, b, h, hkv, d, problem.causal, mode)
-                times.append(max(own, ins) + cross + outs if moved else own)
-                computes.append(own + cross)
+                own = _own_documents_ms(self.kernels, kept, r, b, h, hkv, d, problem.causal, mode, bool(moved))
+                times.append(_beside(own, [ins], [cross], [outs]) if moved else sum(own))
+                computes.append(sum(own) + cross)
             time, compute = time + max(times), compute + max(computes)
             sent += 2 * b * most * (h + hkv) * d * ELEM * (p - 1) / p
         held = max(_local_bytes(kept, r, b, h, hkv, d, problem.mode) for r in range(p))
@@ -575,9 +592,8 @@ class Model:
                 outs = [q if mode == "fwd" else q + 2 * kv for _, q, kv in parts]
                 for rank in range(u):
                     own = _own_documents_ms(self.kernels, plan.local, rank, b, h, hkv, d, problem.causal, mode)
-                    # its own documents first on the compute stream, beside every group's input exchange
-                    times.append(_pipeline([0.0, *ins], [own, *attends], [0.0, *outs]))
-                    computes.append(own + sum(attends))
+                    times.append(_beside(own, ins, attends, outs))
+                    computes.append(sum(own) + sum(attends))
             time, compute = time + max(times), compute + max(computes)
         sent = (2 if problem.mode == "fwd_bwd" else 1) * 2 * b * moved * (h + hkv) * d * ELEM * (u - 1) / u
         held = max(_local_bytes(plan.local, rank, b, h, hkv, d, problem.mode) for plan in plans for rank in range(u))

@@ -392,7 +392,9 @@ def test_the_rectangles_of_crossing_documents_hold_their_rows_taken_out():
 def test_own_documents_not_in_one_run_pay_for_their_rows_taken_out_and_put_back():
     """A rank whose own documents are one run of its shard attends them in place; one whose own
     documents are split by a document that moves pays the documents path's cost per element of
-    gathers and scatters on their rows (here stood in by 1 ms per row)."""
+    gathers and scatters on their rows (here stood in by 1 ms per row). Beside an exchange they
+    attend in two parts of equal work: rank 0's are the runs either side of the moved document, each
+    in place."""
     from dilated.bench.planner.schedules import _own_documents_ms
     from dilated.parallel.local_documents import contiguous_ranges, local_documents
 
@@ -404,4 +406,8 @@ def test_own_documents_not_in_one_run_pay_for_their_rows_taken_out_and_put_back(
     for rank, rows, extra in ((0, 16, 16.0), (1, 48, 0.0)):
         bare = km.documents_ms(kept.local_cu(rank), 1, 32, 8, 128, True, "fwd")
         assert kept.local_cu(rank)[-1] == rows
-        assert _own_documents_ms(km, kept, rank, 1, 32, 8, 128, True, "fwd") == pytest.approx(bare + extra)
+        whole = _own_documents_ms(km, kept, rank, 1, 32, 8, 128, True, "fwd", parts=False)
+        assert whole == [pytest.approx(bare + extra)]
+        halves = [km.documents_ms(cu_part, 1, 32, 8, 128, True, "fwd") for cu_part in
+                  ([(0, 4, 8)] * 2 if rank == 0 else [tuple(range(0, 25)), tuple(range(0, 25))])]
+        assert _own_documents_ms(km, kept, rank, 1, 32, 8, 128, True, "fwd") == pytest.approx(halves)
