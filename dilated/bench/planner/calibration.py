@@ -97,8 +97,9 @@ class KernelPoint:
 class StrategyPoint:
     """One timed call of a sequence-parallel strategy (a benchmark name of
     :data:`dilated.bench.strategies.RING_IMPLEMENTATIONS`) on all ``ranks`` at once, as the distributed
-    benchmark times it (the ranks start together; the slowest rank's median): what a call of it
-    costs beyond the model's kernels and bytes is read off it."""
+    benchmark times it (the ranks start together; the slowest rank's median): where it took longer
+    than the model's kernels and bytes (the host's pace), a floor under the predictions of larger
+    calls of its kind (:meth:`~dilated.bench.planner.schedules.Model.floor_ms`)."""
 
     strategy: str
     ranks: int

@@ -170,13 +170,15 @@ def _distributed_terms(model: Model) -> str:
     """What the plan adds to the kernels and bytes of a distributed call, from the calibration."""
     pace = (f"; on several GPUs every kernel at the pace of the calibration's slowest GPU ({model.pace:.3f}x the "
             "ranks' mean; a cluster's slowest GPU may be slower)") if model.pace != 1.0 else ""
-    timed = sorted({(x.strategy, x.mode, x.ranks, x.seq_len // x.ranks) for x in model.kernels.calibration.strategies})
+    timed = model.kernels.calibration.strategies
     if not timed:
-        return pace + "; host time, index copies and merges not modelled (the calibration timed no strategy calls)"
-    extra = ", ".join(f"{name} {mode} {model.overhead_ms(name, mode):.1f} ms" for name, mode, _, _ in timed)
-    ranks, rows = timed[0][2], timed[0][3]
-    return (f"{pace}; each strategy's call costs beyond its kernels and bytes what its calibrated call did on "
-            f"{ranks} ranks of {rows} rows (host time, index copies, merges), the same at any size: {extra}")
+        return pace + "; the host not modelled (the calibration timed no strategy calls)"
+    slow = [f"{x.strategy} {x.mode} {x.ms:.1f} ms" for x in timed if model.floor_ms(
+        x.strategy, Problem(x.seq_len, x.heads, x.kv_heads, x.head_dim, x.causal, x.mode, documents=x.documents),
+        x.ranks)]
+    return (f"{pace}; the host not modelled: a call takes at least its strategy's calibrated call on "
+            f"{timed[0].ranks} ranks of {timed[0].seq_len // timed[0].ranks} rows where that was slower than "
+            f"modelled, for calls of its kind with as much work per rank or more ({', '.join(slow) or 'none was'})")
 
 
 def _write(path: str, data) -> None:

@@ -28,10 +28,10 @@ kv heads (:func:`dilated.parallel.ulysses_attention.kv_heads_for`), the local do
 
 A collective or a ring makes the slowest rank everyone's time: a prediction is the slowest rank's,
 its kernels at the pace of the calibration's slowest GPU where several ranks run at once
-(:meth:`~dilated.bench.planner.calibration.Calibration.slowest_rank_pace`). What a strategy's call
-costs beyond its kernels and bytes (host work, index copies, merges of partial outputs) is read off
-the calibration's timed call of it (:meth:`Model.overhead_ms`) and added to each call of it; a
-calibration without such calls leaves it out.
+(:meth:`~dilated.bench.planner.calibration.Calibration.slowest_rank_pace`). The host is not
+modelled: its work overlaps the GPU's, and a prediction is at least the calibration's timed call of
+the strategy where that call was of the same kind, no larger, and slower than modelled
+(:meth:`Model.floor_ms`: a small call at the host's pace).
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ class Prediction:
     flops: float = 0.0
     reason: str | None = None
     notes: list = field(default_factory=list)
-    overhead_ms: float = 0.0  # of time_ms: the strategy's calibrated cost beyond kernels and bytes
+    floor_ms: float = 0.0  # time_ms is at least this: the strategy's calibrated call where it bounds this one
 
     @property
     def supported(self) -> bool:
@@ -225,31 +225,40 @@ class Model:
     def __init__(self, kernels: KernelModel, network: Network):
         self.kernels, self.network = kernels, network
         self.pace = kernels.calibration.slowest_rank_pace()
-        self._overheads = {}  # (strategy measured, mode) -> ms beyond the model
+        self._floors = {}  # (strategy timed, mode, causal, documents) -> its time where the model's is less
 
-    def overhead_ms(self, strategy: str, mode: str) -> float:
-        """What a call of ``strategy`` costs beyond the model's kernels and bytes: the calibration's
-        timed call of it (or of the strategy it varies: :func:`measured_as`) less the model's
-        prediction of that call, at least 0; 0 where the calibration timed none."""
+    def floor_ms(self, strategy: str, problem: Problem, world: int) -> float:
+        """The least a call of ``strategy`` on ``problem`` over ``world`` ranks takes by the calibration's
+        timed call of it (or of the strategy it varies: :func:`measured_as`), where that call was
+        slower than the model's prediction of it and of the same kind (mode, causal, packed documents
+        or not) on no more ranks with no more work per rank (rows x heads): its time; else 0.
+
+        The model counts kernels, bytes and waits, not the host: a small call whose host work takes
+        longer than its kernels runs at the host's pace, and the harness's calls overlap host work
+        with the GPU's, so a larger call of the same kind hides it (and takes no less)."""
         name = measured_as(strategy)
-        if (name, mode) not in self._overheads:
-            points = [x for x in self.kernels.calibration.strategies if x.strategy == name and x.mode == mode]
-            extra = 0.0
-            if points:
-                x = points[0]
-                problem = Problem(x.seq_len, x.heads, x.kv_heads, x.head_dim, x.causal, x.mode,
-                                  documents=x.documents)
-                grid = None
-                if name.startswith("hybrid"):
-                    u = ulysses_size_for(x.ranks, x.heads)
-                    grid = (u, x.ranks // u) if u else None
-                self.kernels.pace = self.pace
-                try:
-                    extra = max(0.0, x.ms - self._timeline(name, problem, x.ranks, grid).time)
-                except (NotImplementedError, ValueError):
-                    extra = 0.0
-            self._overheads[name, mode] = extra
-        return self._overheads[name, mode]
+        points = [x for x in self.kernels.calibration.strategies if x.strategy == name and x.mode == problem.mode
+                  and x.causal == problem.causal and x.ranks <= world
+                  and (x.documents is None) == (not problem.has_documents)
+                  and x.seq_len * x.heads // x.ranks <= problem.seq_len * problem.heads // world]
+        if not points:
+            return 0.0
+        x = points[0]
+        if (name, x.mode, x.causal, x.documents) not in self._floors:
+            calibrated = Problem(x.seq_len, x.heads, x.kv_heads, x.head_dim, x.causal, x.mode, documents=x.documents)
+            grid = None
+            if name.startswith("hybrid"):
+                u = ulysses_size_for(x.ranks, x.heads)
+                grid = (u, x.ranks // u) if u else None
+            pace, self.kernels.pace = self.kernels.pace, self.pace
+            try:
+                modelled = self._timeline(name, calibrated, x.ranks, grid).time
+            except (NotImplementedError, ValueError):
+                modelled = math.inf
+            finally:
+                self.kernels.pace = pace
+            self._floors[name, x.mode, x.causal, x.documents] = x.ms if x.ms > modelled else 0.0
+        return self._floors[name, x.mode, x.causal, x.documents]
 
     # -- kernel time of one rank's calls --------------------------------------------------------
     def _calls_ms(self, calls, problem: Problem, heads: int, kv_heads: int, mode: str) -> float:
@@ -650,9 +659,9 @@ class Model:
         """``strategy`` (a name of :data:`STRATEGIES`) on ``world`` ranks; ``grid``: the hybrid's
         ``(ulysses, ring)``."""
         out = Prediction(strategy, world, grid or (), flops=problem.flops())
-        overhead = 0.0
+        floor = 0.0
         if world > 1 and problem.mode != "decode" and strategy in STRATEGIES:
-            overhead = self.overhead_ms(strategy, problem.mode)
+            floor = self.floor_ms(strategy, problem, world)
         self.kernels.extrapolated_ms = self.kernels.total_ms = self.kernels.peak_bytes = 0.0
         self.kernels.pace = self.pace if world > 1 else 1.0  # a collective or a ring waits for the slowest GPU
         try:
@@ -660,13 +669,13 @@ class Model:
         except (NotImplementedError, ValueError) as e:
             out.reason = str(e)
             return out
-        out.time_ms, out.compute_ms, out.bytes_sent = t.time + overhead, t.compute, t.sent
-        out.overhead_ms = overhead
+        out.time_ms, out.compute_ms, out.bytes_sent = max(t.time, floor), t.compute, t.sent
+        out.floor_ms = floor
         share = self.kernels.extrapolated_ms / self.kernels.total_ms if self.kernels.total_ms else 0.0
         if share > 0.1:
             out.notes.append(f"{100 * share:.0f}% of the kernel time is in calls with less work than any calibrated "
                              "call of their length (few query rows or heads): extrapolated")
-        out.exposed_ms = max(0.0, t.time - t.compute)  # the overhead is not communication
+        out.exposed_ms = max(0.0, t.time - t.compute)  # the host's floor is not communication
         out.memory_gib = self._memory(problem, world, t.extra_mem + self.kernels.peak_bytes)
         return out
 
@@ -735,7 +744,7 @@ STRATEGIES = {
 
 def measured_as(strategy: str) -> str:
     """The strategy of :data:`dilated.bench.planner.measure.STRATEGIES` whose calibrated call stands
-    for ``strategy``'s cost beyond the model: itself, or the one it varies (head groups, overlap,
+    for ``strategy``'s (:meth:`Model.floor_ms`): itself, or the one it varies (head groups, overlap,
     transport, ring layout)."""
     if strategy in ULYSSES_HEAD_GROUPS or strategy == "ulysses_document_groups":
         return "ulysses"

@@ -224,22 +224,44 @@ def test_several_ranks_run_their_kernels_at_the_slowest_gpus_pace():
     assert _with(kernels_slowest=None).kernels.calibration.slowest_rank_pace() == 1.0
 
 
-def test_a_strategys_timed_call_adds_what_it_cost_beyond_the_model_to_each_of_its_variants():
+def test_a_strategys_timed_call_slower_than_the_model_is_a_floor_under_larger_calls_of_its_kind():
+    """A timed call slower than its model (the host's pace) bounds from below the predictions of its
+    strategy and the variants measured as it on calls of its kind (mode, causal, documents or not,
+    ranks) with at least its work per rank; it adds nothing where the model is above it, and bounds
+    nothing of another kind, smaller, or where the timed call was faster than modelled."""
+    import dataclasses
+
     from dilated.bench.planner.calibration import StrategyPoint
 
     base = _with(kernels_slowest=1.05)
     small = Problem(2 * 16384, 32, 8, 128, causal=True, mode="fwd_bwd", documents="lognormal:8k,1.0")
     timed = {s: base.predict(s, small, 2).time_ms for s in ("documents", "ulysses")}
-    points = [StrategyPoint(s, 2, "fwd_bwd", small.seq_len, 32, 8, 128, True, small.documents, timed[s] + extra)
-              for s, extra in (("documents", 3.0), ("ulysses", 1.5))]
+    slow = 20 * timed["documents"]  # the host's pace: twenty times the kernels'
+    points = [StrategyPoint("documents", 2, "fwd_bwd", small.seq_len, 32, 8, 128, True, small.documents, slow),
+              StrategyPoint("ulysses", 2, "fwd_bwd", small.seq_len, 32, 8, 128, True, small.documents,
+                            0.9 * timed["ulysses"])]
     m = _with(kernels_slowest=1.05, strategies=points)
-    big = Problem(2 * 131072, 32, 8, 128, causal=False, mode="fwd_bwd", documents="lognormal:8k,1.0")
-    for name, extra in (("documents", 3.0), ("ulysses", 1.5), ("ulysses_head_groups_2", 1.5), ("ring_documents", 0)):
-        before, after = base.predict(name, big, 2), m.predict(name, big, 2)
-        assert after.time_ms == pytest.approx(before.time_ms + extra, rel=1e-9), name
+    assert m.predict("documents", small, 2).time_ms == pytest.approx(slow)
+    twice = Problem(2 * 32768, 32, 8, 128, causal=True, mode="fwd_bwd", documents="lognormal:1k,1.0")
+    assert base.predict("documents", twice, 2).time_ms < slow
+    assert m.predict("documents", twice, 2).time_ms == pytest.approx(slow)
+    assert m.predict("documents", twice, 2).floor_ms == pytest.approx(slow)
+    big = Problem(2 * 1048576, 32, 8, 128, causal=True, mode="fwd_bwd", documents="lognormal:8k,1.0")
+    assert base.predict("documents", big, 2).time_ms > slow
+    for name, p in (("documents", big), ("ulysses", twice), ("ulysses_head_groups_2", twice),
+                    ("ring_documents", twice),  # timed calls of other strategies only
+                    ("documents", Problem(2 * 8192, 32, 8, 128, causal=True, mode="fwd_bwd",  # smaller
+                                          documents="lognormal:8k,1.0")),
+                    ("documents", Problem(2 * 16384, 32, 8, 128, causal=True, mode="fwd_bwd")),  # not documents
+                    ("documents", Problem(2 * 32768, 32, 8, 128, causal=True, mode="fwd",  # another mode
+                                          documents="lognormal:8k,1.0"))):
+        before, after = base.predict(name, p, 2), m.predict(name, p, 2)
+        assert after.time_ms == pytest.approx(before.time_ms, rel=1e-9), (name, p)
         assert after.exposed_ms == pytest.approx(before.exposed_ms, rel=1e-9)  # not communication
-    fwd = Problem(2 * 131072, 32, 8, 128, causal=True, mode="fwd", documents="lognormal:8k,1.0")
-    assert m.predict("documents", fwd, 2).time_ms == pytest.approx(base.predict("documents", fwd, 2).time_ms)
+    wider = Problem(4 * 32768, 32, 8, 128, causal=True, mode="fwd_bwd", documents="lognormal:1k,1.0")
+    assert m.predict("documents", wider, 4).time_ms == pytest.approx(slow)  # more ranks: more host work
+    on_four = _with(kernels_slowest=1.05, strategies=[dataclasses.replace(points[0], ranks=4)])
+    assert on_four.predict("documents", twice, 2).time_ms == pytest.approx(base.predict("documents", twice, 2).time_ms)
     assert m.single_device(big).time_ms == pytest.approx(base.single_device(big).time_ms)
 
 
@@ -366,7 +388,7 @@ def test_the_ring_on_the_head_tail_layout_attends_every_documents_pieces_and_rel
                   + km.rectangles_ms(rank_plan(layout, r).cu_q, rank_plan(layout, r).cu_k, 1, 32, 8, 128, "fwd")
                   for r in range(2))
     p = m.predict("ring_head_tail", prob, 2)
-    assert p.time_ms == pytest.approx(by_hand + p.overhead_ms, rel=1e-6)
+    assert p.time_ms == pytest.approx(max(by_hand, p.floor_ms), rel=1e-6)
     assert rank_plan(layout, 0).rows == 16384  # every row of the rank's pieces
     assert p.bytes_sent == 16384 * 8 * 2 * 128 * 2 and m.predict("ring_documents", prob, 2).bytes_sent == 0
 
