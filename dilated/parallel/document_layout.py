@@ -96,11 +96,7 @@ def _head_tail(a: int, length: int, p: int, turn: int) -> list[tuple[int, int, i
 
 def _least_loaded_with_room(load: list, room: list, length: int) -> int:
     """The rank of least work (the lowest such rank) with room for ``length`` positions, or -1."""
-    best = -1
-    for r, free in enumerate(room):
-        if free >= length and (best < 0 or load[r] < load[best]):
-            best = r
-    return best
+    return min((r for r, free in enumerate(room) if free >= length), key=load.__getitem__, default=-1)
 
 
 class _Documents(NamedTuple):
@@ -120,44 +116,77 @@ def _documents(cu: tuple, causal: bool) -> _Documents:
     return _Documents(work, sorted(zip(lengths, work, range(len(lengths))), key=operator.itemgetter(0), reverse=True))
 
 
-def _cut_head_tail(cu: tuple, p: int, causal: bool, cut: set, with_pieces: bool = True) -> tuple[list, list, list]:
-    """``(pieces, room, load)``: the documents in ``cut`` cut head-tail, every rank's pieces of them
-    (None unless ``with_pieces``), the positions it has left and its work."""
+def _cut_head_tail(cu: tuple, p: int, causal: bool, order) -> tuple[list, list, list]:
+    """``(pieces, room, load)``: the documents ``order`` cut head-tail (the positions left over by
+    ``length / P`` going round the ranks in that order), every rank's pieces of them, the positions
+    it has left and its work."""
     room, load = [cu[-1] // p] * p, [0] * p
-    pieces = [[] for _ in range(p)] if with_pieces else None
+    pieces = [[] for _ in range(p)]
     make = tuple.__new__
     turn = 0
-    for d in sorted(cut):
+    for d in order:
         a, b = cu[d], cu[d + 1]
         for r, start, m in _head_tail(a, b - a, p, turn):
-            if with_pieces:
-                pieces[r].append(make(Piece, (d, start, m, a, b)))
+            pieces[r].append(make(Piece, (d, start, m, a, b)))
             room[r] -= m
             load[r] += piece_work(m, start - a, b - a, causal)
         turn = (turn + (b - a) % p) % p
     return pieces, room, load
 
 
-def _cannot_balance(cu: tuple, p: int, causal: bool, cut: set, docs: _Documents, total: int) -> bool:
-    """Whether cutting ``cut`` head-tail surely leaves a rank above :data:`TARGET_IMBALANCE`: the
-    longest document left whole goes to a rank with room for it, whose work is then at least the
-    least among those ranks' plus the document's."""
-    longest = next((x for x in docs.in_order if x[2] not in cut), None)
+class _CutPrefix:
+    """The ranks' room and work with the first ``k`` documents of ``order`` (the documents of most
+    work first) cut head-tail, for every ``k`` asked, each document cut once: the passes of the search
+    cut ever longer prefixes of one order."""
+
+    def __init__(self, cu: tuple, p: int, causal: bool, order: list):
+        self.cu, self.p, self.causal, self.order = cu, p, causal, order
+        self.room, self.load, self.turn = [[cu[-1] // p] * p], [[0] * p], 0
+
+    def at(self, k: int) -> tuple[list, list]:
+        """Copies of ``(room, load)`` with ``order[:k]`` cut."""
+        cu, p, causal = self.cu, self.p, self.causal
+        while len(self.room) <= k:
+            d = self.order[len(self.room) - 1]
+            a, b = cu[d], cu[d + 1]
+            room, load = list(self.room[-1]), list(self.load[-1])
+            for r, start, m in _head_tail(a, b - a, p, self.turn):
+                room[r] -= m
+                load[r] += piece_work(m, start - a, b - a, causal)
+            self.turn = (self.turn + (b - a) % p) % p
+            self.room.append(room)
+            self.load.append(load)
+        return list(self.room[k]), list(self.load[k])
+
+    def pieces(self, k: int) -> list:
+        """Every rank's pieces of ``order[:k]``."""
+        return _cut_head_tail(self.cu, self.p, self.causal, self.order[:k])[0]
+
+
+def _cannot_balance(cut: _CutPrefix, k: int, docs: _Documents, total: int) -> bool:
+    """Whether cutting the first ``k`` documents of ``cut`` head-tail surely leaves a rank above
+    :data:`TARGET_IMBALANCE`: the longest document left whole goes to a rank with room for it, whose
+    work is then at least the least among those ranks' plus the document's."""
+    gone = set(cut.order[:k])
+    longest = next((x for x in docs.in_order if x[2] not in gone), None)
     if longest is None:
         return False
     m, work, _ = longest
-    _, room, load = _cut_head_tail(cu, p, causal, cut, with_pieces=False)
+    room, load = cut.at(k)
     fits = [w for w, free in zip(load, room) if free >= m]
-    return bool(fits) and (min(fits) + work) / (total / p) > TARGET_IMBALANCE
+    return bool(fits) and (min(fits) + work) / (total / cut.p) > TARGET_IMBALANCE
 
 
-def _assign(cu: tuple, p: int, causal: bool, cut: set, docs: _Documents,
+def _assign(cu: tuple, p: int, causal: bool, cut: _CutPrefix, k: int, docs: _Documents,
             above: float | None = None) -> tuple[tuple, list[int]] | None:
-    """Every rank's documents and work: the documents in ``cut`` head-tail, the others whole by work
-    (largest first, to the least-loaded rank with room), the rest cut at the ranks' remaining room.
-    Returns ``((whole, pieces), work)``: the documents each rank holds whole (indices) and its other
-    :class:`Piece` s; None as soon as a rank's work over the mean is above ``above`` (work only grows)."""
-    pieces, room, load = _cut_head_tail(cu, p, causal, cut)
+    """Every rank's documents and work: the first ``k`` documents of ``cut`` head-tail, the others
+    whole by work (largest first, to the least-loaded rank with room), the rest cut at the ranks'
+    remaining room. Returns ``((whole, pieces, k), work)``: the documents each rank holds whole
+    (indices) and its pieces of the documents cut at its room (its head-tail pieces are
+    ``cut.pieces(k)``); None as soon as a rank's work over the mean is above ``above`` (work only
+    grows)."""
+    room, load = cut.at(k)
+    gone = set(cut.order[:k])
     mean = sum(docs.work) / p
     limit = float("inf") if above is None else above * mean * (1 - 1e-12)  # checked exactly when passed
     left, mine = [], [[] for _ in range(p)]  # documents each rank takes whole
@@ -167,7 +196,7 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set, docs: _Documents,
     # longest first, so one comes back only once a document fits its room, not at every document
     parked = []
     heappop, heapreplace, heappush = heapq.heappop, heapq.heapreplace, heapq.heappush
-    for m, work, d in docs.in_order if not cut else [x for x in docs.in_order if x[2] not in cut]:
+    for m, work, d in docs.in_order if not gone else [x for x in docs.in_order if x[2] not in gone]:
         while parked and -parked[0][0] >= m:
             _, w, r = heappop(parked)
             heappush(ranks, (w, r))
@@ -187,6 +216,7 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set, docs: _Documents,
                 heappop(ranks)
         else:
             left.append(d)
+    pieces = [[] for _ in range(p)]
     for d in sorted(left):
         a, b = cu[d], cu[d + 1]
         at = a
@@ -197,7 +227,7 @@ def _assign(cu: tuple, p: int, causal: bool, cut: set, docs: _Documents,
             room[r] -= piece.length
             load[r] += piece.work(causal)
             at += piece.length
-    return (mine, pieces), load
+    return (mine, pieces, k), load
 
 
 def _rank_pieces(cu: tuple, whole: tuple, cut: tuple) -> tuple:
@@ -325,28 +355,27 @@ class DocumentLayout:
         return torch.cat([self.positions(r, device) for r in range(self.world_size)])
 
 
-def _search(cu: tuple, p: int, causal: bool, min_piece: int):
+def _search(cu: tuple, p: int, causal: bool, min_piece: int, docs: _Documents, cut: _CutPrefix):
     """``(imbalance, assignment)``: cutting the k heaviest documents of at least 2P x ``min_piece``
     positions head-tail, k = 0, 1, 2, 4, ...: the first within :data:`TARGET_IMBALANCE`, else the best.
     A k that surely misses the target (:func:`_cannot_balance`, or a rank above it while assigning)
-    is assigned in full only where none meets it."""
-    docs = _documents(cu, causal)
+    is assigned in full only where none meets it. ``cut``: the head-tail cuts of the documents in
+    ``docs``' order (those of at least 2P x ``min_piece`` positions are a prefix of it)."""
     total = sum(docs.work)
     shortest = 2 * p * min_piece  # the documents of most work are the longest: a prefix of the order
-    cuttable = [d for m, _, d in itertools.takewhile(lambda x: x[0] >= shortest, docs.in_order)] if p > 1 else []
+    cuttable = sum(1 for _ in itertools.takewhile(lambda x: x[0] >= shortest, docs.in_order)) if p > 1 else 0
     ks = [0]
-    while ks[-1] < len(cuttable):
-        ks.append(min(len(cuttable), max(1, 2 * ks[-1])))
+    while ks[-1] < cuttable:
+        ks.append(min(cuttable, max(1, 2 * ks[-1])))
     for k in ks:
-        cut = set(cuttable[:k])
-        if k < ks[-1] and _cannot_balance(cu, p, causal, cut, docs, total):
+        if k < ks[-1] and _cannot_balance(cut, k, docs, total):
             continue
-        found = _assign(cu, p, causal, cut, docs, above=TARGET_IMBALANCE)  # None: above the target already
+        found = _assign(cu, p, causal, cut, k, docs, above=TARGET_IMBALANCE)  # None: above the target already
         if found is not None and _imbalance(found[1]) <= TARGET_IMBALANCE:
             return _imbalance(found[1]), found[0]
     best = None  # none met the target: the most balanced of every k, the lowest k among equals
     for k in ks:
-        pieces, work = _assign(cu, p, causal, set(cuttable[:k]), docs)
+        pieces, work = _assign(cu, p, causal, cut, k, docs)
         score = _imbalance(work)
         if best is None or score < best[0] - 1e-9:
             best = (score, pieces)
@@ -358,26 +387,29 @@ def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout
     # a document too short for pieces of min_piece that still dominates a rank's work (the rest
     # of the batch is shorter still) is cut into smaller pieces: an uneven rank costs more than
     # a kernel's partly filled tiles
-    best = _search(cu, p, causal, min_piece)
+    docs = _documents(cu, causal)
+    cut = _CutPrefix(cu, p, causal, [d for _, _, d in docs.in_order])
+    best = _search(cu, p, causal, min_piece, docs, cut)
     while best[0] > ACCEPTABLE_IMBALANCE and min_piece > 1:
         min_piece //= 2
-        found = _search(cu, p, causal, min_piece)
+        found = _search(cu, p, causal, min_piece, docs, cut)
         if found[0] < best[0] - 1e-9:
             best = found
-    return _layout(cu, p, causal, best[1])
+    return _layout(cu, p, causal, best[1], cut)
 
 
-def _layout(cu: tuple, p: int, causal: bool, assignment) -> DocumentLayout:
-    """The layout of an assignment ``(whole, pieces)`` of :func:`_assign`."""
-    whole, cut = assignment
-    return DocumentLayout(cu, p, causal, tuple(tuple(sorted(docs)) for docs in whole), tuple(map(tuple, cut)))
+def _layout(cu: tuple, p: int, causal: bool, assignment, cut: _CutPrefix) -> DocumentLayout:
+    """The layout of an assignment ``(whole, pieces, k)`` of :func:`_assign` on ``cut``."""
+    whole, pieces, k = assignment
+    return DocumentLayout(cu, p, causal, tuple(tuple(sorted(docs)) for docs in whole),
+                          tuple(tuple(ht + mine) for ht, mine in zip(cut.pieces(k), pieces)))
 
 
 @functools.lru_cache(maxsize=16)
 def _head_tail_layout(cu: tuple, p: int, causal: bool) -> DocumentLayout:
     docs = _documents(cu, causal)
-    cut = {d for m, _, d in docs.in_order if m >= 2 * p} if p > 1 else set()
-    return _layout(cu, p, causal, _assign(cu, p, causal, cut, docs)[0])
+    cut = _CutPrefix(cu, p, causal, sorted(d for m, _, d in docs.in_order if m >= 2 * p) if p > 1 else [])
+    return _layout(cu, p, causal, _assign(cu, p, causal, cut, len(cut.order), docs)[0], cut)
 
 
 def given_or_last(layout: "DocumentLayout | None", last: "DocumentLayout | None") -> "DocumentLayout":

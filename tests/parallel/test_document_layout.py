@@ -1,6 +1,8 @@
 """DocumentLayout: every rank holds N/P positions, together every position once, and the attended
 work of each rank's positions (counted position by position here, not from the layout's pieces)
 is balanced on the document mixes training feeds."""
+import itertools
+
 import pytest
 import torch
 
@@ -141,7 +143,8 @@ def _search_in_full(cu, p, causal, min_piece):
         ks.append(min(len(cuttable), max(1, 2 * ks[-1])))
     best = None
     for k in ks:
-        assigned, work = dl._assign(tuple(cu), p, causal, set(cuttable[:k]), docs)
+        cut = dl._CutPrefix(tuple(cu), p, causal, cuttable)  # anew for every pass
+        assigned, work = dl._assign(tuple(cu), p, causal, cut, k, docs)
         score = max(work) / (sum(work) / p)
         if score <= dl.TARGET_IMBALANCE:
             return score, assigned
@@ -170,12 +173,40 @@ def test_passes_that_cannot_meet_the_target_are_skipped_without_changing_the_lay
         mixes.append(cu)
     missed = 0
     for cu in mixes:
+        docs = dl._documents(tuple(cu), causal)
+        cut = dl._CutPrefix(tuple(cu), p, causal, [d for _, _, d in docs.in_order])  # one for both passes
         for min_piece in (128, 16):
-            got = dl._search(tuple(cu), p, causal, min_piece)
+            got = dl._search(tuple(cu), p, causal, min_piece, docs, cut)
             want = _search_in_full(cu, p, causal, min_piece)
             assert got[0] == want[0] and got[1] == want[1], cu[:6]
             missed += want[0] > dl.TARGET_IMBALANCE
     assert missed  # the fallback (no k within the target) was exercised
+
+
+@pytest.mark.parametrize("p", [2, 3, 8, 64])
+def test_each_prefix_of_documents_cut_head_tail_leaves_the_room_and_work_of_its_pieces(p):
+    """The ranks' room and work with the first k documents (in the search's order) cut head-tail, as
+    kept for every k, against their pieces counted position by position; every cut document's pieces
+    cover its positions once, in runs that follow each other."""
+    from dilated.parallel import document_layout as dl
+
+    cu = tuple(cu_seqlens_of("lognormal:8k,1.0", 64 * 8192))
+    for causal in (True, False):
+        docs = dl._documents(cu, causal)
+        order = [d for _, _, d in docs.in_order][:40]
+        cut = dl._CutPrefix(cu, p, causal, order)
+        for k in (0, 7, 1, 40, 3):  # asked out of order: the prefixes kept, not recomputed
+            room, load = cut.at(k)
+            pieces = cut.pieces(k)
+            held = [sum(x.length for x in mine) for mine in pieces]
+            assert room == [cu[-1] // p - h for h in held]
+            assert load == [sum(_work_of_positions(cu, torch.arange(x.start, x.start + x.length), causal)
+                                for x in mine) for mine in pieces]
+            for d in order[:k]:
+                mine = sorted((x for m in pieces for x in m if x.doc == d), key=lambda x: x.start)
+                assert [x.start for x in mine] == list(itertools.accumulate((x.length for x in mine[:-1]),
+                                                                            initial=cu[d]))
+                assert sum(x.length for x in mine) == cu[d + 1] - cu[d]
 
 
 def test_crossing_pieces_sit_where_the_ranks_pieces_put_them():
