@@ -116,22 +116,24 @@ def _documents(cu: tuple, causal: bool) -> _Documents:
     return _Documents(work, sorted(zip(lengths, work, range(len(lengths))), key=operator.itemgetter(0), reverse=True))
 
 
-def _cut_head_tail(cu: tuple, p: int, causal: bool, order) -> tuple[list, list, list]:
-    """``(pieces, room, load)``: the documents ``order`` cut head-tail (the positions left over by
-    ``length / P`` going round the ranks in that order), every rank's pieces of them, the positions
-    it has left and its work."""
-    room, load = [cu[-1] // p] * p, [0] * p
-    pieces = [[] for _ in range(p)]
-    make = tuple.__new__
+def _head_tail_cuts(cu: tuple, p: int, order):
+    """``(document, start, end, pieces)`` of each document of ``order`` cut head-tail
+    (:func:`_head_tail`), the positions left over by ``length / P`` going round the ranks in that order."""
     turn = 0
     for d in order:
         a, b = cu[d], cu[d + 1]
-        for r, start, m in _head_tail(a, b - a, p, turn):
-            pieces[r].append(make(Piece, (d, start, m, a, b)))
-            room[r] -= m
-            load[r] += piece_work(m, start - a, b - a, causal)
+        yield d, a, b, _head_tail(a, b - a, p, turn)
         turn = (turn + (b - a) % p) % p
-    return pieces, room, load
+
+
+def _cut_head_tail(cu: tuple, p: int, order) -> list:
+    """Every rank's :class:`Piece` s of the documents ``order`` cut head-tail (:func:`_head_tail_cuts`)."""
+    pieces = [[] for _ in range(p)]
+    make = tuple.__new__
+    for d, a, b, cuts in _head_tail_cuts(cu, p, order):
+        for r, start, m in cuts:
+            pieces[r].append(make(Piece, (d, start, m, a, b)))
+    return pieces
 
 
 class _CutPrefix:
@@ -141,26 +143,24 @@ class _CutPrefix:
 
     def __init__(self, cu: tuple, p: int, causal: bool, order: list):
         self.cu, self.p, self.causal, self.order = cu, p, causal, order
-        self.room, self.load, self.turn = [[cu[-1] // p] * p], [[0] * p], 0
+        self.room, self.load = [[cu[-1] // p] * p], [[0] * p]
+        self._cuts = _head_tail_cuts(cu, p, order)
 
     def at(self, k: int) -> tuple[list, list]:
         """Copies of ``(room, load)`` with ``order[:k]`` cut."""
-        cu, p, causal = self.cu, self.p, self.causal
         while len(self.room) <= k:
-            d = self.order[len(self.room) - 1]
-            a, b = cu[d], cu[d + 1]
+            _, a, b, cuts = next(self._cuts)
             room, load = list(self.room[-1]), list(self.load[-1])
-            for r, start, m in _head_tail(a, b - a, p, self.turn):
+            for r, start, m in cuts:
                 room[r] -= m
-                load[r] += piece_work(m, start - a, b - a, causal)
-            self.turn = (self.turn + (b - a) % p) % p
+                load[r] += piece_work(m, start - a, b - a, self.causal)
             self.room.append(room)
             self.load.append(load)
         return list(self.room[k]), list(self.load[k])
 
     def pieces(self, k: int) -> list:
         """Every rank's pieces of ``order[:k]``."""
-        return _cut_head_tail(self.cu, self.p, self.causal, self.order[:k])[0]
+        return _cut_head_tail(self.cu, self.p, self.order[:k])
 
 
 def _cannot_balance(cut: _CutPrefix, k: int, docs: _Documents, total: int) -> bool:
