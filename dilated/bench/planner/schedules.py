@@ -75,6 +75,13 @@ class Problem:
     cu: tuple | None = None
     query_tokens: int = 1
 
+    @classmethod
+    def timed(cls, point) -> "Problem":
+        """The problem of a calibration's timed strategy call
+        (:class:`~dilated.bench.planner.calibration.StrategyPoint`)."""
+        return cls(point.seq_len, point.heads, point.kv_heads, point.head_dim, point.causal, point.mode,
+                   documents=point.documents)
+
     def cu_seqlens(self) -> tuple:
         if self.cu is not None:
             return tuple(self.cu)
@@ -245,7 +252,7 @@ class Model:
             return 0.0
         x = points[0]
         if (name, x.mode, x.causal, x.documents) not in self._floors:
-            calibrated = Problem(x.seq_len, x.heads, x.kv_heads, x.head_dim, x.causal, x.mode, documents=x.documents)
+            calibrated = Problem.timed(x)
             grid = None
             if name.startswith("hybrid"):
                 u = ulysses_size_for(x.ranks, x.heads)
