@@ -173,7 +173,8 @@ def _distributed_terms(model: Model) -> str:
     timed = model.kernels.calibration.strategies
     if not timed:
         return pace + "; the host not modelled (the calibration timed no strategy calls)"
-    slow = [f"{x.strategy} {x.mode} {x.ms:.1f} ms" for x in timed if model.floor_ms(x.strategy, Problem.timed(x), x.ranks)]
+    slow = [f"{x.strategy} {x.mode} {x.ms:.1f} ms" for x in timed
+            if model.floor_ms(x.strategy, Problem.timed(x), x.ranks)]
     return (f"{pace}; the host not modelled: a call takes at least its strategy's calibrated call on "
             f"{timed[0].ranks} ranks of {timed[0].seq_len // timed[0].ranks} rows where that was slower than "
             f"modelled, for calls of its kind with as much work per rank or more ({', '.join(slow) or 'none was'})")
