@@ -697,22 +697,25 @@ def hybrid_row_documents(rank, world):
     mixes = [([0, 5, 17, 30, 200, 210, 256], True),  # 170 rows cut head-tail over both rows, short ones whole
              ([0, 100, 101, 140, 150, 220, 256], True),
              ([0, 256], False)]  # one document: every row's pieces cross, no whole document
+    # "auto", where no rank keeps documents of its own (local_documents=False), exchanges by documents
+    # too; 1 exchanges at once
     for cu, pipelined in mixes:
-        for causal in (True, False):
-            for h, hkv in ((4, 2), (4, 1)):
-                module = dilated.HybridAttention(2, 2, causal=causal, layout="documents", backend="manual",
-                                                 local_documents=False, document_groups="always")
-                layout = module.document_layout(cu)
-                assert pipelines(layout) == pipelined, (cu, layout.cut)
-                q, k, v = _full(23 + h + hkv, 4 * n, h, hkv)
-                dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
-                ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
-                module.stats.reset()
-                out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
-                assert module.stats.collectives == (8 if pipelined else 4), (cu, module.stats.as_dict())
-                out.backward(module.shard(dout))
-                _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
-                                      f"hybrid row documents causal={causal} H={h}/{hkv} {cu}")
+        for causal, groups, h, hkv in ((True, "always", 4, 2), (False, "always", 4, 1), (True, "auto", 4, 1),
+                                       (False, "auto", 4, 2), (True, 1, 4, 2)):
+            module = dilated.HybridAttention(2, 2, causal=causal, layout="documents", backend="manual",
+                                             local_documents=False, document_groups=groups)
+            layout = module.document_layout(cu)
+            assert pipelines(layout) == pipelined, (cu, layout.cut)
+            q, k, v = _full(23 + h + hkv, 4 * n, h, hkv)
+            dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+            ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
+            module.stats.reset()
+            out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+            two = pipelined and groups != 1
+            assert module.stats.collectives == (8 if two else 4), (cu, groups, module.stats.as_dict())
+            out.backward(module.shard(dout))
+            _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
+                                  f"hybrid row documents causal={causal} groups={groups} H={h}/{hkv} {cu}")
     # each rank's documents within its part kept where they lie (local_documents="always"): a row of
     # crossing pieces (ring), documents across its ranks' parts (exchanged) and its own; one with no
     # crossing pieces; one whose rows differ (a ring only on one)
@@ -735,7 +738,7 @@ def hybrid_row_documents(rank, world):
                 out.backward(module.shard(dout))
                 _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
                                       f"hybrid rows, local, groups={groups} causal={causal} H={h}/{hkv} B={batch} {cu}")
-    for kw, says in (({"document_groups": "auto"}, "document_groups must be 1"),
+    for kw, says in (({"document_groups": 2}, "document_groups must be 1"), ({"document_groups": True}, "got True"),
                      ({"document_groups": "always", "head_groups": 2}, "give one of them")):
         try:
             dilated.HybridAttention(2, 2, layout="documents", **kw)

@@ -33,17 +33,21 @@ ULYSSES_HEAD_GROUPS = {"ulysses": "auto", "ulysses_exchange_all": "auto", "ulyss
                        "ulysses_head_groups_2": 2, "ulysses_head_groups_4": 4, "ulysses_head_groups_8": 8}
 #: the hybrid's benchmark names and the head groups each runs
 HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_head_groups_2": 2, "hybrid_head_groups_4": 4,
-                      "hybrid_documents": "auto", "hybrid_documents_exchange_all": "auto",
+                      "hybrid_documents": "auto", "hybrid_documents_one_exchange": "auto",
+                      "hybrid_documents_exchange_all": "auto",
                       "hybrid_documents_no_overlap": 1, "hybrid_documents_head_groups_2": 2,
                       "hybrid_documents_head_groups_4": 4}
 #: the hybrid's names that exchange a row by documents (``document_groups="always"``) and the
 #: ``local_documents`` each runs (:mod:`dilated.parallel.row_documents`)
 ROW_GROUPS = {"hybrid_documents_row_groups": False, "hybrid_documents_row_groups_local": "auto"}
-#: the Ulysses and hybrid names that run the modules' defaults: ``local_documents="auto"`` (packed
-#: documents whole within a rank attended there: :mod:`dilated.parallel.local_documents`) and
-#: Ulysses' ``document_groups="auto"``; the other names measure their exchanges' schedule on every
-#: document (``local_documents=False``, ``document_groups=1``)
-LOCAL_DOCUMENTS = {"ulysses", "hybrid_documents"}
+#: the Ulysses and hybrid names that keep documents where they lie, as the modules' defaults do:
+#: ``local_documents="auto"`` (packed documents whole within a rank attended there:
+#: :mod:`dilated.parallel.local_documents`); the other names measure their exchanges' schedule on
+#: every document (``local_documents=False``)
+LOCAL_DOCUMENTS = {"ulysses", "hybrid_documents", "hybrid_documents_one_exchange"}
+#: the names that run the modules' default ``document_groups="auto"``; the other Ulysses and hybrid
+#: names exchange at once (``document_groups=1``) or, :data:`ROW_GROUPS`, by documents
+DOCUMENT_GROUPS_AUTO = {"ulysses", "hybrid_documents"}
 
 
 def local_documents_of(name: str):
@@ -51,12 +55,17 @@ def local_documents_of(name: str):
     return "auto" if name in LOCAL_DOCUMENTS else False
 
 
-def _ulysses(case, backend, group, head_groups="auto", local="auto"):
+def document_groups_of(name: str):
+    """The ``document_groups`` setting the benchmark's Ulysses or hybrid ``name`` runs."""
+    return "always" if name in ROW_GROUPS else "auto" if name in DOCUMENT_GROUPS_AUTO else 1
+
+
+def _ulysses(case, backend, group, head_groups="auto", local="auto", document_groups="auto"):
     return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group, head_groups=head_groups,
-                                    local_documents=local, document_groups="auto" if local else 1)
+                                    local_documents=local, document_groups=document_groups)
 
 
-def _hybrid(case, backend, group, layout="zigzag", head_groups="auto", local="auto", document_groups=1):
+def _hybrid(case, backend, group, layout="zigzag", head_groups="auto", local="auto", document_groups="auto"):
     p = dist.get_world_size(group)
     ulysses = ulysses_size_for(p, case.num_heads)
     if ulysses is None:
@@ -70,21 +79,21 @@ def _hybrid(case, backend, group, layout="zigzag", head_groups="auto", local="au
 def _ulysses_impl(name, groups):
     what = {1: "nothing overlapped", "auto": "two pipelined groups where packed documents run in one varlen call "
             "each, else one"}.get(groups, "exchanges pipelined with attention")
-    local = local_documents_of(name)
-    return _make(name, "dense", "contiguous", lambda c, b, g: _ulysses(c, b, g, groups, local),
+    local, by_docs = local_documents_of(name), document_groups_of(name)
+    return _make(name, "dense", "contiguous", lambda c, b, g: _ulysses(c, b, g, groups, local, by_docs),
                  f"UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank), head_groups={groups!r}: "
-                 f"{what}; local_documents={local!r}", splits_heads=True, local=local)
+                 f"{what}; local_documents={local!r}, document_groups={by_docs!r}", splits_heads=True, local=local)
 
 
 def _hybrid_impl(name, groups):
     documents = name.startswith("hybrid_documents")
     ring = "a ring on the documents' DocumentLayout" if documents else "zigzag ring"
-    local = local_documents_of(name)
+    local, by_docs = local_documents_of(name), document_groups_of(name)
     return _make(name, "dense", "hybrid_documents" if documents else "hybrid",
                  lambda c, b, g: _hybrid(c, b, g, layout="documents" if documents else "zigzag", head_groups=groups,
-                                         local=local),
+                                         local=local, document_groups=by_docs),
                  f"HybridAttention: Ulysses inside a row, {ring} across rows of the rank grid, head_groups={groups!r}, "
-                 f"local_documents={local!r}", local=local)
+                 f"local_documents={local!r}, document_groups={by_docs!r}", local=local)
 
 
 def _row_groups_impl(name, local):

@@ -14,9 +14,9 @@ shards are those of the :class:`~dilated.DocumentLayout` of each call's document
 where every document then lies whole within one rank's part (and the ranks' work stays balanced:
 ``local_documents``), each rank attends its own documents on all its heads and nothing moves
 (:mod:`dilated.parallel.local_documents`); elsewhere each rank keeps its documents within its part
-of the row where they lie and the row exchanges the rest, at once and round one ring, or with
-``document_groups="always"`` its pieces of documents that cross rows first and its other documents
-behind their ring (:mod:`dilated.parallel.row_documents`).
+of the row where they lie and the row exchanges the rest, at once and round one ring, or (where no
+rank keeps any, or with ``document_groups="always"``) its pieces of documents that cross rows first
+and its other documents behind their ring (:mod:`dilated.parallel.row_documents`).
 Construct it on every rank of the default process group (it creates the row and column groups, a
 collective).
 """
@@ -34,7 +34,7 @@ from .document_attention import DocumentParts, document_attention
 from .document_groups import attend_by_document_groups, check_groups_of_one_kind
 from .document_layout import DocumentLayout
 from .local_documents import check_local_documents, grid_local_documents
-from .row_documents import RowPlan, by_documents_plans, row_plans
+from .row_documents import RowPlan, check_row_document_groups, plans_for
 from ..functional import attention
 from ..dense import default_scale
 from ..packed import check_cu_seqlens
@@ -65,12 +65,15 @@ class HybridAttention(nn.Module):
             :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` of the mean (and, within a row,
             at most :data:`~dilated.parallel.local_documents.MOST_EXCHANGED` of its rows move);
             ``"always"``: wherever documents lie whole within a rank; ``False``: never.
-        document_groups: ``layout="documents"``, where documents are not kept local: ``1`` (default),
-            a row exchanges its whole shard at once, then the ring; ``"always"``: first its pieces of
+        document_groups: ``layout="documents"``, where not every document is kept local: ``1``, a row
+            exchanges what it does not keep at once, then the ring; ``"always"``: first its pieces of
             documents that cross rows, attended by the ring, then its documents whole within it,
             attended where they lie, their exchange behind the ring (where every row holds both;
             :mod:`dilated.parallel.row_documents`), the documents kept by ``local_documents`` attended
-            on all of a rank's heads beside the exchanges. Not combined with ``head_groups`` above 1.
+            on all of a rank's heads beside the exchanges; ``"auto"`` (default): the first where every
+            row keeps documents (they attend beside its one exchange), else the second where every
+            row holds both kinds, else one exchange (:func:`~dilated.parallel.row_documents.plans_for`).
+            Not combined with ``head_groups`` above 1.
 
     ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """
@@ -78,7 +81,7 @@ class HybridAttention(nn.Module):
     def __init__(self, ulysses_size: int, ring_size: int, *, causal=False, scale=None, layout="zigzag", group=None,
                  backend="auto", transport: str = "auto", measure_comm: bool = False,
                  head_groups: int | str = "auto", local_documents: bool | str = "auto",
-                 document_groups: int | str = 1):
+                 document_groups: int | str = "auto"):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("HybridAttention needs torch.distributed initialised (see dilated.init_distributed)")
@@ -95,10 +98,7 @@ class HybridAttention(nn.Module):
         check_scale(scale)
         check_head_groups(head_groups)
         check_local_documents(local_documents)
-        if document_groups not in (1, "always") or isinstance(document_groups, bool):
-            raise ValueError(f"document_groups must be 1 (the row's shard exchanged at once) or 'always' (its pieces "
-                             f"of documents across rows first, its whole documents behind their ring), got "
-                             f"{document_groups!r}")
+        check_row_document_groups(document_groups)
         check_groups_of_one_kind(document_groups, head_groups)
         self.head_groups, self.local_documents, self.document_groups = head_groups, local_documents, document_groups
         self.ulysses_size, self.ring_size, self.layout, self.group = ulysses_size, ring_size, layout, group
@@ -191,14 +191,9 @@ class HybridAttention(nn.Module):
         return attend_by_head_groups(q, k, v, attend, groups=groups, group=self.ulysses_group, stats=self.stats)
 
     def _row_plan(self, layout: DocumentLayout) -> tuple | None:
-        """``(layout, this row's RowPlan)``: each rank's documents within its part kept where they lie
-        (every row keeps some, or none does: the rows' rings must be one ring), the rest exchanged at
-        once or by documents (``document_groups``); else, by documents, the row's crossing pieces and
-        its whole documents; else None (the whole shard exchanged at once)."""
-        by_documents = self.document_groups == "always"
-        plans = row_plans(layout, self.ulysses_size, self.local_documents, by_documents)
-        if plans is None and by_documents:
-            plans = by_documents_plans(layout)
+        """``(layout, this row's RowPlan)`` (:func:`~dilated.parallel.row_documents.plans_for`), or
+        None: the whole shard exchanged at once."""
+        plans = plans_for(layout, self.ulysses_size, self.local_documents, self.document_groups)
         return None if plans is None else (layout, plans[self.ring_rank])
 
     def _by_row_documents(self, q, k, v, layout: DocumentLayout, plan: RowPlan):

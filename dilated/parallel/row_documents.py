@@ -16,6 +16,11 @@ are not exchanged at all: it attends them on all its heads while the groups' exc
 (:mod:`dilated.parallel.local_documents`, within the row), and the second group holds only the
 row's other whole documents; with one exchange (``document_groups=1``), the row's other pieces
 move at once and one ring over their own layout (:func:`exchanged_layout`) attends them.
+
+``document_groups="auto"`` (:func:`plans_for`) takes the one exchange where every row keeps
+documents of its own (they attend beside it), else the two groups where every row holds both
+kinds (the whole documents' exchange behind the crossing pieces' ring), else one exchange of the
+whole shard with nothing beside it.
 """
 from __future__ import annotations
 
@@ -137,3 +142,30 @@ def by_documents_plans(layout: DocumentLayout) -> tuple | None:
         return tuple(RowPlan(tuple(cu), tuple(map(tuple, groups)), (True, False), ring, None)
                      for cu, groups in (row_groups(layout, j) for j in range(layout.world_size)))
     return layout.derived("by_documents_plans", make)
+
+
+#: ``document_groups`` of :class:`~dilated.HybridAttention`: one exchange, :func:`plans_for`'s choice, two groups
+DOCUMENT_GROUPS = (1, "auto", "always")
+
+
+def check_row_document_groups(document_groups) -> None:
+    """``document_groups`` is one of :data:`DOCUMENT_GROUPS`."""
+    if isinstance(document_groups, bool) or document_groups not in DOCUMENT_GROUPS:
+        raise ValueError(f"document_groups must be 1 (a row's shard exchanged at once), 'always' (its pieces of "
+                         f"documents across rows first, its whole documents behind their ring) or 'auto' (the "
+                         f"first where every row keeps documents of its own, else the second), got "
+                         f"{document_groups!r}")
+
+
+def plans_for(layout: DocumentLayout, ulysses_size: int, local_setting, document_groups) -> tuple | None:
+    """Every row's :class:`RowPlan` as :class:`~dilated.HybridAttention` with ``local_documents=
+    local_setting`` and ``document_groups`` runs it, or None for one exchange of each row's whole
+    shard: the documents each rank keeps (:func:`row_plans`; by documents for ``"always"``), else,
+    but for ``document_groups=1``, the crossing pieces and the whole documents in two exchanges
+    (:func:`by_documents_plans`), which hides the second behind the first's ring where no rank keeps
+    documents of its own to attend beside one exchange."""
+    check_row_document_groups(document_groups)
+    plans = row_plans(layout, ulysses_size, local_setting, document_groups == "always") if local_setting else None
+    if plans is None and document_groups != 1:
+        plans = by_documents_plans(layout)
+    return plans

@@ -6,7 +6,7 @@ import pytest
 
 from dilated.parallel.document_layout import DocumentLayout
 from dilated.parallel.local_documents import contiguous_ranges, local_documents
-from dilated.parallel.row_documents import row_plans
+from dilated.parallel.row_documents import by_documents_plans, pipelines, plans_for, row_plans
 
 
 def _owner_of_rows(n_row: int, u: int) -> list[int]:
@@ -99,3 +99,40 @@ def test_a_rows_one_exchange_rings_its_exchanged_pieces_in_the_rows_order(seed):
             y = pieces[i]
             assert (x.start - x.doc_start, x.doc_end - x.doc_start) == (y.start - y.doc_start, y.doc_end - y.doc_start)
             assert (y.doc in crossing) == (x.doc in plan.ring_layout.crossing())
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_auto_exchanges_at_once_beside_kept_documents_else_by_documents(seed):
+    """``document_groups="auto"``: the one exchange where every row keeps documents; else, where every
+    row holds crossing pieces and whole documents, the two groups (crossing pieces first, on the
+    ring); else None (the whole shard at once). ``1`` never takes the groups; ``"always"`` always
+    does."""
+    rng = random.Random(200 + seed)
+    r, u = rng.choice([(2, 2), (2, 4), (4, 2)])
+    n = r * u * rng.choice([16, 32])
+    cu = [0, *sorted(rng.sample(range(1, n), rng.randint(2, n // 4))), n]
+    layout = DocumentLayout.balance(cu, r, rng.random() < 0.5)
+    setting = rng.choice(["auto", "always", False])
+    kept = row_plans(layout, u, setting, by_documents=False) if setting else None
+    auto, once = plans_for(layout, u, setting, "auto"), plans_for(layout, u, setting, 1)
+    assert once == kept
+    if kept is not None:
+        assert auto == kept and all(len(plan.groups) <= 1 for plan in auto)
+    elif pipelines(layout):
+        assert auto == by_documents_plans(layout)
+        for row, plan in enumerate(auto):  # the row's crossing pieces on the ring, then its whole documents
+            pieces = layout.pieces_of(row)
+            assert plan.rings == (True, False) and plan.local is None
+            assert [pieces[i].doc in layout.crossing() for g in plan.groups for i in g] == \
+                [True] * len(plan.groups[0]) + [False] * len(plan.groups[1])
+    else:
+        assert auto is None
+    expected = row_plans(layout, u, setting) if setting else None
+    assert plans_for(layout, u, setting, "always") == (by_documents_plans(layout) if expected is None else expected)
+
+
+def test_row_document_groups_named_when_wrong():
+    layout = DocumentLayout.balance([0, 40, 64], 2, True)
+    for bad in (2, True, "never"):
+        with pytest.raises(ValueError, match="document_groups must be 1"):
+            plans_for(layout, 2, "auto", bad)

@@ -45,11 +45,11 @@ from ...parallel.ring_attention import step_calls
 from ...parallel.head_groups import head_groups_for, kv_group_of
 from ...parallel.local_documents import (contiguous_ranges, grid_local_documents, local_documents, spans_cu,
                                          spans_rows)
-from ...parallel.row_documents import by_documents_plans, row_plans
+from ...parallel.row_documents import plans_for
 from ...parallel.ulysses_attention import kv_heads_for
 from ..documents import attended_pairs, cu_seqlens_of
 from ..flops import MODE_FACTOR
-from ..strategies import HYBRID_HEAD_GROUPS, ROW_GROUPS, ULYSSES_HEAD_GROUPS, local_documents_of
+from ..strategies import HYBRID_HEAD_GROUPS, ROW_GROUPS, ULYSSES_HEAD_GROUPS, document_groups_of, local_documents_of
 from ..workload import ulysses_size_for
 from .calibration import Curve, log_interp
 from .kernel_model import ELEM, KernelModel
@@ -527,15 +527,16 @@ class Model:
         return _Timeline(time, compute, sent, extra)
 
     def _hybrid(self, problem: Problem, u: int, r: int, ring_layout: str, head_groups: int | str = "auto",
-                local: bool | str = False) -> _Timeline:
+                local: bool | str = False, document_groups: int | str = 1) -> _Timeline:
         column = [i * u for i in range(r)]
-        if ring_layout == "documents" and local and problem.has_documents:
-            kept = grid_local_documents(local, problem.cu_seqlens(), r, u, problem.causal)
+        if ring_layout == "documents" and problem.has_documents:
+            kept = grid_local_documents(local, problem.cu_seqlens(), r, u, problem.causal) if local else None
             if kept is not None:  # every rank its own documents, nothing moves
                 return self._ulysses_local(problem, list(range(u * r)), kept)
             kv = kv_heads_for(problem.heads, problem.kv_heads, u)
-            if head_groups_for(head_groups, problem.heads // u, kv // u, False) == 1:  # the module's one group
-                return self._hybrid_row_documents(problem, u, r, local, by_documents=False)
+            one_group = head_groups_for(head_groups, problem.heads // u, kv // u, False) == 1  # the module's
+            if one_group and (local or document_groups != 1):
+                return self._hybrid_row_documents(problem, u, r, local, document_groups)
 
         def ring(heads, kv_heads, mode):
             one = replace(problem, mode=mode)
@@ -555,22 +556,20 @@ class Model:
                                     False, rings=r)
 
     def _hybrid_row_documents(self, problem: Problem, u: int, r: int, local=False,
-                              by_documents: bool = True) -> _Timeline:
+                              document_groups: int | str = "always") -> _Timeline:
         """The hybrid on the documents' layout exchanging each row by its plan
         (:mod:`dilated.parallel.row_documents`): with ``local`` (the module's ``local_documents``)
         where every row keeps some (:func:`~dilated.parallel.row_documents.row_plans`), each rank's
-        own documents on all its heads first, beside the exchanges. ``by_documents``
-        (``document_groups="always"``): the row's pieces of crossing documents exchanged (q, k, v in,
+        own documents on all its heads first, beside the exchanges. By documents (``document_groups``
+        ``"always"``, or ``"auto"`` where no row keeps documents; :func:`~dilated.parallel.row_documents.plans_for`):
+        the row's pieces of crossing documents exchanged (q, k, v in,
         output back), attended by a ring over the crossing documents' own layout (one ring for every
         row: the slowest column's), then its other documents exchanged behind it and attended on the
         row's heads; else the rest in one exchange and one ring over its own layout. A group's
-        exchange takes the time of the row's rank with the most of its rows. Where no plan keeps
-        documents: by documents, the crossing pieces and the whole documents where every row holds
-        both; else one exchange."""
+        exchange takes the time of the row's rank with the most of its rows. Without a plan, one
+        exchange of the whole shard."""
         layout = DocumentLayout.balance(problem.cu_seqlens(), r, problem.causal)
-        plans = row_plans(layout, u, local, by_documents) if local else None
-        if plans is None and by_documents:
-            plans = by_documents_plans(layout)
+        plans = plans_for(layout, u, local, document_groups)
         if plans is None:
             return self._hybrid(problem, u, r, "documents", 1, False)
         b, d, h = problem.batch, problem.head_dim, problem.heads
@@ -725,7 +724,7 @@ class Model:
                 return self._hybrid_row_documents(problem, u, r, ROW_GROUPS[strategy]) if problem.has_documents \
                     else self._hybrid(problem, u, r, "documents", 1, False)
             return self._hybrid(problem, u, r, "documents" if strategy.startswith("hybrid_documents") else "zigzag",
-                                HYBRID_HEAD_GROUPS[strategy], local_documents_of(strategy))
+                                HYBRID_HEAD_GROUPS[strategy], local_documents_of(strategy), document_groups_of(strategy))
         layout, overlap, transport = STRATEGIES[strategy]
         if transport == "copy_engine" and self.network.spans_nodes(ranks):
             transport = "p2p"  # copy-engine pulls reach the GPUs of one host only
