@@ -561,17 +561,18 @@ class Model:
         (:mod:`dilated.parallel.row_documents`): with ``local`` (the module's ``local_documents``)
         where every row keeps some (:func:`~dilated.parallel.row_documents.row_plans`), each rank's
         own documents on all its heads first, beside the exchanges. By documents (``document_groups``
-        ``"always"``, or ``"auto"`` where no row keeps documents; :func:`~dilated.parallel.row_documents.plans_for`):
-        the row's pieces of crossing documents exchanged (q, k, v in,
-        output back), attended by a ring over the crossing documents' own layout (one ring for every
-        row: the slowest column's), then its other documents exchanged behind it and attended on the
-        row's heads; else the rest in one exchange and one ring over its own layout. A group's
+        ``"always"``, or ``"auto"`` where no row keeps documents: the module's
+        :func:`~dilated.parallel.row_documents.plans_for`): the row's pieces of crossing documents
+        exchanged (q, k, v in, output back), attended by a ring over the crossing documents' own
+        layout (one ring for every row: the slowest column's), then its other documents exchanged
+        behind it and attended on the row's heads; else the rest in one exchange and one ring over
+        its own layout. A group's
         exchange takes the time of the row's rank with the most of its rows. Without a plan, one
         exchange of the whole shard."""
         layout = DocumentLayout.balance(problem.cu_seqlens(), r, problem.causal)
         plans = plans_for(layout, u, local, document_groups)
-        if plans is None:
-            return self._hybrid(problem, u, r, "documents", 1, False)
+        if plans is None:  # one exchange of the whole shard (document_groups=1: no plan asked again)
+            return self._hybrid(problem, u, r, "documents", 1, False, 1)
         b, d, h = problem.batch, problem.head_dim, problem.heads
         hkv = kv_heads_for(h, problem.kv_heads, u)
         column, row = [i * u for i in range(r)], list(range(u))
@@ -723,8 +724,9 @@ class Model:
             if strategy in ROW_GROUPS:
                 return self._hybrid_row_documents(problem, u, r, ROW_GROUPS[strategy]) if problem.has_documents \
                     else self._hybrid(problem, u, r, "documents", 1, False)
-            return self._hybrid(problem, u, r, "documents" if strategy.startswith("hybrid_documents") else "zigzag",
-                                HYBRID_HEAD_GROUPS[strategy], local_documents_of(strategy), document_groups_of(strategy))
+            ring_layout = "documents" if strategy.startswith("hybrid_documents") else "zigzag"
+            return self._hybrid(problem, u, r, ring_layout, HYBRID_HEAD_GROUPS[strategy], local_documents_of(strategy),
+                                document_groups_of(strategy))
         layout, overlap, transport = STRATEGIES[strategy]
         if transport == "copy_engine" and self.network.spans_nodes(ranks):
             transport = "p2p"  # copy-engine pulls reach the GPUs of one host only

@@ -433,3 +433,29 @@ def test_own_documents_not_in_one_run_pay_for_their_rows_taken_out_and_put_back(
         halves = [km.documents_ms(cu_part, 1, 32, 8, 128, True, "fwd") for cu_part in
                   ([(0, 4, 8)] * 2 if rank == 0 else [tuple(range(0, 25)), tuple(range(0, 25))])]
         assert _own_documents_ms(km, kept, rank, 1, 32, 8, 128, True, "fwd") == pytest.approx(halves)
+
+
+def test_the_hybrids_defaults_follow_the_modules_choice_of_row_exchange():
+    """``hybrid_documents`` (``document_groups="auto"``) is planned as the module runs it: where no row
+    keeps documents of its own but every row holds crossing pieces and whole documents (256K of
+    lognormal:8k on 2 x 2), by documents, as ``hybrid_documents_row_groups_local``; where rows keep
+    documents (4K documents beside a 12K one), one exchange beside them, as
+    ``hybrid_documents_one_exchange``."""
+    from dilated.parallel.document_layout import DocumentLayout
+    from dilated.parallel.row_documents import pipelines, plans_for, row_plans
+
+    links = free_links()
+    links["all_to_all"] = link(latency=1e-9, per_ms=2e7)  # exchanges of milliseconds: the plans part
+    m = model(links)
+    lognormal = Problem(262144, 32, 8, 128, causal=True, mode="fwd_bwd", documents="lognormal:8k,1.0")
+    layout = DocumentLayout.balance(lognormal.cu_seqlens(), 2, True)
+    assert plans_for(layout, 2, "auto", 1) is None and pipelines(layout)
+    auto, by_documents, once = (m.predict(s, lognormal, 4, (2, 2)) for s in (
+        "hybrid_documents", "hybrid_documents_row_groups_local", "hybrid_documents_one_exchange"))
+    assert auto.time_ms == pytest.approx(by_documents.time_ms, rel=1e-9)
+    assert auto.exposed_ms < once.exposed_ms
+    cu = (0, *range(4096, 7 * 4096 + 1, 4096), *range(7 * 4096 + 12288, 65537, 4096))
+    kept = Problem(65536, 32, 8, 128, causal=True, mode="fwd_bwd", cu=cu)
+    assert all(plan.local is not None for plan in row_plans(DocumentLayout.balance(cu, 2, True), 2, "auto", False))
+    assert m.predict("hybrid_documents", kept, 4, (2, 2)).time_ms == pytest.approx(
+        m.predict("hybrid_documents_one_exchange", kept, 4, (2, 2)).time_ms, rel=1e-9)
