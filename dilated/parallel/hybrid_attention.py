@@ -15,12 +15,15 @@ where every document then lies whole within one rank's part (and the ranks' work
 ``local_documents``), each rank attends its own documents on all its heads and nothing moves
 (:mod:`dilated.parallel.local_documents`); elsewhere each rank keeps its documents within its part
 of the row where they lie and the row exchanges the rest, at once and round one ring, or (where no
-rank keeps any, or with ``document_groups="always"``) its pieces of documents that cross rows first
-and its other documents behind their ring (:mod:`dilated.parallel.row_documents`).
+rank keeps any on a ring of two rows of one host, or with ``document_groups="always"``) its pieces
+of documents that cross rows first and its other documents behind their ring
+(:mod:`dilated.parallel.row_documents`).
 Construct it on every rank of the default process group (it creates the row and column groups, a
 collective).
 """
 from __future__ import annotations
+
+import socket
 
 import torch
 import torch.distributed as dist
@@ -71,9 +74,10 @@ class HybridAttention(nn.Module):
             attended where they lie, their exchange behind the ring (where every row holds both;
             :mod:`dilated.parallel.row_documents`), the documents kept by ``local_documents`` attended
             on all of a rank's heads beside the exchanges; ``"auto"`` (default): the first where every
-            row keeps documents (they attend beside its one exchange), else the second where every
-            row holds both kinds, else one exchange (:func:`~dilated.parallel.row_documents.plans_for`).
-            Not combined with ``head_groups`` above 1.
+            row keeps documents (they attend beside its one exchange); where none does, the second for
+            a ring of two rows on one host whose rows hold both kinds
+            (:func:`~dilated.parallel.row_documents.two_exchanges_pay`), else one exchange. Not
+            combined with ``head_groups`` above 1.
 
     ``self.stats`` counts the all-to-alls (bytes, collectives) and the ring's messages together.
     """
@@ -105,6 +109,10 @@ class HybridAttention(nn.Module):
         self.causal, self.scale, self.backend = causal, scale, backend
         me = ranks.index(dist.get_rank())
         self.ring_rank, self.ulysses_rank = divmod(me, ulysses_size)
+        hosts = [None] * len(ranks)  # whether every column's ring stays on one host (document_groups="auto")
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        self.ring_on_one_host = all(len({hosts[r * ulysses_size + u] for r in range(ring_size)}) == 1
+                                    for u in range(ulysses_size))
         self.ulysses_group = self.ring_group = None
         # every rank creates every group, in one order (dist.new_group); with a host backend beside NCCL,
         # so that the inner ring's per-call check stays on the host
@@ -193,7 +201,7 @@ class HybridAttention(nn.Module):
     def _row_plan(self, layout: DocumentLayout) -> tuple | None:
         """``(layout, this row's RowPlan)`` (:func:`~dilated.parallel.row_documents.plans_for`), or
         None: the whole shard exchanged at once."""
-        plans = plans_for(layout, self.ulysses_size, self.local_documents, self.document_groups)
+        plans = plans_for(layout, self.ulysses_size, self.local_documents, self.document_groups, self.ring_on_one_host)
         return None if plans is None else (layout, plans[self.ring_rank])
 
     def _by_row_documents(self, q, k, v, layout: DocumentLayout, plan: RowPlan):

@@ -18,9 +18,9 @@ row's other whole documents; with one exchange (``document_groups=1``), the row'
 move at once and one ring over their own layout (:func:`exchanged_layout`) attends them.
 
 ``document_groups="auto"`` (:func:`plans_for`) takes the one exchange where every row keeps
-documents of its own (they attend beside it), else the two groups where every row holds both
-kinds (the whole documents' exchange behind the crossing pieces' ring), else one exchange of the
-whole shard with nothing beside it.
+documents of its own (they attend beside it); where none does, the two groups where every row holds
+both kinds and the ring is two rows on one host (:func:`two_exchanges_pay`: the whole documents'
+exchange hidden behind the crossing pieces' one ring step), else one exchange of the whole shard.
 """
 from __future__ import annotations
 
@@ -157,15 +157,27 @@ def check_row_document_groups(document_groups) -> None:
                          f"{document_groups!r}")
 
 
-def plans_for(layout: DocumentLayout, ulysses_size: int, local_setting, document_groups) -> tuple | None:
+def two_exchanges_pay(ring_size: int, ring_on_one_host: bool) -> bool:
+    """Whether ``document_groups="auto"``, where no rank keeps documents of its own, exchanges a row
+    by documents: for a ring of two rows on one host. There the crossing pieces' one ring step moves
+    over the host's links beside their attention, and the whole documents' exchange hides behind it
+    (docs/performance/packed-documents.md). With more rows, or rows on other hosts, the ring's steps
+    keep the whole documents' attention beside them only in one exchange; the planner predicts the
+    two exchanges slower there (3-33%: ``dilated-bench plan``), and they are not taken."""
+    return ring_size == 2 and ring_on_one_host
+
+
+def plans_for(layout: DocumentLayout, ulysses_size: int, local_setting, document_groups,
+              ring_on_one_host: bool = True) -> tuple | None:
     """Every row's :class:`RowPlan` as :class:`~dilated.HybridAttention` with ``local_documents=
     local_setting`` and ``document_groups`` runs it, or None for one exchange of each row's whole
-    shard: the documents each rank keeps (:func:`row_plans`; by documents for ``"always"``), else,
-    but for ``document_groups=1``, the crossing pieces and the whole documents in two exchanges
-    (:func:`by_documents_plans`), which hides the second behind the first's ring where no rank keeps
-    documents of its own to attend beside one exchange."""
+    shard: the documents each rank keeps (:func:`row_plans`; by documents for ``"always"``); else the
+    crossing pieces and the whole documents in two exchanges (:func:`by_documents_plans`) for
+    ``"always"``, and for ``"auto"`` where :func:`two_exchanges_pay` (``layout`` is over the ring's
+    rows; ``ring_on_one_host``: whether every column of the grid lies on one host)."""
     check_row_document_groups(document_groups)
     plans = row_plans(layout, ulysses_size, local_setting, document_groups == "always") if local_setting else None
-    if plans is None and document_groups != 1:
+    if plans is None and (document_groups == "always" or document_groups == "auto" and two_exchanges_pay(
+            layout.world_size, ring_on_one_host)):
         plans = by_documents_plans(layout)
     return plans

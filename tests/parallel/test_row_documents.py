@@ -6,7 +6,7 @@ import pytest
 
 from dilated.parallel.document_layout import DocumentLayout
 from dilated.parallel.local_documents import contiguous_ranges, local_documents
-from dilated.parallel.row_documents import by_documents_plans, pipelines, plans_for, row_plans
+from dilated.parallel.row_documents import by_documents_plans, pipelines, plans_for, row_plans, two_exchanges_pay
 
 
 def _owner_of_rows(n_row: int, u: int) -> list[int]:
@@ -105,8 +105,8 @@ def test_a_rows_one_exchange_rings_its_exchanged_pieces_in_the_rows_order(seed):
 def test_auto_exchanges_at_once_beside_kept_documents_else_by_documents(seed):
     """``document_groups="auto"``: the one exchange where every row keeps documents; else, where every
     row holds crossing pieces and whole documents, the two groups (crossing pieces first, on the
-    ring); else None (the whole shard at once). ``1`` never takes the groups; ``"always"`` always
-    does."""
+    ring) for a ring of two rows on one host, and nothing (the whole shard at once) on more rows or
+    across hosts. ``1`` never takes the groups; ``"always"`` always does."""
     rng = random.Random(200 + seed)
     r, u = rng.choice([(2, 2), (2, 4), (4, 2)])
     n = r * u * rng.choice([16, 32])
@@ -116,9 +116,10 @@ def test_auto_exchanges_at_once_beside_kept_documents_else_by_documents(seed):
     kept = row_plans(layout, u, setting, by_documents=False) if setting else None
     auto, once = plans_for(layout, u, setting, "auto"), plans_for(layout, u, setting, 1)
     assert once == kept
+    assert plans_for(layout, u, setting, "auto", ring_on_one_host=False) == kept  # across hosts: never the groups
     if kept is not None:
         assert auto == kept and all(len(plan.groups) <= 1 for plan in auto)
-    elif pipelines(layout):
+    elif pipelines(layout) and r == 2:
         assert auto == by_documents_plans(layout)
         for row, plan in enumerate(auto):  # the row's crossing pieces on the ring, then its whole documents
             pieces = layout.pieces_of(row)
@@ -129,6 +130,11 @@ def test_auto_exchanges_at_once_beside_kept_documents_else_by_documents(seed):
         assert auto is None
     expected = row_plans(layout, u, setting) if setting else None
     assert plans_for(layout, u, setting, "always") == (by_documents_plans(layout) if expected is None else expected)
+
+
+def test_two_exchanges_pay_on_a_ring_of_two_rows_of_one_host():
+    assert two_exchanges_pay(2, True)
+    assert not two_exchanges_pay(2, False) and not two_exchanges_pay(4, True) and not two_exchanges_pay(1, True)
 
 
 def test_row_document_groups_named_when_wrong():

@@ -561,8 +561,8 @@ class Model:
         (:mod:`dilated.parallel.row_documents`): with ``local`` (the module's ``local_documents``)
         where every row keeps some (:func:`~dilated.parallel.row_documents.row_plans`), each rank's
         own documents on all its heads first, beside the exchanges. By documents (``document_groups``
-        ``"always"``, or ``"auto"`` where no row keeps documents: the module's
-        :func:`~dilated.parallel.row_documents.plans_for`): the row's pieces of crossing documents
+        ``"always"``, or ``"auto"`` where no row keeps documents on a ring of two rows of one node: the
+        module's :func:`~dilated.parallel.row_documents.plans_for`): the row's pieces of crossing documents
         exchanged (q, k, v in, output back), attended by a ring over the crossing documents' own
         layout (one ring for every row: the slowest column's), then its other documents exchanged
         behind it and attended on the row's heads; else the rest in one exchange and one ring over
@@ -570,7 +570,8 @@ class Model:
         exchange takes the time of the row's rank with the most of its rows. Without a plan, one
         exchange of the whole shard."""
         layout = DocumentLayout.balance(problem.cu_seqlens(), r, problem.causal)
-        plans = plans_for(layout, u, local, document_groups)
+        one_host = not any(self.network.spans_nodes([i * u + c for i in range(r)]) for c in range(u))
+        plans = plans_for(layout, u, local, document_groups, one_host)
         if plans is None:  # one exchange of the whole shard (document_groups=1: no plan asked again)
             return self._hybrid(problem, u, r, "documents", 1, False, 1)
         b, d, h = problem.batch, problem.head_dim, problem.heads

@@ -438,9 +438,9 @@ def test_own_documents_not_in_one_run_pay_for_their_rows_taken_out_and_put_back(
 def test_the_hybrids_defaults_follow_the_modules_choice_of_row_exchange():
     """``hybrid_documents`` (``document_groups="auto"``) is planned as the module runs it: where no row
     keeps documents of its own but every row holds crossing pieces and whole documents (256K of
-    lognormal:8k on 2 x 2), by documents, as ``hybrid_documents_row_groups_local``; where rows keep
-    documents (4K documents beside a 12K one), one exchange beside them, as
-    ``hybrid_documents_one_exchange``."""
+    lognormal:8k on 2 x 2), by documents, as ``hybrid_documents_row_groups_local``, on one node, and
+    in one exchange where the ring's two rows are on two nodes; where rows keep documents (4K
+    documents beside a 12K one), one exchange beside them, as ``hybrid_documents_one_exchange``."""
     from dilated.parallel.document_layout import DocumentLayout
     from dilated.parallel.row_documents import pipelines, plans_for, row_plans
 
@@ -454,6 +454,9 @@ def test_the_hybrids_defaults_follow_the_modules_choice_of_row_exchange():
         "hybrid_documents", "hybrid_documents_row_groups_local", "hybrid_documents_one_exchange"))
     assert auto.time_ms == pytest.approx(by_documents.time_ms, rel=1e-9)
     assert auto.exposed_ms < once.exposed_ms
+    two_nodes = model(links, gpus_per_node=2, inter=InterNode(50.0))  # each column's two rows on two nodes
+    assert two_nodes.predict("hybrid_documents", lognormal, 4, (2, 2)).time_ms == pytest.approx(
+        two_nodes.predict("hybrid_documents_one_exchange", lognormal, 4, (2, 2)).time_ms, rel=1e-9)
     cu = (0, *range(4096, 7 * 4096 + 1, 4096), *range(7 * 4096 + 12288, 65537, 4096))
     kept = Problem(65536, 32, 8, 128, causal=True, mode="fwd_bwd", cu=cu)
     assert all(plan.local is not None for plan in row_plans(DocumentLayout.balance(cu, 2, True), 2, "auto", False))
