@@ -153,8 +153,8 @@ def check_row_document_groups(document_groups) -> None:
     if isinstance(document_groups, bool) or document_groups not in DOCUMENT_GROUPS:
         raise ValueError(f"document_groups must be 1 (a row's shard exchanged at once), 'always' (its pieces of "
                          f"documents across rows first, its whole documents behind their ring) or 'auto' (the "
-                         f"first where every row keeps documents of its own, else the second), got "
-                         f"{document_groups!r}")
+                         f"first where every row keeps documents of its own; where none does, the second on a "
+                         f"ring of two rows of one host), got {document_groups!r}")
 
 
 def two_exchanges_pay(ring_size: int, ring_on_one_host: bool) -> bool:
@@ -163,7 +163,7 @@ def two_exchanges_pay(ring_size: int, ring_on_one_host: bool) -> bool:
     over the host's links beside their attention, and the whole documents' exchange hides behind it
     (docs/performance/packed-documents.md). With more rows, or rows on other hosts, the ring's steps
     keep the whole documents' attention beside them only in one exchange; the planner predicts the
-    two exchanges slower there (3-33%: ``dilated-bench plan``), and they are not taken."""
+    two exchanges slower there (docs/performance-log.md), and they are not taken."""
     return ring_size == 2 and ring_on_one_host
 
 
