@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_causal, check_qkv, check_scale
-from .agreement import AgreedSignatures, host_and_device_backend, signature, validate_on_all_ranks
+from .agreement import AgreedSignatures, host_and_device_backend, host_group, signature, validate_on_all_ranks
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, shard, unshard
 from .document_attention import DocumentParts, document_attention
@@ -109,8 +109,9 @@ class HybridAttention(nn.Module):
         self.causal, self.scale, self.backend = causal, scale, backend
         me = ranks.index(dist.get_rank())
         self.ring_rank, self.ulysses_rank = divmod(me, ulysses_size)
-        hosts = [None] * len(ranks)  # whether every column's ring stays on one host (document_groups="auto")
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        # whether every column's ring stays on one host (document_groups="auto"), asked on the host where it can be
+        hosts = [None] * len(ranks)
+        dist.all_gather_object(hosts, socket.gethostname(), group=host_group(group) or group)
         self.ring_on_one_host = all(len({hosts[r * ulysses_size + u] for r in range(ring_size)}) == 1
                                     for u in range(ulysses_size))
         self.ulysses_group = self.ring_group = None
