@@ -7,8 +7,8 @@ First exactness, forward and backward (autograd through the op), against every d
 alone in float64, on a small mix, with as many kv heads as q heads and with GQA; then, on ``N``
 positions of each ``--doc-lengths`` mix (``--draws`` new mixes each), Llama-3-8B heads: the ragged
 call's first and steady time (forward; forward and backward) beside ``dilated.attention`` on the
-same documents (``--backend``, default ``auto``), CUDA events, the median of ``--repeats`` calls
-after the first.
+same documents (``--backend``, default ``auto``), the harness's CUDA-event timing, the median of
+``--repeats`` calls after the first.
 
     python benchmarks/specialized/probe_cudnn_ragged.py
     python benchmarks/specialized/probe_cudnn_ragged.py --seq-len 1m --doc-lengths "lognormal:8k,1.0" --draws 2
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import dilated
 from dilated.bench.documents import cu_seqlens_of
 from dilated.bench.sizes import parse_size
+from dilated.bench.timing import measure
 
 
 def ragged(q, k, v, cu: torch.Tensor, longest: int, causal: bool):
@@ -58,21 +59,13 @@ def exactness(kv_heads: int, device) -> dict:
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
-    """``(first call ms, steady median ms)``: the first on the host's clock, the rest by CUDA events."""
+    """``(first call ms, steady median ms)``: the first on the host's clock, then ``repeats`` calls by
+    the harness's CUDA-event timing (:func:`dilated.bench.timing.measure`)."""
     torch.cuda.synchronize()
     t = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    first = (time.perf_counter() - t) * 1e3
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return first, statistics.median(samples)
+    return (time.perf_counter() - t) * 1e3, statistics.median(measure(fn, "cuda", warmup=0, reps=repeats))
 
 
 def main():
