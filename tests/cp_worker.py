@@ -72,10 +72,19 @@ def ulysses(rank, world):
                 check_module(module, q, k, v, causal,
                              f"ulysses P={world} causal={causal} H={h}/{hkv} head_groups={head_groups}")
                 module.stats.reset()
-                module(*(module.shard(t) for t in (q, k, v)))
-                # per group: its q in and its output back; per kv group, its k and v in
-                assert module.stats.collectives == 2 * groups + 2 * min(groups, kv_local), (groups,
-                                                                                          module.stats.as_dict())
+                shards = [module.shard(t).requires_grad_() for t in (q, k, v)]
+                out = module(*shards)
+                # per group one exchange in (its q, with its kv group's k and v where it reads them first)
+                # and one back; every byte of q, k and v sent once (all but this rank's own block)
+                sizes = [t.numel() * t.element_size() for t in shards]
+                moved = (world - 1) / world * (sizes[0] + (sizes[1] + sizes[2]) * kv_local * world // hkv)
+                assert module.stats.collectives == 2 * groups and module.stats.bytes_sent == moved + (
+                    (world - 1) / world * out.numel() * out.element_size()), (groups, module.stats.as_dict())
+                module.stats.reset()
+                out.backward(torch.ones_like(out))
+                # per group its output gradient in, and its dq (with its kv group's dk and dv after their
+                # last reader) back
+                assert module.stats.collectives == 2 * groups, (groups, module.stats.as_dict())
     # ranks asking for other head groups: an error on every rank (their all-to-alls would not pair up)
     q, k, v = _full(2, 4 * world, 4 * world, 4 * world)
     module = dilated.UlyssesAttention(backend="manual", head_groups=1 if rank == 0 else 2)
@@ -482,7 +491,7 @@ def ulysses_local_documents(rank, world):
     # one document across each boundary; the local ones between (3 + 2 + 3 + ... rows)
     crossing = [0, 3, 5, *[x for r in range(1, world) for x in (r * n - 3, r * n + 3, r * n + 5)], n * world]
     for causal, cu, setting, collectives in ((True, aligned, "auto", 0), (False, aligned, "always", 0),
-                                             (True, crossing, "always", 4), (False, crossing, "always", 4)):
+                                             (True, crossing, "always", 2), (False, crossing, "always", 2)):
         for h, hkv in ((2 * world, world), (2 * world, 1)):
             q, k, v = _full(41 + hkv, n * world, h, hkv)
             module = dilated.UlyssesAttention(causal=causal, backend="manual", local_documents=setting)
@@ -504,8 +513,9 @@ def ulysses_local_documents(rank, world):
     uneven = [0, n, *range(n + 2, n * world + 1, 2)]
     middle = [0, 2, 4, n - 4, n - 2, *range(n, n * world + 1)]
     ld.MOST_EXCHANGED, most = 1.0, ld.MOST_EXCHANGED
-    for cu, setting, collectives in ((uneven, "auto", 4), (uneven, "always", 0), (uneven, False, 4),
-                                     (middle, "auto", 4)):
+    # (an exchange carries q, k and v at once, and one brings the output back)
+    for cu, setting, collectives in ((uneven, "auto", 2), (uneven, "always", 0), (uneven, False, 2),
+                                     (middle, "auto", 2)):
         q, k, v = _full(9, n * world, world, world)
         dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6), dtype=q.dtype)
         module = dilated.UlyssesAttention(causal=True, backend="manual", local_documents=setting,
@@ -534,8 +544,8 @@ def ulysses_local_documents(rank, world):
 @worker
 def local_documents_beside_both_exchanges(rank, world):
     """A rank's own documents attend in two parts: the first after the exchanged documents' input
-    exchanges are issued, the second after their output's exchange is issued (backward: the first
-    after the output gradient's exchange, the second after the q, k, v gradients' exchanges back);
+    exchange is issued, the second after their output's exchange is issued (backward: the first
+    after the output gradient's exchange, the second after the q, k, v gradients' exchange back);
     exact against every document alone."""
     from dilated.parallel import document_groups as dg
 
@@ -576,8 +586,9 @@ def local_documents_beside_both_exchanges(rank, world):
     finally:
         dg.AllToAll = real
     a, b = (f"own {x[1][-1]}" for x in parts)
-    assert forward == ["exchange"] * 3 + [a, "exchanged", "exchange", b], forward
-    assert events == ["exchange", f"backward {a}", "backward exchanged", *["exchange"] * 3, f"backward {b}"], events
+    # one exchange carries the exchanged documents' q, k and v (backward: their dq, dk and dv)
+    assert forward == ["exchange", a, "exchanged", "exchange", b], forward
+    assert events == ["exchange", f"backward {a}", "backward exchanged", "exchange", f"backward {b}"], events
     _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, crossing, True,
                           f"own documents beside both exchanges P={world}")
 
@@ -635,7 +646,7 @@ def ulysses_document_groups(rank, world):
             ql, kl, vl = (module.shard(t).requires_grad_() for t in (q, k, v))
             module.stats.reset()
             out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
-            assert module.stats.collectives == 4 * len(groups), module.stats.as_dict()
+            assert module.stats.collectives == 2 * len(groups), module.stats.as_dict()  # q, k, v in; out back
             out.backward(module.shard(dout))
             _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
                                   f"ulysses document groups P={world} causal={causal} H={h}/{hkv}")
@@ -645,7 +656,7 @@ def ulysses_document_groups(rank, world):
 
     q, k, v = _full(7, n, 2 * world, 2 * world, b=1)
     cu_t = torch.tensor(mixes[0], dtype=torch.int32)
-    for share, collectives in ((dg.CALLS_SHARE, 4), (10.0, 4 * len(document_groups_for(mixes[0])))):
+    for share, collectives in ((dg.CALLS_SHARE, 2), (10.0, 2 * len(document_groups_for(mixes[0])))):
         dg.CALLS_SHARE, before = share, dg.CALLS_SHARE
         try:
             module = dilated.UlyssesAttention(causal=True, backend="manual", document_groups="auto",
@@ -712,7 +723,7 @@ def hybrid_row_documents(rank, world):
             module.stats.reset()
             out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
             two = pipelined and groups != 1
-            assert module.stats.collectives == (8 if two else 4), (cu, groups, module.stats.as_dict())
+            assert module.stats.collectives == (4 if two else 2), (cu, groups, module.stats.as_dict())
             out.backward(module.shard(dout))
             _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
                                   f"hybrid row documents causal={causal} groups={groups} H={h}/{hkv} {cu}")
@@ -734,7 +745,7 @@ def hybrid_row_documents(rank, world):
                 ql, kl, vl = (module.shard(t, layout).requires_grad_() for t in (q, k, v))
                 module.stats.reset()
                 out = module(ql, kl, vl, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
-                assert module.stats.collectives == 4 * len(plan.groups), (cu, plan, module.stats.as_dict())
+                assert module.stats.collectives == 2 * len(plan.groups), (cu, plan, module.stats.as_dict())
                 out.backward(module.shard(dout))
                 _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, causal,
                                       f"hybrid rows, local, groups={groups} causal={causal} H={h}/{hkv} B={batch} {cu}")

@@ -1,36 +1,72 @@
-"""One all-to-all in flight, shared by the pipelined Ulysses exchanges (head groups, document groups)."""
+"""One all-to-all in flight, shared by the pipelined Ulysses exchanges (head groups, document groups).
+
+An exchange may carry several tensors at once (a head group's q with its k and v, a group's dq with
+its dk and dv): one batch of point-to-point messages, so one communication kernel that starts as
+soon as the tensors are ready, where an exchange per tensor queues each one behind the last. That
+matters beside a kernel that holds every SM (flash-attn 4's): a communication kernel launched
+while it runs gets SMs only as the kernel's blocks retire, so a second exchange queued behind the
+first may not start until the kernel ends.
+"""
 from __future__ import annotations
 
+import itertools
 import math
 
-import torch
 import torch.distributed as dist
 
 from .sharding import CommStats
 
 
+def _starts(counts) -> list[int]:
+    return [0, *itertools.accumulate(counts)]
+
+
 class AllToAll:
-    """``send`` exchanged over ``group`` without waiting: in ``P`` equal blocks along dim 0 (block ``i``
-    to rank ``i``), or in blocks of ``send_counts[i]`` rows to rank ``i`` and of ``recv_counts[j]``
-    rows from rank ``j``. The compute stream waits on it only at :meth:`wait`, which returns what
-    came (block ``j`` from rank ``j``). The bytes that leave this rank are counted in ``stats``."""
+    """``send`` (a tensor, or a list of tensors with one count of rows) exchanged over ``group``
+    without waiting: in ``P`` equal blocks along dim 0 (block ``i`` to rank ``i``), or in blocks of
+    ``send_counts[i]`` rows to rank ``i`` and of ``recv_counts[j]`` rows from rank ``j``. The
+    compute stream waits on it only at :meth:`wait`, which returns what came (block ``j`` from
+    rank ``j``; a list where ``send`` is one). A list travels as one batch of messages (one kernel),
+    each tensor into a contiguous tensor of its own. The bytes that leave this rank are counted in
+    ``stats``, as one collective."""
 
-    def __init__(self, send: torch.Tensor, group, stats: CommStats, send_counts=None, recv_counts=None):
-        self.send, self.stats = send, stats
-        row_bytes = math.prod(send.shape[1:]) * send.element_size()
-        if send_counts is None:
-            self.recv = torch.empty_like(send)
-            self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
-            kept = 1
-        else:
-            self.recv = send.new_empty(sum(recv_counts), *send.shape[1:])
-            self.work = dist.all_to_all_single(self.recv, send, list(recv_counts), list(send_counts), group=group,
-                                               async_op=True)
-            kept = send_counts[dist.get_rank(group)]
-        stats.sent((send.shape[0] - kept) * row_bytes, collective=True)
+    def __init__(self, send, group, stats: CommStats, send_counts=None, recv_counts=None):
+        self.many = isinstance(send, (list, tuple))
+        parts = [x.contiguous() for x in send] if self.many else [send]
+        self.send, self.stats = parts, stats
+        p, me = dist.get_world_size(group), dist.get_rank(group)
+        rows = parts[0].shape[0]
+        if any(x.shape[0] != rows for x in parts):
+            raise ValueError(f"the tensors of one exchange must have one count of rows, got "
+                             f"{[x.shape[0] for x in parts]}")
+        equal = send_counts is None
+        if equal:
+            send_counts = recv_counts = [rows // p] * p
+        row_bytes = sum(math.prod(x.shape[1:]) * x.element_size() for x in parts)
+        stats.sent((rows - send_counts[me]) * row_bytes, collective=True)
+        if len(parts) == 1:  # one tensor: one all-to-all
+            self.recv = [parts[0].new_empty(sum(recv_counts), *parts[0].shape[1:])]
+            splits = (None, None) if equal else (list(recv_counts), list(send_counts))
+            self.works = [dist.all_to_all_single(self.recv[0], parts[0], *splits, group=group, async_op=True)]
+            return
+        self.recv = [x.new_empty(sum(recv_counts), *x.shape[1:]) for x in parts]
+        s, r = _starts(send_counts), _starts(recv_counts)
+        ops = []
+        for j in range(p):
+            peer = dist.get_global_rank(group, j) if group is not None else j
+            for tag, (x, y) in enumerate(zip(parts, self.recv)):
+                if j == me:  # this rank's own block, in stream order
+                    y[r[j]:r[j + 1]].copy_(x[s[j]:s[j + 1]])
+                    continue
+                if send_counts[j]:
+                    ops.append(dist.P2POp(dist.isend, x[s[j]:s[j + 1]], peer, group, tag))
+                if recv_counts[j]:
+                    ops.append(dist.P2POp(dist.irecv, y[r[j]:r[j + 1]], peer, group, tag))
+        self.works = dist.batch_isend_irecv(ops) if ops else []
 
-    def wait(self) -> torch.Tensor:
-        with self.stats.waiting(self.recv.device):
-            self.work.wait()
+    def wait(self):
+        with self.stats.waiting(self.recv[0].device):
+            for work in self.works:
+                work.wait()
         self.send = None  # the exchange is done with it
-        return self.recv
+        return self.recv if self.many else self.recv[0]

@@ -229,12 +229,12 @@ class _AttendByDocumentGroups(torch.autograd.Function):
     def forward(ctx, q, k, v, call: DocumentGroupCall):
         p, b = dist.get_world_size(call.group), q.shape[0]
 
-        def send(x, rg):
+        def send(rg):  # a group's q, k and v rows in one exchange
             mine = rg.counts[dist.get_rank(call.group)]
-            return AllToAll(_to_heads(x, rg.rows, p), call.group, call.stats, [b * mine] * p,
+            return AllToAll([_to_heads(x, rg.rows, p) for x in (q, k, v)], call.group, call.stats, [b * mine] * p,
                             [b * c for c in rg.counts])
 
-        inputs = [[send(x, rg) for x in (q, k, v)] for rg in call.groups]  # every input exchange at once
+        inputs = [send(rg) for rg in call.groups]  # every input exchange at once
         grad = any(ctx.needs_input_grad[:3])
 
         def own(rows, cu):  # this rank's own documents, on all its heads, beside an exchange
@@ -243,8 +243,8 @@ class _AttendByDocumentGroups(torch.autograd.Function):
         local = [own(*part) for part in call.local[:1]]  # beside the input exchanges
         graphs, back = [], []
         attends = call.attend if isinstance(call.attend, list) else [call.attend] * len(call.groups)
-        for rg, exchanges, attend in zip(call.groups, inputs, attends):
-            og, graph = _attend_graph(attend, [_whole_group(ex.wait(), rg.counts, b) for ex in exchanges], rg.cu, grad)
+        for rg, ex, attend in zip(call.groups, inputs, attends):
+            og, graph = _attend_graph(attend, [_whole_group(x, rg.counts, b) for x in ex.wait()], rg.cu, grad)
             graphs.append(graph)
             back.append(_back(og, rg, call, b))
         local += [own(*part) for part in call.local[1:]]  # beside the last group's output exchange
@@ -278,20 +278,21 @@ class _AttendByDocumentGroups(torch.autograd.Function):
         back = []
         for rg, ex, (leaves, og) in zip(call.groups, d_in, graphs):
             grads = torch.autograd.grad(og, leaves, _whole_group(ex.wait(), rg.counts, b))
-            back.append([_back(g, rg, call, b) for g in grads])
+            back.append(_back(list(grads), rg, call, b))  # dq, dk and dv in one exchange
         for part, graph in zip(call.local[1:], local_graphs[1:]):  # beside the gradients' exchanges back
             own(part, graph)
-        for rg, exchanges in zip(call.groups, back):
-            for dst, ex in zip(out, exchanges):
-                _into_rows(dst, ex.wait(), rg.rows, p)
+        for rg, ex in zip(call.groups, back):
+            for dst, x in zip(out, ex.wait()):
+                _into_rows(dst, x, rg.rows, p)
         return *out, None
 
 
-def _back(x: torch.Tensor, rg: RowGroup, call: DocumentGroupCall, b: int):
-    """The exchange that sends a group's packed ``x`` (this rank's heads) back: rank ``j`` its rows."""
+def _back(x, rg: RowGroup, call: DocumentGroupCall, b: int):
+    """The exchange that sends a group's packed ``x`` (this rank's heads; a list: several tensors in
+    one exchange) back: rank ``j`` its rows."""
     p, me = dist.get_world_size(call.group), dist.get_rank(call.group)
-    return AllToAll(_to_ranks(x, rg.counts), call.group, call.stats, [b * c for c in rg.counts],
-                    [b * rg.counts[me]] * p)
+    send = [_to_ranks(y, rg.counts) for y in x] if isinstance(x, list) else _to_ranks(x, rg.counts)
+    return AllToAll(send, call.group, call.stats, [b * c for c in rg.counts], [b * rg.counts[me]] * p)
 
 
 def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable, *,

@@ -11,8 +11,11 @@ output-gradient exchange is issued at once, and group ``g``'s q, k, v gradients 
 ``g + 1``'s backward runs.
 
 Under GQA a group of q heads reads one group of kv heads (:func:`kv_group_of`): with fewer kv heads
-per rank than groups, a kv head's exchange serves every q group that reads it and moves once,
-before the first of them; its gradient goes back after the last.
+per rank than groups, a kv head serves every q group that reads it and moves once, with the first
+of them; its gradient goes back with the last. Each of these moves is one exchange of every tensor
+it carries (a group's q with its k and v; its dq with their dk and dv:
+:class:`~dilated.parallel.all_to_all.AllToAll`), so that none waits behind another for a
+communication kernel to start beside the attention.
 
 Rank ``r`` attends on heads ``r*H/P .. (r+1)*H/P - 1`` whatever ``groups`` is: the grouping changes
 when bytes move, not which rank computes what. What it costs: each group is a call of its own of
@@ -116,20 +119,20 @@ class _AttendByHeadGroups(torch.autograd.Function):
     def forward(ctx, q, k, v, call: HeadGroupCall):
         p, groups, kv_groups = dist.get_world_size(call.group), call.groups, call.kv_of[-1] + 1
 
-        def send(x, count, g):
-            return AllToAll(_to_heads_blocks(x, p, count, g), call.group, call.stats)
-
-        q_in, kv_in = [], {}
-        for g, j in enumerate(call.kv_of):  # every input exchange at once, each kv group before its first reader
-            if j not in kv_in:
-                kv_in[j] = [send(k, kv_groups, j), send(v, kv_groups, j)]
-            q_in.append(send(q, groups, g))
+        q_in, kv_sent = [], set()
+        for g, j in enumerate(call.kv_of):  # every input exchange at once, a kv group's with its first reader's q
+            parts = [_to_heads_blocks(q, p, groups, g)]
+            if j not in kv_sent:
+                kv_sent.add(j)
+                parts += [_to_heads_blocks(x, p, kv_groups, j) for x in (k, v)]
+            q_in.append(AllToAll(parts, call.group, call.stats))
         grad = any(ctx.needs_input_grad[:3])
         kv, graphs, back = {}, [], []
         for g, j in enumerate(call.kv_of):
-            qg = _whole_sequence(q_in[g].wait())
+            came = q_in[g].wait()
+            qg = _whole_sequence(came[0])
             if j not in kv:
-                kv[j] = [_whole_sequence(ex.wait()).detach().requires_grad_(grad) for ex in kv_in[j]]
+                kv[j] = [_whole_sequence(x).detach().requires_grad_(grad) for x in came[1:]]
             if grad:
                 with torch.enable_grad():
                     leaves = [qg.detach().requires_grad_(), *kv[j]]
@@ -156,21 +159,22 @@ class _AttendByHeadGroups(torch.autograd.Function):
         dout = dout.contiguous()
         d_in = [AllToAll(_to_heads_blocks(dout, p, groups, g), call.group, call.stats) for g in range(groups)]
         last_reader = {j: g for g, j in enumerate(call.kv_of)}
-        dkv_sum, dq_back, dkv_back = {}, [], {}
+        dkv_sum, back = {}, []
         for g, j in enumerate(call.kv_of):
             leaves, og = graphs[g]
             grads = torch.autograd.grad(og, leaves, _whole_sequence(d_in[g].wait()))
-            dq_back.append(AllToAll(_to_sequence_blocks(grads[0], p), call.group, call.stats))
             dkv_sum[j] = grads[1:] if j not in dkv_sum else [a + c for a, c in zip(dkv_sum[j], grads[1:])]
-            if last_reader[j] == g:  # the kv group's gradients are whole
-                dkv_back[j] = [AllToAll(_to_sequence_blocks(x, p), call.group, call.stats) for x in dkv_sum.pop(j)]
+            parts = [grads[0]]
+            if last_reader[j] == g:  # the kv group's gradients are whole: they go back with this group's dq
+                parts += dkv_sum.pop(j)
+            back.append(AllToAll([_to_sequence_blocks(x, p) for x in parts], call.group, call.stats))
         grads = [dout.new_empty(b, n, p, count, h // (p * count), d)
                  for (b, n, h, d), count in zip(ctx.shapes, (groups, kv_groups, kv_groups))]
-        for g, ex in enumerate(dq_back):
-            _into_heads(grads[0], ex.wait(), g)
-        for j, exchanges in dkv_back.items():
-            for dst, ex in zip(grads[1:], exchanges):
-                _into_heads(dst, ex.wait(), j)
+        for g, ex in enumerate(back):
+            came = ex.wait()
+            _into_heads(grads[0], came[0], g)
+            for dst, x in zip(grads[1:], came[1:]):
+                _into_heads(dst, x, call.kv_of[g])
         return *(x.view(s) for x, s in zip(grads, ctx.shapes)), None
 
 

@@ -408,9 +408,9 @@ class Model:
         :class:`_Timeline` of one head group's attention over the whole sequence of ``ranks`` (of
         ``rings`` ring shards); ``attend_is_one_call``: a kernel call, not a ring) by ``head_groups`` (:func:`dilated.parallel.head_groups.head_groups_for`),
         as :func:`dilated.parallel.head_groups.attend_by_head_groups` runs them: every group's input
-        exchange issued at once, kv groups before their first reader; a group attends once its inputs
-        have arrived and the previous group is done; its output (in backward: its dq, and a kv group's
-        dk and dv after its last reader) goes back once it is done, one exchange at a time."""
+        exchange issued at once, a kv group's k and v in its first reader's; a group attends once its
+        inputs have arrived and the previous group is done; its output (in backward: its dq, with a kv
+        group's dk and dv after its last reader) goes back once it is done, one exchange at a time."""
         p = len(ranks)
         hkv = kv_heads_for(heads, kv_heads, p)
         one_call = problem.has_documents and self.kernels.varlen_documents and attend_is_one_call
@@ -420,7 +420,8 @@ class Model:
         n, net = problem.seq_len // (p * rings), self.network  # a rank's positions
         qb = problem.batch * n * heads * problem.head_dim * ELEM / groups  # one group's q (or out) per rank
         kvb = problem.batch * n * hkv * problem.head_dim * ELEM / kv_groups  # one kv group's k (or v)
-        q_ms, kv_ms = net.all_to_all_ms(qb, ranks), 2 * net.all_to_all_ms(kvb, ranks)  # k and v: one exchange each
+        # a group's q alone, or with its kv group's k and v (one exchange: AllToAll carries them together)
+        q_ms, qkv_ms = net.all_to_all_ms(qb, ranks), net.all_to_all_ms(qb + 2 * kvb, ranks)
         first = {j: kv_of.index(j) for j in set(kv_of)}
         last = {j: len(kv_of) - 1 - kv_of[::-1].index(j) for j in set(kv_of)}
         time = compute = sent = extra = 0.0
@@ -428,11 +429,11 @@ class Model:
         for mode in modes:
             one = attend(heads // (p * groups), hkv // (p * kv_groups), mode)
             if mode == "fwd":
-                inputs = [q_ms + (kv_ms if first[kv_of[g]] == g else 0.0) for g in range(groups)]
+                inputs = [qkv_ms if first[kv_of[g]] == g else q_ms for g in range(groups)]
                 outputs = [q_ms] * groups
             else:
                 inputs = [q_ms] * groups
-                outputs = [q_ms + (kv_ms if last[kv_of[g]] == g else 0.0) for g in range(groups)]
+                outputs = [qkv_ms if last[kv_of[g]] == g else q_ms for g in range(groups)]
             time += _pipeline(inputs, [one.time] * groups, outputs)
             compute += groups * one.compute
             sent += one.sent * groups + (2 * qb * groups + 2 * kvb * kv_groups) * (p - 1) / p
@@ -462,7 +463,7 @@ class Model:
         """Ulysses with documents that stay where they lie (``kept``, a
         :class:`~dilated.parallel.local_documents.LocalDocuments`): each rank attends its own on all
         its heads in two parts (:func:`_beside`): the first while the exchanged documents' q, k and v
-        rows move (one exchange each), then the exchanged documents on its share of the heads, then
+        rows move (one exchange), then the exchanged documents on its share of the heads, then
         the second while their output goes back (backward: the output gradient in, the q, k, v
         gradients back); an exchange takes the time of the rank with the most exchanged rows. Without
         exchanged documents nothing moves."""
@@ -470,16 +471,16 @@ class Model:
         b, d, h = problem.batch, problem.head_dim, problem.heads
         moved = kept.exchanged
         hkv = kv_heads_for(h, problem.kv_heads, p) if moved else problem.kv_heads
-        q_ms = kv_ms = most = 0.0
+        q_ms = qkv_ms = most = 0.0
         if moved:
             spans, cu_x = group_spans(cu, moved, p)
             most = max(sum(m for _, m in mine) for mine in spans)
             q_ms = self.network.all_to_all_ms(b * most * h * d * ELEM, ranks)
-            kv_ms = self.network.all_to_all_ms(b * most * hkv * d * ELEM, ranks)
+            qkv_ms = self.network.all_to_all_ms(b * most * (h + 2 * hkv) * d * ELEM, ranks)
         time = compute = sent = 0.0
         for mode in (("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)):
             cross = self.kernels.documents_ms(cu_x, b, h // p, hkv // p, d, problem.causal, mode) if moved else 0.0
-            ins, outs = (q_ms + 2 * kv_ms, q_ms) if mode == "fwd" else (q_ms, q_ms + 2 * kv_ms)
+            ins, outs = (qkv_ms, q_ms) if mode == "fwd" else (q_ms, qkv_ms)
             times, computes = [], []
             for r in range(p):
                 own = _own_documents_ms(self.kernels, kept, r, b, h, hkv, d, problem.causal, mode, bool(moved))
@@ -492,7 +493,7 @@ class Model:
 
     def _ulysses_by_documents(self, problem: Problem, ranks: list[int]) -> _Timeline:
         """Ulysses pipelined by groups of packed documents (:mod:`dilated.parallel.document_groups`):
-        group ``g``'s q, k and v rows in three exchanges issued at once with every other group's, its
+        group ``g``'s q, k and v rows in one exchange issued at once with every other group's, its
         documents attended on all of a rank's heads once they arrived, its output back after it
         (backward: its output gradient in, its q, k, v gradients back); an exchange takes the time
         of the rank with the most of the group's rows."""
@@ -510,16 +511,16 @@ class Model:
             rows = [sum(m for _, m in mine) for mine in spans]
             most = max(rows)
             q_ms = net.all_to_all_ms(b * most * h * d * ELEM, ranks)
-            kv_ms = net.all_to_all_ms(b * most * hkv * d * ELEM, ranks)
-            per_group.append((cu_g, q_ms, kv_ms, sum(rows)))
+            qkv_ms = net.all_to_all_ms(b * most * (h + 2 * hkv) * d * ELEM, ranks)
+            per_group.append((cu_g, q_ms, qkv_ms, sum(rows)))
         modes = ("fwd", "bwd") if problem.mode == "fwd_bwd" else ("fwd",)
         for mode in modes:
             computes = [self.kernels.documents_ms(cu_g, b, h // p, hkv // p, d, problem.causal, mode)
                         for cu_g, *_ in per_group]
             if mode == "fwd":
-                inputs, outputs = [q + 2 * kv for _, q, kv, _ in per_group], [q for _, q, _, _ in per_group]
+                inputs, outputs = [qkv for _, _, qkv, _ in per_group], [q for _, q, _, _ in per_group]
             else:
-                inputs, outputs = [q for _, q, _, _ in per_group], [q + 2 * kv for _, q, kv, _ in per_group]
+                inputs, outputs = [q for _, q, _, _ in per_group], [qkv for _, _, qkv, _ in per_group]
             time += _pipeline(inputs, computes, outputs)
             compute += sum(computes)
             sent += 2 * b * n * (h + hkv) * d * ELEM * (p - 1) / p
@@ -595,7 +596,7 @@ class Model:
                 most_rows = [a + c for a, c in zip(most_rows, counts)]
                 most = b * max(counts) * d * ELEM
                 parts.append((None if on_ring else cu_g, self.network.all_to_all_ms(most * h, row),
-                              self.network.all_to_all_ms(most * hkv, row)))
+                              self.network.all_to_all_ms(most * (h + 2 * hkv), row)))
             rows.append((plan, parts))
             moved = max(moved, *most_rows)
         time = compute = 0.0
@@ -605,8 +606,8 @@ class Model:
                 attends = [ring[mode].time if cu_g is None else
                            self.kernels.documents_ms(cu_g, b, h // u, hkv // u, d, problem.causal, mode)
                            for cu_g, _, _ in parts]
-                ins = [q + 2 * kv if mode == "fwd" else q for _, q, kv in parts]
-                outs = [q if mode == "fwd" else q + 2 * kv for _, q, kv in parts]
+                ins = [qkv if mode == "fwd" else q for _, q, qkv in parts]
+                outs = [q if mode == "fwd" else qkv for _, q, qkv in parts]
                 for rank in range(u):
                     own = _own_documents_ms(self.kernels, plan.local, rank, b, h, hkv, d, problem.causal, mode)
                     times.append(_beside(own, ins, attends, outs))
