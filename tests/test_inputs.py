@@ -485,3 +485,29 @@ def test_more_torchrun_ranks_than_gpus_is_refused_before_nccl_starts(monkeypatch
     else:
         dd.init_distributed(backend=backend)
         assert len(started) == 1
+
+
+@pytest.mark.parametrize("backend, asked, given, expected", [
+    (None, True, None, "1"), ("nccl", True, "0", "0"), ("nccl", False, None, None), ("gloo", True, None, None)])
+def test_nccl_groups_issue_on_high_priority_streams_unless_told_otherwise(monkeypatch, backend, asked, given,
+                                                                         expected):
+    """NCCL's streams at high priority where NCCL starts (a variable the user set is kept); not for gloo."""
+    import dilated.parallel.sharding as dd
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dd.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dd.dist, "init_process_group",
+                        lambda *a, **k: seen.append(__import__("os").environ.get(dd.NCCL_HIGH_PRIORITY)))
+    monkeypatch.setattr(dd.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dd.dist, "get_world_size", lambda: 1)
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(var, value)
+    if given is None:
+        monkeypatch.delenv(dd.NCCL_HIGH_PRIORITY, raising=False)
+    else:
+        monkeypatch.setenv(dd.NCCL_HIGH_PRIORITY, given)
+    dd.init_distributed(backend=backend, nccl_high_priority=asked)
+    assert seen == [expected]

@@ -43,6 +43,11 @@ def _git_commit() -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+#: environment variables recorded with every row (``None``: not set)
+COMMUNICATION_VARIABLES = ("TORCH_NCCL_HIGH_PRIORITY", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE",
+                           "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+
+
 @functools.lru_cache(maxsize=None)
 def environment() -> dict:
     env = {
@@ -66,6 +71,8 @@ def environment() -> dict:
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "gpu": None,
         "driver": None,
+        # what sets how communication and compute share the GPU
+        "variables": {name: os.environ.get(name) for name in COMMUNICATION_VARIABLES},
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()

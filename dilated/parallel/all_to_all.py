@@ -1,11 +1,8 @@
 """One all-to-all in flight, shared by the pipelined Ulysses exchanges (head groups, document groups).
 
 An exchange may carry several tensors at once (a head group's q with its k and v, a group's dq with
-its dk and dv): one batch of point-to-point messages, so one communication kernel that starts as
-soon as the tensors are ready, where an exchange per tensor queues each one behind the last. That
-matters beside a kernel that holds every SM (flash-attn 4's): a communication kernel launched
-while it runs gets SMs only as the kernel's blocks retire, so a second exchange queued behind the
-first may not start until the kernel ends.
+its dk and dv): one batch of point-to-point messages, one communication kernel and one latency for
+all of them, each tensor received into a contiguous tensor of its own.
 """
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ Under GQA a group of q heads reads one group of kv heads (:func:`kv_group_of`): 
 per rank than groups, a kv head serves every q group that reads it and moves once, with the first
 of them; its gradient goes back with the last. Each of these moves is one exchange of every tensor
 it carries (a group's q with its k and v; its dq with their dk and dv:
-:class:`~dilated.parallel.all_to_all.AllToAll`), so that none waits behind another for a
-communication kernel to start beside the attention.
+:class:`~dilated.parallel.all_to_all.AllToAll`).
 
 Rank ``r`` attends on heads ``r*H/P .. (r+1)*H/P - 1`` whatever ``groups`` is: the grouping changes
 when bytes move, not which rank computes what. What it costs: each group is a call of its own of

@@ -102,8 +102,19 @@ def _check_one_gpu_per_rank(local_ranks: int, gpus: int, backend: str | None) ->
                            "pass backend='gloo' to run on the CPU")
 
 
-def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> tuple[int, int, torch.device]:
-    """Initialise the default group from the environment; return ``(rank, world_size, device)``."""
+#: the variable that makes torch's NCCL process groups issue on high-priority streams
+NCCL_HIGH_PRIORITY = "TORCH_NCCL_HIGH_PRIORITY"
+
+
+def init_distributed(timeout_s: float = 300.0, backend: str | None = None,
+                     nccl_high_priority: bool = True) -> tuple[int, int, torch.device]:
+    """Initialise the default group from the environment; return ``(rank, world_size, device)``.
+
+    ``nccl_high_priority``: on NCCL, the process groups (this one and those made after it) issue on
+    high-priority streams (``TORCH_NCCL_HIGH_PRIORITY=1``, where the variable is not set already):
+    a communication kernel that becomes ready together with a compute kernel then gets the SMs first,
+    so an exchange issued beside an attention kernel that fills every SM (flash-attn 4's) runs beside
+    it instead of after it (docs/performance/context-parallel.md)."""
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
         env.setdefault("RANK", env["SLURM_PROCID"])
@@ -118,6 +129,8 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> tu
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        if use_cuda and (backend or "nccl") == "nccl" and nccl_high_priority:
+            env.setdefault(NCCL_HIGH_PRIORITY, "1")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), rank=rank, world_size=world,
