@@ -791,3 +791,37 @@ def hybrid_local_rows_grids(rank, world, grids):
             out.backward(module.shard(dout))
             _matches_per_document(module, (q, k, v), (ql, kl, vl), out, dout, cu, True,
                                   f"hybrid {ring_size}x{ulysses_size} local rows groups={groups} {cu}")
+
+
+@worker
+def all_to_all_parts(rank, world):
+    """One exchange of several tensors (rows in blocks of uneven counts, some empty, features of
+    other widths) delivers each block where an exchange per tensor would: rank ``j`` gets, from
+    rank ``i``, rows ``send_counts[j]`` of each tensor that rank ``i`` made, in rank order; the
+    bytes that leave a rank are counted once, as one collective."""
+    from dilated.parallel.all_to_all import AllToAll
+    from dilated.parallel.sharding import CommStats
+
+    def counts(i):  # rows rank i sends to each rank: uneven, one empty
+        return [(i + 2 * j) % 3 for j in range(world)]
+
+    def made(i, width):  # rank i's tensor of this width: its values say whose row and which
+        rows = sum(counts(i))
+        return torch.arange(rows * width, dtype=torch.float64).view(rows, width) + 1000 * i + 100 * width
+
+    widths = (1, 3, 2)
+    stats = CommStats()
+    mine = [made(rank, w) for w in widths]
+    ex = AllToAll(mine, None, stats, counts(rank), [counts(i)[rank] for i in range(world)])
+    got = ex.wait()
+    for w, x in zip(widths, got):
+        blocks = []
+        for i in range(world):
+            start = sum(counts(i)[:rank])
+            blocks.append(made(i, w)[start:start + counts(i)[rank]])
+        assert torch.equal(x, torch.cat(blocks)), (rank, w, x, blocks)
+    sent = sum(counts(rank)) - counts(rank)[rank]
+    assert stats.collectives == 1 and stats.bytes_sent == sent * sum(widths) * 8, stats.as_dict()
+    # one tensor: the same through one all-to-all, returned as a tensor
+    one = AllToAll(mine[1], None, stats, counts(rank), [counts(i)[rank] for i in range(world)]).wait()
+    assert torch.equal(one, got[1])

@@ -366,3 +366,8 @@ def test_the_hybrids_row_exchange_with_local_documents_work_by_hand():
 @pytest.mark.parametrize("world, grids", [(4, [(2, 2), (4, 1), (1, 4)]), (6, [(3, 2), (2, 3)])])
 def test_the_hybrid_keeps_documents_within_its_rows_on_every_grid(world, grids):
     spawn(cp_worker.hybrid_local_rows_grids, args=(world, free_port(), grids), nprocs=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_exchange_of_several_tensors_delivers_each_block(world):
+    spawn(cp_worker.all_to_all_parts, args=(world, free_port()), nprocs=world)
