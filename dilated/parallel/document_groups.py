@@ -246,13 +246,13 @@ class _AttendByDocumentGroups(torch.autograd.Function):
         for rg, ex, attend in zip(call.groups, inputs, attends):
             og, graph = _attend_graph(attend, [_whole_group(x, rg.counts, b) for x in ex.wait()], rg.cu, grad)
             graphs.append(graph)
-            back.append(_back(og, rg, call, b))
+            back.append(_back([og], rg, call, b))
         local += [own(*part) for part in call.local[1:]]  # beside the last group's output exchange
         out = q.new_empty(*q.shape[:3], v.shape[3])
         for (rows, _), (og, _) in zip(call.local, local):
             _put_rows(out, rows, og)
         for rg, ex in zip(call.groups, back):
-            _into_rows(out, ex.wait(), rg.rows, p)
+            _into_rows(out, ex.wait()[0], rg.rows, p)
         ctx.call, ctx.graphs, ctx.local_graphs = call, graphs, [graph for _, graph in local]
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out
@@ -287,12 +287,12 @@ class _AttendByDocumentGroups(torch.autograd.Function):
         return *out, None
 
 
-def _back(x, rg: RowGroup, call: DocumentGroupCall, b: int):
-    """The exchange that sends a group's packed ``x`` (this rank's heads; a list: several tensors in
-    one exchange) back: rank ``j`` its rows."""
+def _back(xs: list, rg: RowGroup, call: DocumentGroupCall, b: int):
+    """The exchange that sends a group's packed tensors ``xs`` (this rank's heads) back in one: rank
+    ``j`` its rows."""
     p, me = dist.get_world_size(call.group), dist.get_rank(call.group)
-    send = [_to_ranks(y, rg.counts) for y in x] if isinstance(x, list) else _to_ranks(x, rg.counts)
-    return AllToAll(send, call.group, call.stats, [b * c for c in rg.counts], [b * rg.counts[me]] * p)
+    return AllToAll([_to_ranks(x, rg.counts) for x in xs], call.group, call.stats, [b * c for c in rg.counts],
+                    [b * rg.counts[me]] * p)
 
 
 def attend_by_document_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable, *,
