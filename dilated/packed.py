@@ -6,22 +6,25 @@ On CUDA, with half-precision inputs, documents go to a kernel's own varlen entry
 call over all of them (:mod:`dilated.backends.varlen`) where the kernel the backend resolves to
 has one: torch's varlen flash kernel (the ops behind ``torch.nn.attention.varlen``, where the
 installed torch has them) for ``sdpa_flash``, flash-attn 4's for ``flash_attn_4``; ``auto`` takes
-flash-attn 4's wherever it runs, else the entry point of the kernel it resolves to; forward and backward are the kernel's own, the
-backward given the (merged) out and lse, so ring attention calls them too. Elsewhere, documents
-run in batched kernel calls, not one call per document: non-causal documents of one
-length share a call (their batch is the number of such documents); causal ones are padded at
-their end to a bucket length (four buckets per octave, so at most a quarter of a call is padding)
-and share the bucket's call. Padding at the end is exact under causality: a real query sees only
-keys at or before it, never a padded one, and the padded rows' outputs are dropped (their
-gradients are zero). So the calls are at most one per distinct length (non-causal) or about four
-per octave of lengths (causal). Their backward gathers each call's rows again and scatters its
-gradients back (:class:`DocumentsFunction`), as the rings do. The calls' row indices are made on
-the device once per mix and kept for the last few (:func:`document_rows`): a model's layers and a
-call's backward meet one batch's documents again.
+flash-attn 4's wherever it runs, else the entry point of the kernel it resolves to; forward and
+backward are the kernel's own, the backward given the (merged) out and lse, so ring attention
+calls them too. Elsewhere, documents run in batched kernel calls, not one call per document:
+non-causal documents of one length share a call (their batch is the number of such documents);
+causal ones are padded at their end to a bucket length (:func:`bucket_length`: ``B`` per octave,
+at most ``1 / B`` of a call's length padding; four up to :data:`FINE_BUCKETS_ABOVE` positions,
+:data:`BUCKETS_PER_OCTAVE` above) and share the bucket's call.
+Padding at the end is exact under causality: a real query sees only keys at or before it, never
+a padded one, and the padded rows' outputs are dropped (their gradients are zero). So the calls
+are at most one per distinct length (non-causal) or about ``B`` per octave of lengths (causal).
+Their backward gathers each call's rows again and scatters its gradients back
+(:class:`DocumentsFunction`), as the rings do. The calls' row indices are made on the device once
+per mix and kept for the last few (:func:`document_rows`): a model's layers and a call's backward
+meet one batch's documents again.
 """
 from __future__ import annotations
 
 import itertools
+import os
 from collections import OrderedDict, defaultdict
 
 import torch
@@ -56,12 +59,43 @@ def check_cu_seqlens(cu_seqlens, n: int) -> list[int]:
     return cu
 
 
-def bucket_length(length: int) -> int:
-    """The smallest of ``2^e, 1.25 * 2^e, 1.5 * 2^e, 1.75 * 2^e`` at or above ``length``."""
-    if length <= 4:
+#: causal documents longer than :data:`FINE_BUCKETS_ABOVE` are padded to the next of this many bucket
+#: lengths per octave by default: padding costs up to ``2 / B`` of a document's causal work, and every
+#: bucket is a call shape of its own (a cuDNN graph, built at the shape's first call)
+DEFAULT_BUCKETS_PER_OCTAVE = 8
+#: ... and documents up to this length to the next of four per octave: a short document's padding costs
+#: little, and finer buckets would split its call into calls small enough for the slower varlen kernel
+FINE_BUCKETS_ABOVE = 4096
+
+
+def buckets_per_octave_from_env() -> int:
+    """``DILATED_BUCKETS_PER_OCTAVE`` (1, 2, 4 or 8; :data:`DEFAULT_BUCKETS_PER_OCTAVE` where unset); a
+    clear error otherwise."""
+    value = os.environ.get("DILATED_BUCKETS_PER_OCTAVE")
+    if value is None:
+        return DEFAULT_BUCKETS_PER_OCTAVE
+    if value.strip() not in ("1", "2", "4", "8"):
+        raise ValueError(f"DILATED_BUCKETS_PER_OCTAVE={value!r}: set it to 1, 2, 4 or 8 (the bucket lengths per "
+                         "octave that long causal packed documents are padded to) or unset it "
+                         f"(default {DEFAULT_BUCKETS_PER_OCTAVE})")
+    return int(value)
+
+
+#: the bucket lengths per octave of documents longer than :data:`FINE_BUCKETS_ABOVE` in this process
+#: (``DILATED_BUCKETS_PER_OCTAVE``, read at import)
+BUCKETS_PER_OCTAVE = buckets_per_octave_from_env()
+
+
+def bucket_length(length: int, per_octave: int | None = None) -> int:
+    """The smallest of ``2^e + i * 2^e / B`` (``i = 0 .. B``) at or above ``length``, where ``2^e <
+    length <= 2^(e+1)`` and ``B`` is ``per_octave`` if given, else :data:`BUCKETS_PER_OCTAVE` above
+    :data:`FINE_BUCKETS_ABOVE` and 4 up to it."""
+    if per_octave is None:
+        per_octave = BUCKETS_PER_OCTAVE if length > FINE_BUCKETS_ABOVE else min(4, BUCKETS_PER_OCTAVE)
+    e = (length - 1).bit_length() - 1
+    step = (1 << e) // per_octave if e >= 0 else 0
+    if step < 1:
         return length
-    e = (length - 1).bit_length() - 1  # 2^e < length <= 2^(e+1)
-    step = 1 << (e - 2)
     return -(-length // step) * step
 
 

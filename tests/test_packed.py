@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dilated
+import dilated.packed
 from dilated.packed import bucket_length, document_calls
 from dilated.reference import dense_reference
 
@@ -53,13 +54,51 @@ def test_documents_share_kernel_calls():
     assert [(length, len(docs)) for length, docs in calls] == [
         (16, 2), (16, 1), (15, 2), (15, 1), (14, 2), (14, 1), (13, 2), (13, 1), (12, 2), (12, 1), (11, 2), (11, 1),
         (10, 2), (10, 1), (9, 2), (9, 1), (8, 32), (8, 16), (8, 2)]
-    causal_calls = document_calls(cu, causal=True)  # padded to four buckets per octave
+    causal_calls = document_calls(cu, causal=True)  # short documents: padded to four buckets per octave
     assert [(length, len(docs)) for length, docs in causal_calls] == [
         (16, 4), (16, 2), (14, 4), (14, 2), (12, 4), (12, 2), (10, 4), (10, 2), (8, 32), (8, 16), (8, 2)]
     assert all(length <= 1.25 * min(l for _, l in docs) + 1 for length, docs in causal_calls)
     for c in (calls, causal_calls):  # every document in exactly one call, each by its own length
         assert sorted(d for _, docs in c for d in docs) == list(zip(cu, (b - a for a, b in zip(cu, cu[1:]))))
     assert [bucket_length(n) for n in (1000, 1025, 1300, 1600, 1800)] == [1024, 1280, 1536, 1792, 2048]
+
+
+def test_long_documents_take_finer_buckets():
+    # four bucket lengths per octave up to 4096 positions, eight above (the default)
+    assert [bucket_length(n) for n in (4096, 4097, 4500, 4609, 5000, 8193, 9000, 62329)] == [
+        4096, 4608, 4608, 5120, 5120, 9216, 9216, 65536]
+    assert [bucket_length(n, 4) for n in (4097, 5000, 62329)] == [5120, 5120, 65536]
+    cu = [0, 4100, 4700, 9200, 9300]  # 4100 and 4500 share the 4608 call; 600 and 100 have calls of their own
+    assert [(length, [d for _, d in docs]) for length, docs in document_calls(cu, causal=True)] == [
+        (4608, [4100, 4500]), (640, [600]), (112, [100])]
+
+
+@pytest.mark.parametrize("value, per_octave", [(None, 8), ("4", 4), ("1", 1)])
+def test_buckets_per_octave_from_the_environment(monkeypatch, value, per_octave):
+    if value is None:
+        monkeypatch.delenv("DILATED_BUCKETS_PER_OCTAVE", raising=False)
+    else:
+        monkeypatch.setenv("DILATED_BUCKETS_PER_OCTAVE", value)
+    assert dilated.packed.buckets_per_octave_from_env() == per_octave
+
+
+@pytest.mark.parametrize("value", ["16", "3", "0", "eight"])
+def test_buckets_per_octave_refuses_other_values(monkeypatch, value):
+    monkeypatch.setenv("DILATED_BUCKETS_PER_OCTAVE", value)
+    with pytest.raises(ValueError, match="DILATED_BUCKETS_PER_OCTAVE.*1, 2, 4 or 8"):
+        dilated.packed.buckets_per_octave_from_env()
+
+
+def test_long_documents_padded_to_a_fine_bucket_match_each_document_alone(gen):
+    """Causal documents past 4096 positions padded to a bucket of eight per octave, one call for two of them."""
+    cu = [0, 4100, 4700, 9200]
+    q = rand(1, 9200, 1, 8, gen=gen, requires_grad=True)
+    k, v = rand(1, 9200, 1, 8, gen=gen, requires_grad=True), rand(1, 9200, 1, 8, gen=gen, requires_grad=True)
+    out, lse = dilated.attention(q, k, v, causal=True, backend="sdpa_math", return_lse=True,
+                                 cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _per_document(qd, kd, vd, cu, causal=True)
+    _assert_matches(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
 
 
 @pytest.mark.parametrize("bad, exc, says", [

@@ -43,9 +43,10 @@ def _git_commit() -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-#: environment variables recorded with every row (``None``: not set)
-COMMUNICATION_VARIABLES = ("TORCH_NCCL_HIGH_PRIORITY", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE",
-                           "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+#: environment variables recorded with every row (``None``: not set): how communication shares the GPU,
+#: and the project's own that change which kernel calls a row makes
+RECORDED_VARIABLES = ("TORCH_NCCL_HIGH_PRIORITY", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE",
+                      "TORCH_SYMM_MEM_DISABLE_MULTICAST", "DILATED_CUDNN_BUILD_AFTER", "DILATED_BUCKETS_PER_OCTAVE")
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,8 +72,7 @@ def environment() -> dict:
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "gpu": None,
         "driver": None,
-        # what sets how communication and compute share the GPU
-        "variables": {name: os.environ.get(name) for name in COMMUNICATION_VARIABLES},
+        "variables": {name: os.environ.get(name) for name in RECORDED_VARIABLES},
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()

@@ -796,15 +796,17 @@ def test_the_harness_gives_the_library_its_documents_on_the_host():
         assert cu.device.type == "cpu" and cu.dtype == torch.int32 and cu.tolist() == [0, 16, 32, 48, 64]
 
 
-def test_rows_record_the_variables_that_set_how_communication_shares_the_gpu(monkeypatch):
+def test_rows_record_the_variables_that_set_communication_and_kernel_calls(monkeypatch):
     from dilated.bench import env
 
     monkeypatch.setenv("TORCH_NCCL_HIGH_PRIORITY", "1")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setenv("DILATED_BUCKETS_PER_OCTAVE", "16")
     env.environment.cache_clear()
     try:
         recorded = env.environment()["variables"]
     finally:
         env.environment.cache_clear()
     assert recorded["TORCH_NCCL_HIGH_PRIORITY"] == "1" and recorded["CUDA_DEVICE_MAX_CONNECTIONS"] is None
-    assert set(recorded) == set(env.COMMUNICATION_VARIABLES)
+    assert recorded["DILATED_BUCKETS_PER_OCTAVE"] == "16"
+    assert set(recorded) == set(env.RECORDED_VARIABLES)
