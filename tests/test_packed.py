@@ -73,7 +73,7 @@ def test_long_documents_take_finer_buckets():
         (4608, [4100, 4500]), (640, [600]), (112, [100])]
 
 
-@pytest.mark.parametrize("value, per_octave", [(None, 8), ("4", 4), ("1", 1)])
+@pytest.mark.parametrize("value, per_octave", [(None, 8), ("4", 4), ("1", 1), ("16", 16)])
 def test_buckets_per_octave_from_the_environment(monkeypatch, value, per_octave):
     if value is None:
         monkeypatch.delenv("DILATED_BUCKETS_PER_OCTAVE", raising=False)
@@ -82,10 +82,10 @@ def test_buckets_per_octave_from_the_environment(monkeypatch, value, per_octave)
     assert dilated.packed.buckets_per_octave_from_env() == per_octave
 
 
-@pytest.mark.parametrize("value", ["16", "3", "0", "eight"])
+@pytest.mark.parametrize("value", ["32", "3", "0", "eight"])
 def test_buckets_per_octave_refuses_other_values(monkeypatch, value):
     monkeypatch.setenv("DILATED_BUCKETS_PER_OCTAVE", value)
-    with pytest.raises(ValueError, match="DILATED_BUCKETS_PER_OCTAVE.*1, 2, 4 or 8"):
+    with pytest.raises(ValueError, match="DILATED_BUCKETS_PER_OCTAVE.*1, 2, 4, 8 or 16"):
         dilated.packed.buckets_per_octave_from_env()
 
 
@@ -279,6 +279,16 @@ def test_auto_runs_small_documents_in_one_varlen_call(causal, threshold, monkeyp
     """``auto``: the documents of batched calls below ``SMALL_CALL_FLOPS`` go to one call of torch's
     varlen kernel, the others stay in batched calls; output, lse and gradients (through both) exact
     whatever the split."""
+    calls = _small_documents_on_torch_varlen(monkeypatch, threshold)
+    _grouped_documents_match(causal, 2, 2, gen)  # lengths 1, 5, 13, 1, 13, 7
+    varlen_calls = 0 if threshold == 0.0 else 1
+    assert calls["torch_forward"] == varlen_calls
+    assert calls["torch_backward"] == 2 * varlen_calls  # the second for lse's gradient
+
+
+def _small_documents_on_torch_varlen(monkeypatch, threshold: float) -> dict:
+    """``auto``'s small documents on the stand-in of torch's varlen kernel (calls below ``threshold``
+    FLOPs); returns the stand-in's call counts."""
     import varlen_standins
     from dilated import packed
     from dilated.backends import varlen
@@ -287,16 +297,45 @@ def test_auto_runs_small_documents_in_one_varlen_call(causal, threshold, monkeyp
     monkeypatch.setattr(packed, "small_documents_kernel", lambda q, k, v, causal=False: varlen.TorchVarlen())
     monkeypatch.setattr(packed, "SMALL_CALL_FLOPS", threshold)
     varlen_standins.CALLS.clear()
-    cu = DOCS["varied"]  # lengths 1, 5, 13, 1, 13, 7
-    q = rand(2, 40, 2, 8, gen=gen, requires_grad=True)
-    k, v = rand(2, 40, 1, 8, gen=gen, requires_grad=True), rand(2, 40, 1, 8, gen=gen, requires_grad=True)
+    return varlen_standins.CALLS
+
+
+def _grouped_documents_match(causal: bool, batch: int, heads: int, gen) -> None:
+    """``DOCS["varied"]`` on ``heads`` query heads sharing each kv head in pairs, against float64."""
+    cu = DOCS["varied"]
+    q = rand(batch, 40, heads, 8, gen=gen, requires_grad=True)
+    k, v = (rand(batch, 40, heads // 2, 8, gen=gen, requires_grad=True) for _ in range(2))
     out, lse = dilated.attention(q, k, v, causal=causal, return_lse=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = _per_document(qd, kd.repeat_interleave(2, 2), vd.repeat_interleave(2, 2), cu, causal)
     _assert_matches(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
-    varlen_calls = 0 if threshold == 0.0 else 1
-    assert varlen_standins.CALLS["torch_forward"] == varlen_calls
-    assert varlen_standins.CALLS["torch_backward"] == 2 * varlen_calls  # the second for lse's gradient
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_varlen_backward_past_the_accumulator_limit_runs_in_head_groups(causal, monkeypatch, gen):
+    """torch's varlen backward whose float32 dq accumulator would pass its 32-bit indexing runs in
+    slices of whole GQA groups (a limit of two heads here: two slices of one group each, and one
+    more backward each for lse's gradient); output, lse and gradients exact."""
+    from dilated.backends import varlen
+
+    calls = _small_documents_on_torch_varlen(monkeypatch, float("inf"))
+    per_head = (40 + 128 * (len(DOCS["varied"]) - 1)) * 32  # rows and 128 per document, head_dim 8 rounded up to 32
+    monkeypatch.setattr(varlen.TorchVarlen, "dq_accumulator_limit", 2 * per_head)
+    _grouped_documents_match(causal, 1, 4, gen)
+    assert calls["torch_forward"] == 1 and calls["torch_backward"] == 4
+
+
+def test_accumulator_head_slices():
+    from dilated.backends.varlen import accumulator_head_slices
+
+    # 1M tokens of short documents on Llama-3-8B heads: 439119 rows of 783 documents pass 2**31 at 32 heads
+    assert accumulator_head_slices(439119, 783, 32, 8, 128, 2**31) == [(0, 16), (16, 32)]
+    assert accumulator_head_slices(249199, 561, 32, 8, 128, 2**31) is None
+    assert accumulator_head_slices(10**9, 1, 32, 8, 128, None) is None
+    assert accumulator_head_slices(100, 2, 8, 8, 100, (100 + 256) * 128 * 3) == [(0, 3), (3, 6), (6, 8)]
+    assert accumulator_head_slices(100, 2, 12, 4, 128, (100 + 256) * 128 * 7) == [(0, 6), (6, 12)]
+    with pytest.raises(ValueError, match="flash_attn_4"):
+        accumulator_head_slices(4_000_000, 1, 32, 4, 128, 2**31)
 
 
 def test_a_hybrid_with_a_ring_of_one_is_ulysses(gen):

@@ -17,6 +17,13 @@ call it on its merged results. Two kernels:
 The gradient of lse (``dlse``) is part of the backward: flash-attn 4 takes it, torch's op does not
 (its autograd drops it), so there it is one more backward pass with a unit ``v`` (see
 :func:`dilated.dense.lse_gradient`).
+
+torch's varlen flash backward indexes its float32 dq accumulator, ``heads x (rows + 128 x
+documents) x head_dim`` (rounded up) elements, with 32-bit integers, as the dense one does
+(:data:`dilated.backends.sdpa.FLASH_BACKWARD_MAX`): beyond 2**31 it reads and writes out of bounds
+(an illegal memory access on an H200, torch 2.11, at 1M tokens of short documents in one call).
+Such calls run in slices of the heads, in whole GQA groups, that stay within it
+(:func:`accumulator_head_slices`).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import torch
 from ._signature import call_by_name, parameters
 from ..dense import lse_gradient
 from .base import expand_kv_heads, reduce_kv_heads
+from .sdpa import FLASH_BACKWARD_MAX
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,35 @@ def _lse_rows_last(lse: torch.Tensor, t: int, h: int) -> torch.Tensor:
     return lse if lse.dtype == torch.float64 else lse.float()
 
 
+def accumulator_head_slices(rows: int, documents: int, heads: int, kv_heads: int, head_dim: int,
+                            most: int | None) -> list[tuple[int, int]] | None:
+    """``[(start, stop), ...]``: the fewest slices of the ``heads`` query heads, as even as whole GQA
+    groups (``heads / kv_heads`` heads each) make them, whose float32 dq accumulator in a flash
+    varlen backward of ``rows`` packed rows of ``documents`` documents (``(rows + 128 x documents) x
+    head_dim`` rounded up, per head) stays within ``most`` elements; None where the whole call does,
+    or ``most`` is None. ValueError where one group is larger."""
+    if most is None:
+        return None
+    per_head = (rows + 128 * documents) * (-(-head_dim // 32) * 32 if head_dim <= 128 else -(-head_dim // 64) * 64)
+    if heads * per_head <= most:
+        return None
+    group = heads // kv_heads
+    if group * per_head > most:
+        raise ValueError(f"torch's varlen flash backward cannot take {rows} rows of {documents} documents in one "
+                         f"call of {group} head(s) sharing a kv head ({group * per_head} dq accumulator elements > "
+                         f"{most}): use flash_attn_4, or fewer tokens per call")
+    groups = heads // group
+    count = -(-groups // (most // (group * per_head)))  # slices, as even as whole groups make them
+    sizes = [(groups // count + (i < groups % count)) * group for i in range(count)]
+    return [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(count)]
+
+
 class VarlenKernel:
     """A kernel's varlen forward and backward on packed ``[T, H, D]`` rows."""
 
     name = "varlen"
+    #: the largest float32 dq accumulator (elements) its backward indexes right (None: no limit known)
+    dq_accumulator_limit: int | None = None
 
     def forward(self, q, k, v, call: VarlenCall):
         """``(out [T, H, D], lse [H, T] float32)`` (float64 for float64 inputs)."""
@@ -66,7 +99,23 @@ class VarlenKernel:
 
     def backward(self, dout, q, k, v, out, lse, call: VarlenCall, dlse=None):
         """``(dq, dk, dv)`` given the (merged) ``out`` and ``lse [H, T]``; ``dlse`` (``[H, T]`` or None)
-        is the gradient of lse."""
+        is the gradient of lse. In slices of the heads where the whole call's dq accumulator would
+        pass :attr:`dq_accumulator_limit` (:func:`accumulator_head_slices`)."""
+        slices = accumulator_head_slices(q.shape[0], call.cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2],
+                                         self.dq_accumulator_limit)
+        if slices is None:
+            return self.backward_heads(dout, q, k, v, out, lse, call, dlse)
+        g = q.shape[1] // k.shape[1]
+        parts = []
+        for a, b in slices:
+            dout_s, q_s, out_s = (x[:, a:b].contiguous() for x in (dout, q, out))
+            k_s, v_s = (x[:, a // g:b // g].contiguous() for x in (k, v))
+            parts.append(self.backward_heads(dout_s, q_s, k_s, v_s, out_s, lse[a:b], call,
+                                             None if dlse is None else dlse[a:b]))
+        return tuple(torch.cat([part[i] for part in parts], 1) for i in range(3))
+
+    def backward_heads(self, dout, q, k, v, out, lse, call: VarlenCall, dlse=None):
+        """:meth:`backward` in one call of the kernel."""
         raise NotImplementedError
 
 
@@ -81,6 +130,7 @@ def torch_varlen_ops():
 
 class TorchVarlen(VarlenKernel):
     name = "torch_varlen"
+    dq_accumulator_limit = FLASH_BACKWARD_MAX
 
     def _args(self, op, call: VarlenCall, d: int) -> dict:
         params = parameters(op)
@@ -107,7 +157,7 @@ class TorchVarlen(VarlenKernel):
         out, lse = call_by_name(fwd, args, required=("query", "key", "value", "cu_seq_q", "is_causal"))[:2]
         return out, _lse_rows_last(lse, q.shape[0], q.shape[1])
 
-    def backward(self, dout, q, k, v, out, lse, call, dlse=None):
+    def backward_heads(self, dout, q, k, v, out, lse, call, dlse=None):
         _, bwd = torch_varlen_ops()
         groups = self._groups(q, k)
         ke, ve = expand_kv_heads(k, groups, 1), expand_kv_heads(v, groups, 1)
@@ -149,7 +199,7 @@ class FlashAttn4Varlen(VarlenKernel):
                                 required=("q", "k", "v", "cu_seqlens_q", "causal", "return_lse"))[:2]
         return out, _lse_rows_last(lse, q.shape[0], q.shape[1])
 
-    def backward(self, dout, q, k, v, out, lse, call, dlse=None):
+    def backward_heads(self, dout, q, k, v, out, lse, call, dlse=None):
         from .flash_attn_4 import cute_interface, padded_backward
 
         def run(dout, q, k, v, out):  # head dims padded as the dense backend's (flash_attn_4.py says why)
