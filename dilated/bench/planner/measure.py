@@ -38,7 +38,8 @@ FILLING_ROWS = 65536
 #: per-rank buffer sizes of the link measurements
 LINK_BYTES = [1 << e for e in range(16, 31, 2)]
 #: decode: cached rows per rank and batches timed (one query token), at most DECODE_BYTES of K/V per rank
-DECODE_TOKENS = [1 << 14, 1 << 17, 1 << 19, 1 << 21]
+#: (a point at 1M: a step's time bends between 512K and 2M rows, where a million-token cache on one GPU lies)
+DECODE_TOKENS = [1 << 14, 1 << 17, 1 << 19, 1 << 20, 1 << 21]
 DECODE_BATCHES = [1, 8]
 DECODE_BYTES = 16 << 30
 #: strategies (benchmark names) timed on the launched ranks, at this many rows per rank (packed
