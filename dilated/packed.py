@@ -68,14 +68,18 @@ DEFAULT_BUCKETS_PER_OCTAVE = 8
 FINE_BUCKETS_ABOVE = 4096
 
 
+#: the environment variable that sets :data:`BUCKETS_PER_OCTAVE`
+BUCKETS_ENV = "DILATED_BUCKETS_PER_OCTAVE"
+
+
 def buckets_per_octave_from_env() -> int:
     """``DILATED_BUCKETS_PER_OCTAVE`` (1, 2, 4, 8 or 16; :data:`DEFAULT_BUCKETS_PER_OCTAVE` where unset); a
     clear error otherwise."""
-    value = os.environ.get("DILATED_BUCKETS_PER_OCTAVE")
+    value = os.environ.get(BUCKETS_ENV)
     if value is None:
         return DEFAULT_BUCKETS_PER_OCTAVE
     if value.strip() not in ("1", "2", "4", "8", "16"):
-        raise ValueError(f"DILATED_BUCKETS_PER_OCTAVE={value!r}: set it to 1, 2, 4, 8 or 16 (the bucket lengths per "
+        raise ValueError(f"{BUCKETS_ENV}={value!r}: set it to 1, 2, 4, 8 or 16 (the bucket lengths per "
                          "octave that long causal packed documents are padded to) or unset it "
                          f"(default {DEFAULT_BUCKETS_PER_OCTAVE})")
     return int(value)

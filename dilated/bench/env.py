@@ -13,6 +13,9 @@ import sys
 
 import torch
 
+from ..backends.graph_shapes import ENV as CUDNN_BUILD_AFTER_ENV
+from ..packed import BUCKETS_ENV
+
 
 def _version(module: str) -> str | None:
     try:
@@ -46,7 +49,7 @@ def _git_commit() -> str | None:
 #: environment variables recorded with every row (``None``: not set): how communication shares the GPU,
 #: and the project's own that change which kernel calls a row makes
 RECORDED_VARIABLES = ("TORCH_NCCL_HIGH_PRIORITY", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE",
-                      "TORCH_SYMM_MEM_DISABLE_MULTICAST", "DILATED_CUDNN_BUILD_AFTER", "DILATED_BUCKETS_PER_OCTAVE")
+                      "TORCH_SYMM_MEM_DISABLE_MULTICAST", CUDNN_BUILD_AFTER_ENV, BUCKETS_ENV)
 
 
 @functools.lru_cache(maxsize=None)
