@@ -103,6 +103,46 @@ def sharded_check(rank, world, port):
     dist.destroy_process_group()
 
 
+def sharded_layouts(rank, world, port):
+    """Past the gather limit the check reads the shards where they lie in any layout: its reads equal
+    the gathered tensor's (which the contiguous layout's reads do not), and a documents row checked
+    that way passes."""
+    from dilated.bench import RunOptions, run_sweep
+    from dilated.bench import distributed as bench_distributed
+    from dilated.bench import runner
+    from dilated.bench.distributed import ShardedSequence
+    from dilated.bench.registry import Case, get_implementation
+
+    init(rank, world, port)
+    n = 48 * world
+    case = Case(batch=1, seq_len=n, num_heads=12, head_dim=16, num_kv_heads=6, dtype="float32", causal=True,
+                mode="fwd_bwd", documents="lognormal:16,1.0")
+    rows = torch.tensor([0, 3, n // 2 + 1, n - 5, n - 1])
+    limit = bench_distributed.GATHER_LIMIT_BYTES
+    for name in ("ring_zigzag", "documents", "ulysses"):
+        impl = get_implementation(name)
+        model = impl.build(case, "manual")
+        q, k, v = impl.inputs(case, "cpu", torch.Generator().manual_seed(3), False)
+        model(q, k, v)  # the documents' layout is the call's
+        full = impl.gather(q)
+        bench_distributed.GATHER_LIMIT_BYTES = 0
+        try:
+            sharded = impl.gather(q)
+        finally:
+            bench_distributed.GATHER_LIMIT_BYTES = limit
+        assert isinstance(sharded, ShardedSequence), name
+        assert torch.equal(sharded[:, rows], full[:, rows]), name
+        assert torch.equal(sharded[:, 5:n - 3], full[:, 5:n - 3]), name
+        if name != "ulysses":  # reads as if the shards were contiguous get other rows
+            assert not torch.equal(ShardedSequence(q)[:, rows], full[:, rows]), name
+    bench_distributed.GATHER_LIMIT_BYTES, runner.DENSE_REFERENCE_LIMIT = 0, 0
+    row = run_sweep([(get_implementation("documents"), case, "manual")],
+                    RunOptions(warmup=1, reps=1, device="cpu"), None, "t", progress=False)[0]
+    assert row["status"] == "ok" and row["check"]["passed"], row
+    assert "sampled" in row["check"]["reference"] and row["check"]["grad_rel_err"] < 1e-4, row["check"]
+    dist.destroy_process_group()
+
+
 def bad_length(rank, world, port):
     init(rank, world, port)
     q = torch.randn(1, 5 * world + 1, 2, 8)

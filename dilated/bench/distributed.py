@@ -9,7 +9,8 @@ as everything else; its hooks make each row honest across ranks:
 * peak memory is the maximum over the ranks;
 * the correctness check gathers the shards and compares the global result with the reference;
   past :data:`GATHER_LIMIT_BYTES` per tensor (where the check samples rows) the shards stay where
-  they are (:class:`ShardedSequence`) and the reference reads rows and key blocks from their owners;
+  they are, in any layout (:class:`ShardedSequence`), and the reference reads rows and key blocks
+  from their owners;
 * communication per call (bytes sent, messages, collectives) and the exposed communication time
   (CUDA events around each wait on the compute stream) come from the module's ``stats``.
 
@@ -34,29 +35,30 @@ from .workload import (WithDocuments, document_layout_work, grid_work_per_rank, 
                        row_local_work, ulysses_size_for, work_per_rank)
 from .runner import RunOptions, run_sweep
 
-#: above this size of a gathered tensor the check reads the shards in place (16M tokens, H=16, D=128
-#: bf16 is 64 GiB per tensor: q, k, v and out gathered on every rank would not fit).
+#: above this size of a gathered tensor the check reads the shards in place (1M tokens, H=32, D=128
+#: bf16 is 8 GiB per tensor: q, k, v, out, dout and the gradients gathered on every rank take about
+#: 40 GiB beside the run's own tensors).
 GATHER_LIMIT_BYTES = 2 << 30
 
 
 class ShardedSequence:
-    """A ``[B, N, H, D]`` tensor left in its contiguous shards, for the sampled check.
+    """A ``[B, N, H, D]`` tensor left in its shards, for the sampled check.
 
-    Supports what :func:`dilated.reference.sampled_reference` and the check read: ``x[:, rows]``
-    (an index tensor: each owner fills its rows, one all-reduce) and ``x[:, a:b]`` (key blocks:
-    a broadcast from each owner). Every rank makes the same reads in the same order, as the
-    check does, so the collectives match.
+    ``owners`` (``[N]`` int64 on the shards' device; default the contiguous layout's) names where
+    each global position lies: ``rank * N/P + its row in that rank's shard``. Supports what
+    :func:`dilated.reference.sampled_reference` and the check read: ``x[:, rows]`` (an index
+    tensor) and ``x[:, a:b]`` (a block of keys or of a document): each rank fills the rows it
+    holds and one all-reduce adds them (every row is nonzero on its owner only: exact). Every rank
+    makes the same reads in the same order, as the check does, so the collectives match.
     """
 
-    def __init__(self, local: torch.Tensor, group=None):
+    def __init__(self, local: torch.Tensor, group=None, owners: torch.Tensor | None = None):
         self.local, self.group = local.detach(), group
         self.rank, self.p = dist.get_rank(group), dist.get_world_size(group)
         self.n = local.shape[1]
         self.shape = torch.Size((local.shape[0], self.n * self.p, *local.shape[2:]))
         self.device, self.dtype = local.device, local.dtype
-
-    def _src(self, owner: int) -> int:
-        return dist.get_global_rank(self.group, owner) if self.group is not None else owner
+        self.owners = torch.arange(self.shape[1], device=self.device) if owners is None else owners
 
     def __getitem__(self, idx):
         whole, sel = idx
@@ -65,23 +67,14 @@ class ShardedSequence:
         if isinstance(sel, slice):
             start, stop, step = sel.indices(self.shape[1])
             if step != 1:
-                raise IndexError("ShardedSequence reads contiguous key blocks only")
-            pieces = []
-            for owner in range(start // self.n, (stop - 1) // self.n + 1):
-                a, b = max(start - owner * self.n, 0), min(stop - owner * self.n, self.n)
-                if owner == self.rank:
-                    buf = self.local[:, a:b].contiguous()
-                else:
-                    buf = torch.empty((self.shape[0], b - a, *self.shape[2:]), device=self.device, dtype=self.dtype)
-                dist.broadcast(buf, src=self._src(owner), group=self.group)
-                pieces.append(buf)
-            return torch.cat(pieces, 1)
+                raise IndexError("ShardedSequence reads contiguous blocks only")
+            sel = torch.arange(start, stop, device=self.device)
         rows = torch.as_tensor(sel, device=self.device)
+        where = self.owners[rows]
+        mine = torch.div(where, self.n, rounding_mode="floor") == self.rank
         out = torch.zeros((self.shape[0], len(rows), *self.shape[2:]), device=self.device, dtype=self.dtype)
-        lo = self.rank * self.n
-        mine = (rows >= lo) & (rows < lo + self.n)
-        out[:, mine] = self.local[:, rows[mine] - lo]
-        dist.all_reduce(out, group=self.group)  # every row is nonzero on its owner only: exact
+        out[:, mine] = self.local[:, where[mine] - self.rank * self.n]
+        dist.all_reduce(out, group=self.group)
         return out
 
 
@@ -175,11 +168,22 @@ class DistributedImplementation(Implementation):
 
     def gather(self, t):
         full_bytes = t.numel() * t.element_size() * dist.get_world_size(self.group)
-        if self.layout == "contiguous" and full_bytes > GATHER_LIMIT_BYTES:
-            return ShardedSequence(t, self.group)
+        if full_bytes > GATHER_LIMIT_BYTES:
+            return ShardedSequence(t, self.group, self._owners(t))
+        return self._unshard(t)
+
+    def _unshard(self, t):
         if hasattr(self._model, "unshard"):  # the module knows its layout (a hybrid grid, say)
             return self._model.unshard(t.contiguous())
         return dilated.unshard(t.contiguous(), group=self.group, layout=self.layout)
+
+    def _owners(self, t) -> torch.Tensor:
+        """Where each global position of ``t``'s layout lies (:class:`ShardedSequence`): this rank's rows
+        numbered ``rank * N/P + row`` and put in sequence order as :meth:`gather` puts them (one
+        all-gather of ``N`` integers)."""
+        n, rank = t.shape[1], dist.get_rank(self.group)
+        mine = torch.arange(rank * n, (rank + 1) * n, device=t.device).view(1, n, 1, 1)
+        return self._unshard(mine).flatten()
 
     def work_per_rank(self, case, p: int) -> list[float] | None:
         """Attended (query, key) pairs each rank computes (its queries, or its heads of every

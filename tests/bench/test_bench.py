@@ -282,6 +282,42 @@ def test_a_call_does_not_hold_the_previous_calls_output(mode):
     assert not any(held), held
 
 
+def test_a_failed_row_across_ranks_frees_its_tensors_before_the_next_row():
+    """A row that fails on a rank (an out-of-memory check, say) keeps its failure until the ranks agree;
+    that failure's traceback holds the frames it went through and their tensors: they are freed when
+    the row ends, not at some later garbage collection after the next row has allocated."""
+    import dataclasses
+    import gc
+    import weakref
+
+    @dataclasses.dataclass
+    class TimedAcrossRanks(Implementation):  # a row whose ranks agree on failures (one rank here)
+        def reduce_max(self, values):
+            return list(values)
+
+    held = []
+
+    def build(case, backend):
+        def model(q, k, v):
+            gathered = torch.ones(1 << 16)  # what a failing check had gathered
+            held.append(weakref.ref(gathered))
+            raise RuntimeError("fails with its gathered tensor in the frame")
+        return model
+
+    impl = register_implementation(TimedAcrossRanks("fails_across_ranks_for_test", "dense", build))
+    gc.disable()  # only reference counts free what the row leaves
+    try:
+        case = Case(batch=1, seq_len=16, num_heads=2, head_dim=8, dtype="float32")
+        row = run_sweep([(impl, case, "manual")], RunOptions(reps=1, warmup=1, device="cpu"), None, "t",
+                        progress=False)[0]
+        alive = [ref() is not None for ref in held]
+    finally:
+        gc.enable()
+        IMPLEMENTATIONS.pop("fails_across_ranks_for_test")
+    assert row["status"] == "error" and "gathered tensor" in row["reason"] and held
+    assert not any(alive), alive
+
+
 def test_kernel_floor_is_timed_beside_dilated_rows():
     impl = IMPLEMENTATIONS["improved"]
     case = Case(batch=1, seq_len=256, num_heads=4, head_dim=16, dtype="float32", mode="fwd_bwd",

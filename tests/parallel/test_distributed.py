@@ -25,6 +25,11 @@ def test_sampled_check_reads_shards_in_place(world):
     spawn(dist_worker.sharded_check, args=(world, free_port()), nprocs=world)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_sampled_check_reads_shards_in_place_in_every_layout(world):
+    spawn(dist_worker.sharded_layouts, args=(world, free_port()), nprocs=world)
+
+
 def test_time_based_timing_stops_on_every_rank_together():
     spawn(dist_worker.timing_agrees, args=(2, free_port()), nprocs=2)
 
