@@ -143,6 +143,32 @@ def sharded_layouts(rank, world, port):
     dist.destroy_process_group()
 
 
+def measured_together(rank, world, port):
+    """A step with a collective timed on several ranks: every call starts together (a rank that
+    lingers after its collective does not lengthen the others' next call), and each call's time is the
+    slowest rank's, the same on every rank."""
+    import time
+
+    from dilated.bench.timing import measure_together
+
+    init(rank, world, port)
+    t = torch.ones(1)
+
+    def step():  # the last rank lingers after the collective
+        dist.all_reduce(t)
+        if rank == world - 1:
+            time.sleep(0.03)
+
+    slowest, own = measure_together(step, "cpu", warmup=1, reps=4, flush_l2=False)
+    every = [None] * world
+    dist.all_gather_object(every, slowest)
+    assert all(x == every[0] for x in every) and len(slowest) == 4, every
+    assert min(slowest) >= 30 and slowest == [max(a, b) for a, b in zip(slowest, own)], (slowest, own)
+    if rank != world - 1:  # its calls did not wait for the lingering rank's last call
+        assert max(own) < 20, own
+    dist.destroy_process_group()
+
+
 def bad_length(rank, world, port):
     init(rank, world, port)
     q = torch.randn(1, 5 * world + 1, 2, 8)

@@ -5,6 +5,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 
 
 def _l2_flusher(device):
@@ -43,13 +44,29 @@ def measure(step, device, *, warmup: int = 3, reps: int = 10, budget_s: float | 
     spans the swings of a power-capped GPU's clocks rather than one phase of them.
     With ``budget_s``, warm-up (a quarter of it) and repetitions also stop once that much wall time
     is spent, after at least one timed call: long calls get fewer samples, short ones ``reps``.
-    ``cuda_graph`` captures ``step`` once and times replays (only for steps without ``setup``).
+    ``cuda_graph`` captures ``step`` once and times replays (``setup`` runs before each, outside the graph).
     ``agree(more) -> bool``: where several ranks time together, makes each go-on-or-stop decision
     the same on all of them (a rank that stopped alone would leave the others waiting).
     """
     return measure_side_by_side([(step, setup)], device, warmup=warmup, reps=reps, budget_s=budget_s,
                                 flush_l2=flush_l2, cuda_graph=cuda_graph, warmup_s=warmup_s, rep_s=rep_s,
                                 agree=agree)[0]
+
+
+def measure_together(step, device, group=None, **kwargs) -> tuple[list[float], list[float]]:
+    """:func:`measure` of a ``step`` that the ranks of ``group`` make together (a collective inside it),
+    as the distributed rows time theirs: each call starts after a barrier (untimed), so that no rank's
+    call includes waiting for another to arrive. Returns ``(each call's time on the slowest rank, on
+    this rank)``; on one rank, or without a process group, both are :func:`measure`'s."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        samples = measure(step, device, **kwargs)
+        return samples, samples
+    from ..parallel.agreement import group_device
+
+    own = measure(step, device, setup=lambda: dist.barrier(group=group), **kwargs)
+    slowest = torch.tensor(own, dtype=torch.float64, device=group_device(group))
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return slowest.tolist(), own
 
 
 def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budget_s: float | None = None,
@@ -62,10 +79,10 @@ def measure_side_by_side(steps, device, *, warmup: int = 3, reps: int = 10, budg
     flush = _l2_flusher(device) if flush_l2 else (lambda: None)
     cuda = device.type == "cuda"
     agree = agree or bool
-    if cuda_graph:
-        if not cuda or any(setup is not None for _, setup in steps):
-            raise ValueError("cuda_graph timing needs a CUDA device and steps without setup")
-        steps = [(_graphed(step, warmup), None) for step, _ in steps]
+    if cuda_graph:  # a setup (a barrier, say) runs before each replay, outside the graph
+        if not cuda:
+            raise ValueError("cuda_graph timing needs a CUDA device")
+        steps = [(_graphed(step, warmup), setup) for step, setup in steps]
 
     def more(done, least, least_s, t0, budget, min_done):
         spent = time.perf_counter() - t0

@@ -34,6 +34,10 @@ def test_time_based_timing_stops_on_every_rank_together():
     spawn(dist_worker.timing_agrees, args=(2, free_port()), nprocs=2)
 
 
+def test_steps_with_a_collective_are_timed_from_a_common_start_on_the_slowest_rank():
+    spawn(dist_worker.measured_together, args=(3, free_port()), nprocs=3)
+
+
 def test_sequence_not_divisible_by_world_size():
     spawn(dist_worker.bad_length, args=(2, free_port()), nprocs=2)
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..env import environment
-from ..timing import measure
+from ..timing import measure, measure_together
 from .calibration import Calibration, Curve, DecodePoint, DocumentPoint, KernelPoint, StrategyPoint
 
 #: the rows a device-filling calibration call holds (batch x length)
@@ -278,7 +278,8 @@ def measure_decode(device, shape=(32, 8, 128), reps: int = 30, log=print) -> lis
 def _decode_ms(ranks: int, b: int, s: int, shape, device, reps: int) -> float:
     """Median ms of a decode step over ``s`` cached rows of ``b`` sequences: on this GPU alone (``ranks``
     1: :func:`~dilated.parallel.decode_attention.local_part`, as ``decode_attention`` runs without a
-    process group), or on every rank together (the slowest rank's median)."""
+    process group), or on every rank together (each step started together, the median of its slowest rank's
+    times: :func:`~dilated.bench.timing.measure_together`)."""
     from ...parallel.decode_attention import decode_attention, local_part
 
     h, hkv, d = shape
@@ -288,9 +289,7 @@ def _decode_ms(ranks: int, b: int, s: int, shape, device, reps: int) -> float:
         if ranks == 1:
             return _mean_over_ranks(statistics.median(measure(
                 lambda: local_part(q, k, v, None, "auto")[0].to(q.dtype), device, warmup=5, reps=reps)))
-        dist.barrier()
-        return _max_over_ranks(statistics.median(measure(lambda: decode_attention(q, k, v), device, warmup=5,
-                                                         reps=reps)))
+        return statistics.median(measure_together(lambda: decode_attention(q, k, v), device, warmup=5, reps=reps)[0])
 
 
 def measure_strategies(shape, device, backend: str, reps: int = 10, log=print) -> list[StrategyPoint]:

@@ -5,7 +5,8 @@ and P, beside the single-GPU decode of the whole cache where it fits.
 Each rank of the first P holds ``S / P`` rows of the cache; the query tokens are the same on every
 rank. A step is the local attention over the rank's rows and the one all-gather that merges them;
 it is timed with CUDA events after warm-up, the L2 cache flushed before each step (in a model the
-cache is read after other layers' work); with ``--cuda-graph`` replays of the step captured in a
+cache is read after other layers' work), the ranks starting each step together (a barrier) and a
+step's time the slowest rank's; with ``--cuda-graph`` replays of the step captured in a
 CUDA graph are timed instead, as serving engines run decode. Every row's output is checked once against float64
 softmax over the whole cache (batch row 0, streamed over key blocks). A configuration that does
 not fit is an ``oom`` row and the sweep goes on.
@@ -25,7 +26,7 @@ from ..env import environment
 from ..registry import Case
 from ..results import ResultWriter
 from ..sizes import size_list
-from ..timing import measure, summarize
+from ..timing import measure_together, summarize
 from .distributed import head_shapes
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -66,12 +67,13 @@ def _row(args, p, s, b, shape, group, rank, device, dtype) -> dict:
         with torch.inference_mode():
             step = lambda: decode_attention(q, k, v, group, backend=args.backend)  # noqa: E731
             out = step()
-            samples = measure(step, device, warmup=args.warmup, reps=args.reps, cuda_graph=args.cuda_graph)
+            samples, own = measure_together(step, device, group, warmup=args.warmup, reps=args.reps,
+                                            cuda_graph=args.cuda_graph)
     except torch.OutOfMemoryError as e:
         return {**row, "status": "oom", "reason": str(e).splitlines()[0]}
     medians = [torch.zeros(1, device=device) for _ in range(p)] if p > 1 else None
     if medians is not None:
-        dist.all_gather(medians, torch.tensor([summarize(samples)["median"]], device=device), group=group)
+        dist.all_gather(medians, torch.tensor([summarize(own)["median"]], device=device), group=group)
     row.update(status="ok", time_ms=summarize(samples), samples_ms=samples,
                rank_median_ms=[m.item() for m in medians] if medians else [summarize(samples)["median"]],
                kv_bytes_per_rank=2 * k.numel() * k.element_size())
