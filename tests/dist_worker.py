@@ -169,6 +169,22 @@ def measured_together(rank, world, port):
     dist.destroy_process_group()
 
 
+def calibrated_decode(rank, world, port):
+    """The calibration times decode steps on one GPU and on the first 2, 4, ... ranks and the world, every
+    rank returning the same points."""
+    from dilated.bench.planner import measure
+
+    init(rank, world, port)
+    measure.DECODE_TOKENS, measure.DECODE_BATCHES = (64, 256), (1, 2)
+    points = measure.measure_decode(torch.device("cpu"), shape=(4, 2, 16), reps=2, log=lambda *_: None)
+    assert sorted({p.ranks for p in points}) == measure.decode_rank_counts(world)
+    assert len(points) == 4 * len(measure.decode_rank_counts(world)) and all(p.ms > 0 for p in points), points
+    every = [None] * world
+    dist.all_gather_object(every, points)
+    assert all(x == points for x in every)
+    dist.destroy_process_group()
+
+
 def bad_length(rank, world, port):
     init(rank, world, port)
     q = torch.randn(1, 5 * world + 1, 2, 8)

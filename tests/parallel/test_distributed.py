@@ -38,6 +38,15 @@ def test_steps_with_a_collective_are_timed_from_a_common_start_on_the_slowest_ra
     spawn(dist_worker.measured_together, args=(3, free_port()), nprocs=3)
 
 
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_calibration_times_decode_on_each_power_of_two_ranks_and_the_world(world):
+    from dilated.bench.planner.measure import decode_rank_counts
+
+    assert [decode_rank_counts(w) for w in (1, 2, 3, 4, 6, 8)] == [[1], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 4, 6],
+                                                                   [1, 2, 4, 8]]
+    spawn(dist_worker.calibrated_decode, args=(world, free_port()), nprocs=world)
+
+
 def test_sequence_not_divisible_by_world_size():
     spawn(dist_worker.bad_length, args=(2, free_port()), nprocs=2)
 

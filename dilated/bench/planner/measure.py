@@ -256,40 +256,52 @@ def measure_documents(shapes, device, backend: str, reps: int = 10, log=print) -
     return points
 
 
+def decode_rank_counts(world: int) -> list[int]:
+    """The rank counts decode steps are timed on: one GPU, the powers of two below the world, the world."""
+    return sorted({1, world} | {1 << i for i in range(1, world.bit_length()) if 1 << i < world})
+
+
 def measure_decode(device, shape=(32, 8, 128), reps: int = 30, log=print) -> list[DecodePoint]:
-    """Decode steps of one query token on one GPU alone and on all launched ranks together, per
-    batch and cached rows per rank (at most :data:`DECODE_BYTES` of cache per rank)."""
-    h, hkv, d = shape
+    """Decode steps of one query token on the first P ranks for each P of :func:`decode_rank_counts` (the
+    others waiting, as the decode benchmark runs its rows), per batch and cached rows per rank (at most
+    :data:`DECODE_BYTES` of cache per rank)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     points = []
-    for ranks in sorted({1, world}):
+    for ranks in decode_rank_counts(world):
+        group = dist.new_group(list(range(ranks))) if 1 < ranks < world else None  # every rank makes it
         for b in DECODE_BATCHES:
             for s in DECODE_TOKENS:
-                if b * s * hkv * d * 2 * 2 > DECODE_BYTES:
+                if b * s * shape[1] * shape[2] * 2 * 2 > DECODE_BYTES:
                     continue
-                ms = _decode_ms(ranks, b, s, shape, device, reps)
-                points.append(DecodePoint(ranks, b, s, h, hkv, d, ms))
+                ms = _decode_ms(ranks, group, b, s, shape, device, reps)
+                points.append(DecodePoint(ranks, b, s, *shape, ms))
                 log(f"decode on {ranks} rank(s), batch {b}, {s} cached rows per rank: {ms:.3f} ms")
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return points
 
 
-def _decode_ms(ranks: int, b: int, s: int, shape, device, reps: int) -> float:
-    """Median ms of a decode step over ``s`` cached rows of ``b`` sequences: on this GPU alone (``ranks``
-    1: :func:`~dilated.parallel.decode_attention.local_part`, as ``decode_attention`` runs without a
-    process group), or on every rank together (each step started together, the median of its slowest rank's
-    times: :func:`~dilated.bench.timing.measure_together`)."""
+def _decode_ms(ranks: int, group, b: int, s: int, shape, device, reps: int) -> float:
+    """Median ms of a decode step over ``s`` cached rows of ``b`` sequences on the first ``ranks`` ranks
+    (``group``; the others wait), on every rank: on the first GPU alone for 1
+    (:func:`~dilated.parallel.decode_attention.local_part`, as ``decode_attention`` runs without a process
+    group), else each step started together, the median of its slowest rank's times
+    (:func:`~dilated.bench.timing.measure_together`)."""
     from ...parallel.decode_attention import decode_attention, local_part
 
-    h, hkv, d = shape
-    q = torch.randn(b, 1, h, d, device=device, dtype=torch.bfloat16)
-    k, v = (torch.randn(b, s, hkv, d, device=device, dtype=torch.bfloat16) for _ in range(2))
-    with torch.no_grad():
-        if ranks == 1:
-            return _mean_over_ranks(statistics.median(measure(
-                lambda: local_part(q, k, v, None, "auto")[0].to(q.dtype), device, warmup=5, reps=reps)))
-        return statistics.median(measure_together(lambda: decode_attention(q, k, v), device, warmup=5, reps=reps)[0])
+    ms = 0.0
+    if not dist.is_initialized() or dist.get_rank() < ranks:
+        h, hkv, d = shape
+        q = torch.randn(b, 1, h, d, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(b, s, hkv, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+        with torch.no_grad():
+            if ranks == 1:
+                ms = statistics.median(measure(lambda: local_part(q, k, v, None, "auto")[0].to(q.dtype), device,
+                                               warmup=5, reps=reps))
+            else:
+                ms = statistics.median(measure_together(lambda: decode_attention(q, k, v, group), device, group,
+                                                        warmup=5, reps=reps)[0])
+    return _max_over_ranks(ms)  # the ranks that waited give 0
 
 
 def measure_strategies(shape, device, backend: str, reps: int = 10, log=print) -> list[StrategyPoint]:

@@ -621,16 +621,18 @@ class Model:
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:
         """The calibrated decode step of the same batch and rows per rank (on one GPU alone for P = 1,
-        else on the calibration's ranks, its all-gather and merge included), the rows per rank and
-        batch interpolated; for another P, the all-gather's difference added."""
+        else on P ranks where the calibration timed P, else on the most ranks it timed below P, or the
+        fewest above; its all-gather and merge included), the rows per rank and batch interpolated;
+        for another P, the all-gather's difference added."""
         p = len(ranks)
         cal = self.network.calibration
         counts = sorted({d.ranks for d in cal.decode})
         if not counts:
             raise ValueError("the calibration has no decode steps: calibrate again")
-        measured_p = 1 if p == 1 else max(counts)
-        if p > 1 and measured_p == 1:
+        several = [c for c in counts if c > 1]
+        if p > 1 and not several:
             raise ValueError("the calibration has decode steps of one GPU only: calibrate under torchrun")
+        measured_p = 1 if p == 1 else max([c for c in several if c <= p] or several[:1])
         per_rank = problem.seq_len / p
         shape = (problem.heads, problem.kv_heads, problem.head_dim)
         pts = [d for d in cal.decode if d.ranks == measured_p and (d.heads, d.kv_heads, d.head_dim) == shape]

@@ -1,5 +1,6 @@
 import pytest
 
+from dilated.bench.planner.calibration import DecodePoint
 from dilated.bench.planner.kernel_model import KernelModel
 from dilated.bench.planner.network import InterNode, Network
 from dilated.bench.planner.schedules import Model, Problem
@@ -145,6 +146,20 @@ def test_decode_reads_the_calibrated_steps_of_its_rows_per_rank():
     two = m.predict("decode", Problem(1 << 18, 32, 8, 128, mode="decode"), 2)
     assert one.time_ms == pytest.approx(decode_ms(1, (1 << 17) * row), rel=1e-9)
     assert two.time_ms == pytest.approx(decode_ms(2, (1 << 17) * row), rel=1e-9)
+
+
+def test_decode_reads_the_steps_timed_on_as_many_ranks():
+    """A step on more ranks waits for more of them: a calibration with steps on 1, 2 and 4 ranks gives P=2
+    the 2-rank steps and P=4 the 4-rank ones (each with its rows per rank)."""
+    cal = calibration()
+    cal.decode = cal.decode + [DecodePoint(4, b, s, 32, 8, 128, decode_ms(2, b * s * 8 * 128 * 4) + 0.5)
+                               for b in (1, 8) for s in (1 << 14, 1 << 17, 1 << 19)]
+    m = Model(KernelModel(cal), Network(cal, 4, None))
+    row = 8 * 128 * 2 * 2
+    two = m.predict("decode", Problem(1 << 18, 32, 8, 128, mode="decode"), 2)
+    four = m.predict("decode", Problem(1 << 19, 32, 8, 128, mode="decode"), 4)
+    assert two.time_ms == pytest.approx(decode_ms(2, (1 << 17) * row), rel=1e-9)
+    assert four.time_ms == pytest.approx(decode_ms(2, (1 << 17) * row) + 0.5, rel=1e-9)
 
 
 @pytest.mark.parametrize("strategy, world, grid, words", [
