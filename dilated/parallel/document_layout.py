@@ -14,6 +14,13 @@ holding exactly ``N / P`` positions:
   rank with the least work that has room for them (longest-processing-time scheduling);
 * a whole document that no rank has room for is cut at the ranks' remaining room, in order.
 
+Causal, the first document cut head-tail is then split again: each rank keeps its share of the
+document's positions, but the boundary between its head and its tail piece moves, which moves work
+between the ranks without moving positions (a rank's head starting later adds its length to every
+key its queries see), until the ranks' work is as even as that document allows; one long document
+cut so can balance what would otherwise take cutting the next ones too, and every document cut
+crosses ranks.
+
 The layout tries cutting the ``k`` documents of most work head-tail for ``k = 0, 1, 2, 4, ...``
 and keeps the first whose slowest rank is within :data:`TARGET_IMBALANCE` of the mean (else the
 most balanced it found; a ``k`` that surely misses, its longest whole document alone lifting a
@@ -76,22 +83,59 @@ def document_work(length: int, causal: bool) -> int:
     return piece_work(length, 0, length, causal)
 
 
-def _head_tail(a: int, length: int, p: int, turn: int) -> list[tuple[int, int, int]]:
-    """Document ``[a, a + length)`` cut into ``2P`` pieces, rank r taking pieces r and 2P-1-r, as
-    ``(rank, start, length)`` in sequence order (empty pieces left out); the positions left over by
-    ``length / P`` go one each to ranks ``turn, turn + 1, ...`` (mod P)."""
+def _shares(length: int, p: int, turn: int) -> list[int]:
+    """Each rank's positions of a document of ``length`` cut head-tail: ``length / P``, the positions left
+    over going one each to ranks ``turn, turn + 1, ...`` (mod P)."""
     base, extra = divmod(length, p)
-    share = [base + ((r - turn) % p < extra) for r in range(p)]
+    return [base + ((r - turn) % p < extra) for r in range(p)]
+
+
+def _head_tail(a: int, length: int, p: int, turn: int, heads=None) -> list[tuple[int, int, int]]:
+    """Document ``[a, a + length)`` cut into ``2P`` pieces, rank r taking pieces r and 2P-1-r, as
+    ``(rank, start, length)`` in sequence order (empty pieces left out); rank r holds
+    ``_shares(length, p, turn)[r]`` positions, ``heads[r]`` of them in its head piece (default half)."""
+    share = _shares(length, p, turn)
+    heads = [m // 2 for m in share] if heads is None else heads
     out, at = [], a
     for r in range(p):  # the heads
-        if share[r] // 2:
-            out.append((r, at, share[r] // 2))
-            at += share[r] // 2
+        if heads[r]:
+            out.append((r, at, heads[r]))
+            at += heads[r]
     for r in reversed(range(p)):  # the tails
-        if share[r] - share[r] // 2:
-            out.append((r, at, share[r] - share[r] // 2))
-            at += share[r] - share[r] // 2
+        if share[r] - heads[r]:
+            out.append((r, at, share[r] - heads[r]))
+            at += share[r] - heads[r]
     return out
+
+
+def _even_out(cu: tuple, p: int, causal: bool, d: int, load: list) -> tuple[tuple | None, list]:
+    """``(heads, work)``: document ``d``, the first cut head-tail (``turn`` 0), split again between each
+    rank's head and tail piece, every rank keeping its share of the document's positions, so that the
+    ranks' work ``load`` (which counts the even split) comes as near the mean as the document allows.
+    Moving ``x`` of rank r's positions from its tail to its head starts the pieces of every rank
+    ``j > r`` ``x`` positions later in the document, moving about ``x * share[j]`` causal pairs from r to
+    each of them: a step per rank r < P-1, from the first, each from the ranks' exact work; twice (the
+    pairs moved are quadratic in ``x``). ``heads`` None where no split beats the even one."""
+    a, length = cu[d], cu[d + 1] - cu[d]
+    share = _shares(length, p, 0)
+
+    def work_of(heads):
+        w = [0] * p
+        for r, start, m in _head_tail(a, length, p, 0, heads):
+            w[r] += piece_work(m, start - a, length, causal)
+        return w
+
+    heads = [m // 2 for m in share]
+    rest = list(map(operator.sub, load, work_of(heads)))
+    mean = sum(load) / p
+    for _ in range(2):
+        for r in range(p - 1):
+            now = rest[r] + work_of(heads)[r]
+            later = sum(share[r + 1:])
+            if later:
+                heads[r] += max(-heads[r], min(share[r] - heads[r], round((now - mean) / later)))
+    work = list(map(operator.add, rest, work_of(heads)))
+    return (tuple(heads), work) if max(work) < max(load) else (None, load)
 
 
 def _least_loaded_with_room(load: list, room: list, length: int) -> int:
@@ -116,21 +160,22 @@ def _documents(cu: tuple, causal: bool) -> _Documents:
     return _Documents(work, sorted(zip(lengths, work, range(len(lengths))), key=operator.itemgetter(0), reverse=True))
 
 
-def _head_tail_cuts(cu: tuple, p: int, order):
+def _head_tail_cuts(cu: tuple, p: int, order, heads=None):
     """``(document, start, end, pieces)`` of each document of ``order`` cut head-tail
-    (:func:`_head_tail`), the positions left over by ``length / P`` going round the ranks in that order."""
+    (:func:`_head_tail`; the first with ``heads``), the positions left over by ``length / P`` going round
+    the ranks in that order."""
     turn = 0
-    for d in order:
+    for i, d in enumerate(order):
         a, b = cu[d], cu[d + 1]
-        yield d, a, b, _head_tail(a, b - a, p, turn)
+        yield d, a, b, _head_tail(a, b - a, p, turn, heads if i == 0 else None)
         turn = (turn + (b - a) % p) % p
 
 
-def _cut_head_tail(cu: tuple, p: int, order) -> list:
+def _cut_head_tail(cu: tuple, p: int, order, heads=None) -> list:
     """Every rank's :class:`Piece` s of the documents ``order`` cut head-tail (:func:`_head_tail_cuts`)."""
     pieces = [[] for _ in range(p)]
     make = tuple.__new__
-    for d, a, b, cuts in _head_tail_cuts(cu, p, order):
+    for d, a, b, cuts in _head_tail_cuts(cu, p, order, heads):
         for r, start, m in cuts:
             pieces[r].append(make(Piece, (d, start, m, a, b)))
     return pieces
@@ -158,15 +203,17 @@ class _CutPrefix:
             self.load.append(load)
         return list(self.room[k]), list(self.load[k])
 
-    def pieces(self, k: int) -> list:
-        """Every rank's pieces of ``order[:k]``."""
-        return _cut_head_tail(self.cu, self.p, self.order[:k])
+    def pieces(self, k: int, heads=None) -> list:
+        """Every rank's pieces of ``order[:k]`` (the first split as ``heads`` gives: :func:`_even_out`)."""
+        return _cut_head_tail(self.cu, self.p, self.order[:k], heads)
 
 
-def _cannot_balance(cut: _CutPrefix, k: int, docs: _Documents, total: int) -> bool:
+def _cannot_balance(cut: _CutPrefix, k: int, docs: _Documents, total: int, evened: bool = False) -> bool:
     """Whether cutting the first ``k`` documents of ``cut`` head-tail surely leaves a rank above
     :data:`TARGET_IMBALANCE`: the longest document left whole goes to a rank with room for it, whose
-    work is then at least the least among those ranks' plus the document's."""
+    work is then at least the least among those ranks' plus the document's; where the first cut
+    document is split again (``evened``: :func:`_even_out` moves work between ranks), at least the
+    document's own."""
     gone = set(cut.order[:k])
     longest = next((x for x in docs.in_order if x[2] not in gone), None)
     if longest is None:
@@ -174,7 +221,7 @@ def _cannot_balance(cut: _CutPrefix, k: int, docs: _Documents, total: int) -> bo
     m, work, _ = longest
     room, load = cut.at(k)
     fits = [w for w, free in zip(load, room) if free >= m]
-    return bool(fits) and (min(fits) + work) / (total / cut.p) > TARGET_IMBALANCE
+    return bool(fits) and ((0 if evened else min(fits)) + work) / (total / cut.p) > TARGET_IMBALANCE
 
 
 def _assign(cu: tuple, p: int, causal: bool, cut: _CutPrefix, k: int, docs: _Documents,
@@ -368,18 +415,32 @@ def _search(cu: tuple, p: int, causal: bool, min_piece: int, docs: _Documents, c
     while ks[-1] < cuttable:
         ks.append(min(cuttable, max(1, 2 * ks[-1])))
     for k in ks:
-        if k < ks[-1] and _cannot_balance(cut, k, docs, total):
+        if k < ks[-1] and _cannot_balance(cut, k, docs, total, evened=causal and k > 0):
             continue
-        found = _assign(cu, p, causal, cut, k, docs, above=TARGET_IMBALANCE)  # None: above the target already
+        found = _assign_evened(cu, p, causal, cut, k, docs, above=TARGET_IMBALANCE)  # None: above the target
         if found is not None and _imbalance(found[1]) <= TARGET_IMBALANCE:
             return _imbalance(found[1]), found[0]
     best = None  # none met the target: the most balanced of every k, the lowest k among equals
     for k in ks:
-        pieces, work = _assign(cu, p, causal, cut, k, docs)
+        pieces, work = _assign_evened(cu, p, causal, cut, k, docs)
         score = _imbalance(work)
         if best is None or score < best[0] - 1e-9:
             best = (score, pieces)
     return best
+
+
+def _assign_evened(cu: tuple, p: int, causal: bool, cut: _CutPrefix, k: int, docs: _Documents,
+                   above: float | None = None) -> tuple[tuple, list[int]] | None:
+    """:func:`_assign`, then (causal, ``k >= 1``) the first document cut head-tail split again by
+    :func:`_even_out`: ``((whole, pieces, k, heads), work)``, or None (only without it: a rank's work
+    above ``above`` while assigning, which the split could still bring down)."""
+    evened = causal and k > 0
+    found = _assign(cu, p, causal, cut, k, docs, None if evened else above)
+    if found is None:
+        return None
+    (whole, pieces, _), work = found
+    heads, work = _even_out(cu, p, causal, cut.order[0], work) if evened else (None, work)
+    return (whole, pieces, k, heads), work
 
 
 @functools.lru_cache(maxsize=16)
@@ -399,17 +460,17 @@ def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout
 
 
 def _layout(cu: tuple, p: int, causal: bool, assignment, cut: _CutPrefix) -> DocumentLayout:
-    """The layout of an assignment ``(whole, pieces, k)`` of :func:`_assign` on ``cut``."""
-    whole, pieces, k = assignment
+    """The layout of an assignment ``(whole, pieces, k, heads)`` of :func:`_assign_evened` on ``cut``."""
+    whole, pieces, k, heads = assignment
     return DocumentLayout(cu, p, causal, tuple(tuple(sorted(docs)) for docs in whole),
-                          tuple(tuple(ht + mine) for ht, mine in zip(cut.pieces(k), pieces)))
+                          tuple(tuple(ht + mine) for ht, mine in zip(cut.pieces(k, heads), pieces)))
 
 
 @functools.lru_cache(maxsize=16)
 def _head_tail_layout(cu: tuple, p: int, causal: bool) -> DocumentLayout:
     docs = _documents(cu, causal)
     cut = _CutPrefix(cu, p, causal, sorted(d for m, _, d in docs.in_order if m >= 2 * p) if p > 1 else [])
-    return _layout(cu, p, causal, _assign(cu, p, causal, cut, len(cut.order), docs)[0], cut)
+    return _layout(cu, p, causal, (*_assign(cu, p, causal, cut, len(cut.order), docs)[0], None), cut)
 
 
 def given_or_last(layout: "DocumentLayout | None", last: "DocumentLayout | None") -> "DocumentLayout":

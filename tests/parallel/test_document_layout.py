@@ -133,7 +133,8 @@ def test_a_rank_the_layout_does_not_have_is_refused():
 
 def _search_in_full(cu, p, causal, min_piece):
     """The documented search with every pass run to its end: k = 0, 1, 2, 4, ... documents cut
-    head-tail, the first within the target, else the most balanced (the lowest k among equals)."""
+    head-tail (causal: the first of them split again between each rank's head and tail), the first
+    within the target, else the most balanced (the lowest k among equals)."""
     from dilated.parallel import document_layout as dl
 
     docs = dl._documents(tuple(cu), causal)
@@ -144,7 +145,9 @@ def _search_in_full(cu, p, causal, min_piece):
     best = None
     for k in ks:
         cut = dl._CutPrefix(tuple(cu), p, causal, cuttable)  # anew for every pass
-        assigned, work = dl._assign(tuple(cu), p, causal, cut, k, docs)
+        (whole, pieces, _), work = dl._assign(tuple(cu), p, causal, cut, k, docs)
+        heads, work = dl._even_out(tuple(cu), p, causal, cuttable[0], work) if causal and k else (None, work)
+        assigned = (whole, pieces, k, heads)
         score = max(work) / (sum(work) / p)
         if score <= dl.TARGET_IMBALANCE:
             return score, assigned
@@ -301,3 +304,53 @@ def test_head_tail_balances_each_document_over_the_ranks(spec, n, p):
     assert max(work) / (sum(work) / p) < 1.002, work
     assert layout.work_per_rank() == work
     assert len(layout.crossing()) == sum(1 for a, b in zip(cu, cu[1:]) if b - a >= 2 * p)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_first_document_cut_head_tail_is_split_again_so_that_fewer_documents_cross(p):
+    """On a mix whose longest document must be cut (a rank holding it whole would do most of the work)
+    and whose whole documents then leave the ranks 1.4% apart, that document's pieces are re-split
+    between each rank's head and tail (each rank keeping its share of its positions): the ranks come
+    within the target without cutting the next longest document too."""
+    from dilated.parallel import document_layout as dl
+
+    n = 1 << 18
+    cu = cu_seqlens_of("lognormal:8k,1.0", n)
+    layout = DocumentLayout.balance(cu, p, causal=True)
+    _check_partition(layout, n, p)
+    work = [_work_of_positions(cu, layout.positions(r), True) for r in range(p)]
+    assert work == layout.work_per_rank() and max(work) / (sum(work) / p) <= dl.TARGET_IMBALANCE, work
+    longest = max(range(len(cu) - 1), key=lambda d: cu[d + 1] - cu[d])
+    cut_head_tail = {x.doc for m in layout.pieces for x in m if x.length < cu[x.doc + 1] - cu[x.doc]}
+    assert longest in cut_head_tail and len(layout.crossing()) <= 2, layout.crossing()  # + one cut at a rank's room
+    held = [sum(x.length for x in layout.pieces_of(r) if x.doc == longest) for r in range(p)]
+    assert held == dl._shares(cu[longest + 1] - cu[longest], p, 0)  # each rank's share of its positions, as an even cut
+    heads = [min(x.start for x in layout.pieces_of(r) if x.doc == longest) for r in range(p)]
+    assert heads == sorted(heads) and heads[0] == cu[longest]  # rank r's head is piece r
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_even_out_moves_work_from_a_rank_to_the_later_ranks_by_their_shares(p):
+    """One document cut head-tail beside other work that leaves the ranks uneven: its re-split keeps
+    each rank's count of its positions and brings every rank within a row's worth of pairs of the mean
+    (counted position by position); the pieces cover the document once, heads in rank order, then tails
+    in reverse."""
+    from dilated.parallel import document_layout as dl
+
+    a, length = 100, 6007
+    cu = (0, a, a + length, a + length + 93)
+    even = dl._head_tail(a, length, p, 0)
+    others = [100 * (r * 7919 % (p + 2)) * length // p for r in range(p)]  # what the ranks hold beside it
+    load = [o + sum(_work_of_positions(cu, torch.arange(s, s + m), True) for q, s, m in even if q == r)
+            for r, o in enumerate(others)]
+    heads, work = dl._even_out(cu, p, True, 1, load)
+    assert heads is not None and all(0 <= h <= m for h, m in zip(heads, dl._shares(length, p, 0)))
+    pieces = dl._head_tail(a, length, p, 0, heads)
+    assert [s for _, s, _ in pieces] == list(itertools.accumulate((m for _, _, m in pieces[:-1]), initial=a))
+    assert sum(m for _, _, m in pieces) == length
+    assert [r for r, _, _ in pieces] == [r for r in range(p) if heads[r]] + [
+        r for r in reversed(range(p)) if dl._shares(length, p, 0)[r] - heads[r]]
+    counted = [o + sum(_work_of_positions(cu, torch.arange(s, s + m), True) for q, s, m in pieces if q == r)
+               for r, o in enumerate(others)]
+    assert counted == work
+    assert max(work) - min(work) <= 2 * length and max(work) < max(load), (load, work)

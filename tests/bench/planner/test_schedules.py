@@ -317,8 +317,8 @@ def test_the_hybrids_row_exchange_by_documents_hides_the_whole_documents_behind_
     from dilated.parallel.document_layout import DocumentLayout
     from dilated.parallel.row_documents import crossing_layout, pipelines, row_groups
 
-    # 4K documents and a 12K one: whole documents cannot balance the rows, the 12K one is cut head-tail
-    cu = (0, *range(4096, 7 * 4096 + 1, 4096), *range(7 * 4096 + 12288, 65537, 4096))
+    # 4K documents and a 16K one: whole documents cannot balance the rows, the 16K one is cut head-tail
+    cu = (0, *range(4096, 6 * 4096 + 1, 4096), *range(6 * 4096 + 16384, 65537, 4096))
     prob = Problem(65536, 32, 8, 128, causal=True, mode="fwd", cu=cu)
     layout = DocumentLayout.balance(cu, 2, True)
     assert pipelines(layout)
@@ -351,7 +351,7 @@ def test_the_hybrids_row_exchange_keeping_local_documents_attends_them_beside_th
     from dilated.parallel.document_layout import DocumentLayout
     from dilated.parallel.row_documents import crossing_layout, row_plans
 
-    cu = (0, *range(4096, 7 * 4096 + 1, 4096), *range(7 * 4096 + 12288, 65537, 4096))
+    cu = (0, *range(4096, 6 * 4096 + 1, 4096), *range(6 * 4096 + 16384, 65537, 4096))  # 4K documents, one 16K
     prob = Problem(65536, 32, 8, 128, causal=True, mode="fwd", cu=cu)
     layout = DocumentLayout.balance(cu, 2, True)
     for j in range(2):
