@@ -1,5 +1,6 @@
 """Host time of ``DocumentLayout.balance`` (computed once per batch): 1M tokens of lognormal
-documents (mean 1K and 8K), a new mix for each of 200 builds (none cached), P=4 and 8; and of the
+documents (mean 1K and 8K), a new mix for each of 200 builds (none cached), P=2, 4 and 8, with the
+crossing rows of its most loaded rank (what travels and is gathered); and of the
 rest of a rank's host work for the batch: its positions (``layout.positions``, what ``shard``
 takes, with the rank's pieces where the layout makes them when first asked) and its plan of crossing
 rows and rectangles (``rank_plan``, what a call runs); then the hybrid's row plans.
@@ -55,6 +56,12 @@ def _same(a, b) -> bool:
             and all(torch.equal(getattr(ra, f), getattr(rb, f)) for f in ("send", "q_rows", "k_slots")))
 
 
+def _crossing_rows(layout) -> int:
+    """The most rows of crossing documents any rank holds."""
+    crossing = layout.crossing()
+    return max(sum(x.length for x in mine if x.doc in crossing) for mine in layout.pieces)
+
+
 def _put_on(layout, plan, device):
     """Rank 0's positions and plan on ``device`` (the host's time is what is timed): ``positions(rank,
     device)`` where the code has it, else the host's positions copied there."""
@@ -82,10 +89,11 @@ def main() -> None:
     if args.against:
         versions.append((args.against, *_at_commit(args.against)))
     for spec in ("lognormal:1k,1.0", "lognormal:8k,1.0"):
-        for p_ in (4, 8):
+        for p_ in (2, 4, 8):
             mixes = [cu_seqlens_of(f"{spec}#{i}", 1 << 20) for i in range(1, 201)]  # draws #1..#200
             layout_ms = {name: [] for name, *_ in versions}
             rest_ms = {name: [] for name, *_ in versions}
+            crossing = {name: [] for name, *_ in versions}
             full_gcs = {name: 0 for name, *_ in versions}
             same = True
             for i, cu in enumerate(mixes):
@@ -96,6 +104,7 @@ def main() -> None:
                     layout = layout_cls.balance(cu, p_)
                     layout_ms[name].append((time.perf_counter() - start) * 1e3)
                     full_gcs[name] += gc.get_stats()[2]["collections"] - before
+                    crossing[name].append(_crossing_rows(layout))
                     start = time.perf_counter()
                     positions, plan = _put_on(layout, plan_of(layout, 0), device)
                     rest_ms[name].append((time.perf_counter() - start) * 1e3)
@@ -110,7 +119,8 @@ def main() -> None:
                 print(f"{spec}: median {docs:.0f} documents, P={p_}{label}: layout median {statistics.median(ts):.3f} "
                       f"ms (min {min(ts):.3f}, max {max(ts):.3f}; {full_gcs[name]} of the builds ran a full garbage "
                       f"collection of the process); rank 0's positions and rank plan ({device.type}) median "
-                      f"{statistics.median(rs):.3f} ms (max {max(rs):.3f})")
+                      f"{statistics.median(rs):.3f} ms (max {max(rs):.3f}); crossing rows of the most loaded rank "
+                      f"median {statistics.median(crossing[name]):.0f} (max {max(crossing[name])})")
             if len(versions) > 1:
                 print(f"{spec}, P={p_}: the same layouts, positions and rank plans from both: {same}")
     _time_row_plans()

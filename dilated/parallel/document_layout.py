@@ -225,13 +225,13 @@ def _cannot_balance(cut: _CutPrefix, k: int, docs: _Documents, total: int, evene
 
 
 def _assign(cu: tuple, p: int, causal: bool, cut: _CutPrefix, k: int, docs: _Documents,
-            above: float | None = None) -> tuple[tuple, list[int]] | None:
+            above: float | None = None, slack=None) -> tuple[tuple, list[int]] | None:
     """Every rank's documents and work: the first ``k`` documents of ``cut`` head-tail, the others
     whole by work (largest first, to the least-loaded rank with room), the rest cut at the ranks'
     remaining room. Returns ``((whole, pieces, k), work)``: the documents each rank holds whole
     (indices) and its pieces of the documents cut at its room (its head-tail pieces are
-    ``cut.pieces(k)``); None as soon as a rank's work over the mean is above ``above`` (work only
-    grows)."""
+    ``cut.pieces(k)``); None as soon as a rank's work, less its ``slack`` (per rank; what a later step
+    may take off it), over the mean is above ``above`` (work only grows)."""
     room, load = cut.at(k)
     gone = set(cut.order[:k])
     mean = sum(docs.work) / p
@@ -255,7 +255,7 @@ def _assign(cu: tuple, p: int, causal: bool, cut: _CutPrefix, k: int, docs: _Doc
             mine[r].append(d)
             room[r] -= m
             load[r] = w = w + work
-            if w > limit and w / mean > above:
+            if w > limit and (slack is None or w - slack[r] > limit) and w / mean > above:
                 return None
             if room[r]:
                 heapreplace(ranks, (w, r))
@@ -432,10 +432,11 @@ def _search(cu: tuple, p: int, causal: bool, min_piece: int, docs: _Documents, c
 def _assign_evened(cu: tuple, p: int, causal: bool, cut: _CutPrefix, k: int, docs: _Documents,
                    above: float | None = None) -> tuple[tuple, list[int]] | None:
     """:func:`_assign`, then (causal, ``k >= 1``) the first document cut head-tail split again by
-    :func:`_even_out`: ``((whole, pieces, k, heads), work)``, or None (only without it: a rank's work
-    above ``above`` while assigning, which the split could still bring down)."""
+    :func:`_even_out`: ``((whole, pieces, k, heads), work)``, or None where a rank's work is surely above
+    ``above`` while assigning (above it without its pieces of that document)."""
     evened = causal and k > 0
-    found = _assign(cu, p, causal, cut, k, docs, None if evened else above)
+    # re-split, the first document's pieces can take at most their work off a rank
+    found = _assign(cu, p, causal, cut, k, docs, above, cut.at(1)[1] if evened else None)
     if found is None:
         return None
     (whole, pieces, _), work = found
