@@ -14,12 +14,12 @@ holding exactly ``N / P`` positions:
   rank with the least work that has room for them (longest-processing-time scheduling);
 * a whole document that no rank has room for is cut at the ranks' remaining room, in order.
 
-Causal, the first document cut head-tail is then split again: each rank keeps its share of the
-document's positions, but the boundary between its head and its tail piece moves, which moves work
-between the ranks without moving positions (a rank's head starting later adds its length to every
-key its queries see), until the ranks' work is as even as that document allows; one long document
-cut so can balance what would otherwise take cutting the next ones too, and every document cut
-crosses ranks.
+Causal, the first document cut head-tail is then split again: each rank keeps its share of that
+document's positions, but the boundary between its head and its tail piece moves. A rank whose head
+grows by ``x`` starts every later rank's pieces ``x`` positions later in the document, so each of their
+queries sees ``x`` more keys: work moves between ranks, and no position does. The split goes as far as
+evens out the ranks' work, so that one long document cut can balance what would otherwise take
+cutting the next ones too (every document cut is a crossing one, whose rows travel between ranks).
 
 The layout tries cutting the ``k`` documents of most work head-tail for ``k = 0, 1, 2, 4, ...``
 and keeps the first whose slowest rank is within :data:`TARGET_IMBALANCE` of the mean (else the
