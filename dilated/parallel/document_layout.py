@@ -17,8 +17,8 @@ holding exactly ``N / P`` positions:
 Causal, the first document cut head-tail is then split again: each rank keeps its share of that
 document's positions, but the boundary between its head and its tail piece moves. A rank whose head
 grows by ``x`` starts every later rank's pieces ``x`` positions later in the document, so each of their
-queries sees ``x`` more keys: work moves between ranks, and no position does. The split goes as far as
-evens out the ranks' work, so that one long document cut can balance what would otherwise take
+queries sees ``x`` more keys: work moves between ranks, and no position does. The split goes as far as it
+takes to even out the ranks' work, so that one long document cut can balance what would otherwise take
 cutting the next ones too (every document cut is a crossing one, whose rows travel between ranks).
 
 The layout tries cutting the ``k`` documents of most work head-tail for ``k = 0, 1, 2, 4, ...``
