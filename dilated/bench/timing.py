@@ -7,6 +7,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..parallel.agreement import group_device
+
 
 def _l2_flusher(device):
     if device.type != "cuda":
@@ -61,8 +63,6 @@ def measure_together(step, device, group=None, **kwargs) -> tuple[list[float], l
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         samples = measure(step, device, **kwargs)
         return samples, samples
-    from ..parallel.agreement import group_device
-
     own = measure(step, device, setup=lambda: dist.barrier(group=group), **kwargs)
     slowest = torch.tensor(own, dtype=torch.float64, device=group_device(group))
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
