@@ -179,6 +179,7 @@ def calibrated_decode(rank, world, port):
     points = measure.measure_decode(torch.device("cpu"), shape=(4, 2, 16), reps=2, log=lambda *_: None)
     assert sorted({p.ranks for p in points}) == measure.decode_rank_counts(world)
     assert len(points) == 4 * len(measure.decode_rank_counts(world)) and all(p.ms > 0 for p in points), points
+    assert not any(p.cuda_graph for p in points)  # CUDA graphs need a GPU: steps called from Python only
     every = [None] * world
     dist.all_gather_object(every, points)
     assert all(x == points for x in every)

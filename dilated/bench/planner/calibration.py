@@ -130,7 +130,9 @@ class DocumentPoint:
 @dataclass(frozen=True)
 class DecodePoint:
     """One timed decode step (:func:`dilated.decode_attention`, one query token) on ``ranks`` ranks
-    (1: one GPU alone, no collective), each holding ``tokens`` cached rows of ``batch`` sequences."""
+    (1: one GPU alone, no collective), each holding ``tokens`` cached rows of ``batch`` sequences;
+    ``cuda_graph``: replays of the step captured in a CUDA graph (the host's launches left out, as
+    serving engines run decode), else the step called from Python."""
 
     ranks: int
     batch: int
@@ -139,6 +141,7 @@ class DecodePoint:
     kv_heads: int
     head_dim: int
     ms: float
+    cuda_graph: bool = False
 
 
 @dataclass

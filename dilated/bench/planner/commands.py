@@ -46,6 +46,9 @@ def add_plan_parser(sub):
     p.add_argument("--non-causal", action="store_true", help="attention without the causal mask")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--query-tokens", type=positive_int, default=1, help="decode: query tokens per step")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="decode: each step replayed from a CUDA graph, as serving engines run decode (default: "
+                        "called from Python, the host's launches included)")
     p.add_argument("--gpus-per-node", type=positive_int, default=8)
     p.add_argument("--nodes", type=positive_int, default=1)
     p.add_argument("--inter-node-gbs", type=positive_float, default=None,
@@ -130,6 +133,8 @@ def run_plan(args, parser) -> int:
         parser.error("--doc-lengths: one spec for a plan")
     if args.mode == "decode" and doc:
         parser.error("--doc-lengths: decode reads one cache per sequence; leave it out")
+    if args.cuda_graph and args.mode != "decode":
+        parser.error("--cuda-graph: for --mode decode only")
     world = args.gpus_per_node * args.nodes
     if world > 1 and not cal.links:
         parser.error(f"--calibration {args.calibration}: it holds no link times (calibrated on one GPU), so it plans "
@@ -138,7 +143,7 @@ def run_plan(args, parser) -> int:
         parser.error(f"--nodes {args.nodes}: give --inter-node-gbs (per-GPU bandwidth between nodes, GB/s) or "
                      "--inter-node-calibration")
     problem = Problem(args.seq_len, h, hkv, d, causal=not args.non_causal, mode=args.mode, batch=args.batch,
-                      documents=doc, query_tokens=args.query_tokens)
+                      documents=doc, query_tokens=args.query_tokens, cuda_graph=args.cuda_graph)
     model = _model(args, cal, parser)
     preds = candidates(model, problem, world)
     best, why = recommend(preds, cal.memory_gib)

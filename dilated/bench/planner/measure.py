@@ -42,6 +42,8 @@ LINK_BYTES = [1 << e for e in range(16, 31, 2)]
 DECODE_TOKENS = [1 << 14, 1 << 17, 1 << 19, 1 << 20, 1 << 21]
 DECODE_BATCHES = [1, 8]
 DECODE_BYTES = 16 << 30
+#: decode steps are timed called from Python and as replays of a CUDA graph (as serving engines run them)
+DECODE_GRAPHS = (False, True)
 #: strategies (benchmark names) timed on the launched ranks, at this many rows per rank (packed
 #: documents of STRATEGY_DOCUMENTS for those on a document layout), causal
 STRATEGIES = ("documents", "ring_documents", "ring_zigzag", "ulysses", "hybrid", "hybrid_documents")
@@ -273,20 +275,23 @@ def measure_decode(device, shape=(32, 8, 128), reps: int = 30, log=print) -> lis
             for s in DECODE_TOKENS:
                 if b * s * shape[1] * shape[2] * 2 * 2 > DECODE_BYTES:
                     continue
-                ms = _decode_ms(ranks, group, b, s, shape, device, reps)
-                points.append(DecodePoint(ranks, b, s, *shape, ms))
-                log(f"decode on {ranks} rank(s), batch {b}, {s} cached rows per rank: {ms:.3f} ms")
+                for graph in DECODE_GRAPHS if device.type == "cuda" else (False,):
+                    ms = _decode_ms(ranks, group, b, s, shape, device, reps, graph)
+                    points.append(DecodePoint(ranks, b, s, *shape, ms, graph))
+                    log(f"decode on {ranks} rank(s), batch {b}, {s} cached rows per rank"
+                        f"{', replayed from a CUDA graph' if graph else ''}: {ms:.3f} ms")
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return points
 
 
-def _decode_ms(ranks: int, group, b: int, s: int, shape, device, reps: int) -> float:
+def _decode_ms(ranks: int, group, b: int, s: int, shape, device, reps: int, cuda_graph: bool = False) -> float:
     """Median ms of a decode step over ``s`` cached rows of ``b`` sequences on the first ``ranks`` ranks
     (``group``; the others wait), on every rank: on the first GPU alone for 1
     (:func:`~dilated.parallel.decode_attention.local_part`, as ``decode_attention`` runs without a process
     group), else each step started together, the median of its slowest rank's times
-    (:func:`~dilated.bench.timing.measure_together`)."""
+    (:func:`~dilated.bench.timing.measure_together`); ``cuda_graph``: replays of the step captured in a
+    CUDA graph."""
     from ...parallel.decode_attention import decode_attention, local_part
 
     ms = 0.0
@@ -297,10 +302,12 @@ def _decode_ms(ranks: int, group, b: int, s: int, shape, device, reps: int) -> f
         with torch.no_grad():
             if ranks == 1:
                 ms = statistics.median(measure(lambda: local_part(q, k, v, None, "auto")[0].to(q.dtype), device,
-                                               warmup=5, reps=reps))
+                                               warmup=5, reps=reps, cuda_graph=cuda_graph))
             else:
-                ms = statistics.median(measure_together(lambda: decode_attention(q, k, v, group), device, group,
-                                                        warmup=5, reps=reps)[0])
+                step = lambda: decode_attention(q, k, v, group)  # noqa: E731
+                step()  # the group's communicator made before any capture
+                ms = statistics.median(measure_together(step, device, group, warmup=5, reps=reps,
+                                                        cuda_graph=cuda_graph)[0])
     return _max_over_ranks(ms)  # the ranks that waited give 0
 
 

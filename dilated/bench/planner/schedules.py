@@ -61,8 +61,8 @@ ACC = 4  # float32 accumulators and gradient messages
 @dataclass(frozen=True)
 class Problem:
     """What to run: ``mode`` ``"fwd"``, ``"fwd_bwd"`` or ``"decode"`` (``seq_len``: cached tokens,
-    ``query_tokens`` per step); ``documents``: a ``--doc-lengths`` spec, or ``cu`` its cumulative
-    lengths."""
+    ``query_tokens`` per step; ``cuda_graph``: each step replayed from a CUDA graph, else called from
+    Python); ``documents``: a ``--doc-lengths`` spec, or ``cu`` its cumulative lengths."""
 
     seq_len: int
     heads: int
@@ -74,6 +74,7 @@ class Problem:
     documents: str | None = None
     cu: tuple | None = None
     query_tokens: int = 1
+    cuda_graph: bool = False
 
     @classmethod
     def timed(cls, point) -> "Problem":
@@ -620,23 +621,26 @@ class Model:
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, problem: Problem, ranks: list[int]) -> _Timeline:
-        """The calibrated decode step of the same batch and rows per rank (on one GPU alone for P = 1,
-        else on P ranks where the calibration timed P, else on the most ranks it timed below P, or the
-        fewest above; its all-gather and merge included), the rows per rank and batch interpolated;
-        for another P, the all-gather's difference added."""
+        """The calibrated decode step of the same batch and rows per rank, timed as the problem runs it
+        (called from Python, or replayed from a CUDA graph): on one GPU alone for P = 1, else on P ranks
+        where the calibration timed P, else on the most ranks it timed below P, or the fewest above (its
+        all-gather and merge included), the rows per rank and batch interpolated; for another P, the
+        all-gather's difference added."""
         p = len(ranks)
         cal = self.network.calibration
-        counts = sorted({d.ranks for d in cal.decode})
+        steps = [d for d in cal.decode if d.cuda_graph == problem.cuda_graph]
+        counts = sorted({d.ranks for d in steps})
         if not counts:
-            raise ValueError("the calibration has no decode steps: calibrate again")
+            how = "replayed from CUDA graphs" if problem.cuda_graph else "called from Python"
+            raise ValueError(f"the calibration has no decode steps {how}: calibrate again")
         several = [c for c in counts if c > 1]
         if p > 1 and not several:
             raise ValueError("the calibration has decode steps of one GPU only: calibrate under torchrun")
         measured_p = 1 if p == 1 else max([c for c in several if c <= p] or several[:1])
         per_rank = problem.seq_len / p
         shape = (problem.heads, problem.kv_heads, problem.head_dim)
-        pts = [d for d in cal.decode if d.ranks == measured_p and (d.heads, d.kv_heads, d.head_dim) == shape]
-        pts = pts or [d for d in cal.decode if d.ranks == measured_p]
+        pts = [d for d in steps if d.ranks == measured_p and (d.heads, d.kv_heads, d.head_dim) == shape]
+        pts = pts or [d for d in steps if d.ranks == measured_p]
         row_bytes = 2 * problem.kv_heads * problem.head_dim * ELEM  # k and v of one cached row, this problem's heads
 
         def at_batch(b):  # a curve by the bytes of cache each rank reads (other heads: read at their bytes)

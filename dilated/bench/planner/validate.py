@@ -38,7 +38,7 @@ def problem_of(row: dict) -> Problem:
     h = c["num_heads"]
     return Problem(seq_len=c["seq_len"], heads=h, kv_heads=c.get("num_kv_heads") or h, head_dim=c["head_dim"],
                    causal=bool(c.get("causal")), mode=c["mode"], batch=c["batch"], documents=c.get("documents"),
-                   query_tokens=c.get("q_len") or 1)
+                   query_tokens=c.get("q_len") or 1, cuda_graph=c["mode"] == "decode" and bool(row.get("cuda_graph")))
 
 
 def _grid(row: dict) -> tuple | None:

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from dilated.bench.__main__ import main
+from dilated.bench.planner.calibration import DecodePoint
 from dilated.bench.planner.kernel_model import KernelModel
 from dilated.bench.planner.network import Network
 from dilated.bench.planner.schedules import Model, Problem
@@ -119,3 +120,30 @@ def test_a_calibration_of_one_gpu_plans_one_gpu_only(tmp_path, capsys):
     assert e.value.code == 2 and "no link times" in capsys.readouterr().err
     assert main(["plan", "--calibration", str(path), "--gpus-per-node", "1", "--mode", "decode"]) == 0
     assert "decode over 1 GPU " in capsys.readouterr().out
+
+
+def test_validate_reads_a_decode_row_replayed_from_a_cuda_graph_against_the_steps_timed_so(tmp_path, capsys):
+    cal = calibration()
+    cal.decode = cal.decode + [DecodePoint(d.ranks, d.batch, d.tokens, d.heads, d.kv_heads, d.head_dim, d.ms / 4, True)
+                               for d in cal.decode]
+    path = tmp_path / "cal.json"
+    cal.save(str(path))
+    m = Model(KernelModel(cal), Network(cal, 8))
+    prob = Problem(1 << 18, 32, 8, 128, causal=False, mode="decode", cuda_graph=True)
+    cfg = {"batch": 1, "seq_len": 1 << 18, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "q_len": 1,
+           "dtype": "bfloat16", "causal": False, "mode": "decode", "documents": None}
+    graphed = m.predict("decode", prob, 2).time_ms
+    rows = [{"implementation": "decode", "backend": "auto", "status": "ok", "mode": "decode", "config": cfg,
+             "world_size": 2, "cuda_graph": graph, "check": {"passed": True},
+             "time_ms": {"median": graphed, "p10": graphed, "p90": graphed}} for graph in (True, False)]
+    run = tmp_path / "decode.jsonl"
+    run.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plan", "--calibration", str(path), "--validate", str(run)]) == 0
+    text = capsys.readouterr().out
+    assert "1 of 2 modelled rows within 10%" in text  # the row called from Python is read against its own steps
+    assert main(["plan", "--calibration", str(path), "--mode", "decode", "--seq-len", "256k", "--cuda-graph",
+                 "--gpus-per-node", "2"]) == 0
+    assert "decode over 2 GPUs" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--calibration", str(path), "--cuda-graph"])
+    assert e.value.code == 2 and "--mode decode only" in capsys.readouterr().err

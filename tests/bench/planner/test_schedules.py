@@ -162,6 +162,24 @@ def test_decode_reads_the_steps_timed_on_as_many_ranks():
     assert four.time_ms == pytest.approx(decode_ms(2, (1 << 17) * row) + 0.5, rel=1e-9)
 
 
+def test_decode_replayed_from_cuda_graphs_reads_the_steps_timed_so():
+    """Steps called from Python hold the host's launches, replays of a CUDA graph do not: a problem run one
+    way reads the steps timed that way, and says to calibrate again where there are none."""
+    cal = calibration()
+    row = 8 * 128 * 2 * 2
+    cal.decode = cal.decode + [DecodePoint(d.ranks, d.batch, d.tokens, d.heads, d.kv_heads, d.head_dim, d.ms / 4, True)
+                               for d in cal.decode]
+    m = Model(KernelModel(cal), Network(cal, 2, None))
+    eager = m.predict("decode", Problem(1 << 18, 32, 8, 128, mode="decode"), 2)
+    graph = m.predict("decode", Problem(1 << 18, 32, 8, 128, mode="decode", cuda_graph=True), 2)
+    assert eager.time_ms == pytest.approx(decode_ms(2, (1 << 17) * row), rel=1e-9)
+    assert graph.time_ms == pytest.approx(decode_ms(2, (1 << 17) * row) / 4, rel=1e-9)
+    cal.decode = [d for d in cal.decode if not d.cuda_graph]
+    none = Model(KernelModel(cal), Network(cal, 2, None)).predict(
+        "decode", Problem(1 << 18, 32, 8, 128, mode="decode", cuda_graph=True), 2)
+    assert not none.supported and "CUDA graphs" in none.reason and "calibrate again" in none.reason
+
+
 @pytest.mark.parametrize("strategy, world, grid, words", [
     ("ulysses", 3, None, "not divisible"),
     ("hybrid", 4, None, "grid"),
