@@ -42,7 +42,7 @@ from .document_layout import DocumentLayout, given_or_last, ranges_to_positions
 from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
 from ..indexed_rows import add_rows_, add_to_slots_, merge_rows_
 from .document_calls import block_documents_backward, block_documents_forward
-from .ring_exchange import RingExchange, side_after_current
+from .ring_exchange import RingExchange
 from ..packed import small_rectangles
 
 
@@ -301,16 +301,13 @@ class _Collective:
 
 def _gather_kv(call: DocumentCall, k, v, send):
     """Start gathering every rank's crossing K/V rows (one all-gather, or relayed round the ring):
-    its ``wait()`` gives ``[P, B, rows, Hkv, Dk + Dv]``. On CUDA the rows are put in one buffer on a
-    side stream too, so the current stream goes straight on to the local pieces."""
+    its ``wait()`` gives ``[P, B, rows, Hkv, Dk + Dv]``."""
     p = call.layout.world_size
-    with side_after_current(k.device):
-        mine = crossing_rows(k, v, send, call.plan.rows)
-        if call.transport == "ring":
-            return RingExchange(call.group, call.stats).all_gather(mine)
-        gathered = k.new_empty(p * k.shape[0], *mine.shape[1:])  # rank-major, as every backend takes it
-        # the collective's stream waits for the side stream's rows; wait() makes the current one wait for it
-        work = all_gather_into(gathered, mine, group=call.group, async_op=True)
+    mine = crossing_rows(k, v, send, call.plan.rows)
+    if call.transport == "ring":
+        return RingExchange(call.group, call.stats).all_gather(mine)
+    gathered = k.new_empty(p * k.shape[0], *mine.shape[1:])  # rank-major, as every backend takes it
+    work = all_gather_into(gathered, mine, group=call.group, async_op=True)
     call.stats.sent(mine.numel() * mine.element_size(), collective=True)
     return _Collective(work, gathered.view(p, *mine.shape), call.stats)
 

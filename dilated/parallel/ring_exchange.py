@@ -48,7 +48,7 @@ class RingExchange:
         p, r = self.size, self.rank
         out = mine.new_empty(p, *mine.shape)
         out[r].copy_(mine)
-        with side_after_current(mine.device) as side:
+        with _side(mine.device) as side:
             for s in range(1, p):
                 self._hop(out[(r - s + 1) % p], out[(r - s) % p], 0)
         return Relayed(out, side, self.stats)
@@ -58,7 +58,7 @@ class RingExchange:
         ``P - 1`` hops (at hop s a rank passes on the partial sum of block ``rank - s``, to which it
         has added its own): :meth:`Relayed.wait` gives ``blocks.shape[1:]``."""
         p, r = self.size, self.rank
-        with side_after_current(blocks.device) as side:
+        with _side(blocks.device) as side:
             partial = blocks[(r - 1) % p]
             for s in range(1, p):
                 got = torch.empty_like(partial)
@@ -91,11 +91,8 @@ _SIDE: dict = {}  # device index -> the stream relayed hops are issued on
 
 
 @contextlib.contextmanager
-def side_after_current(device: torch.device):
-    """On CUDA: a side stream (one per device), made current after the work already on the current
-    stream; else no stream. Every use begins by waiting for the current stream, and the current
-    stream waits for it before reading what it made, so blocks it allocates need no ``record_stream``
-    (see :mod:`dilated.longnet.call_streams`)."""
+def _side(device: torch.device):
+    """On CUDA: a side stream, after the work already on the current stream; else no stream."""
     if device.type != "cuda":
         yield None
         return
