@@ -7,7 +7,9 @@ curves were measured on the calibration's GPUs of one node: a larger group withi
 assumed to move each rank's bytes at the same per-GPU bandwidth, as on NVSwitch). A group that
 spans nodes is limited by the links between nodes: each GPU's share of its node's inter-node
 bandwidth, for the bytes that leave the node, stated by the user or measured by a calibration
-whose ranks were on different nodes.
+whose ranks were on different nodes. An all-gather or reduce-scatter across nodes is a ring of
+``P - 1`` steps (NCCL's ring), each paying the latency between nodes: for the small messages of decode
+that latency, not the bandwidth, is its time.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ class InterNode:
     latency_us: float = 10.0
     source: str = "stated"
     curves: dict | None = None
+    #: the ring steps of the measured curves' collectives (their ranks less one)
+    curve_steps: int = 1
 
     @classmethod
     def measured(cls, calibration: Calibration, source: str) -> "InterNode":
@@ -34,15 +38,17 @@ class InterNode:
             raise ValueError(f"{source}: its links were measured within one node ({calibration.nodes} node): "
                              "calibrate with the ranks on two or more nodes (one GPU per node) for the links between them")
         lat, per_ms = calibration.links["p2p"].fit()
-        return cls(per_ms * 1e3 / 1e9, lat * 1e3, f"measured: {source}", dict(calibration.links))
+        return cls(per_ms * 1e3 / 1e9, lat * 1e3, f"measured: {source}", dict(calibration.links),
+                   max(1, calibration.gpus - 1))
 
-    def time_ms(self, nbytes: float, pattern: str = "p2p") -> float:
-        """Milliseconds for ``nbytes`` each GPU moves across nodes in ``pattern``."""
+    def time_ms(self, nbytes: float, pattern: str = "p2p", steps: int = 1) -> float:
+        """Milliseconds for ``nbytes`` each GPU moves across nodes in ``pattern``, in ``steps`` messages
+        one after another (a ring collective over P ranks: P - 1), each paying the link's latency."""
         if nbytes <= 0:
             return 0.0
         if self.curves and pattern in self.curves:
-            return self.curves[pattern].time_ms(nbytes)
-        return self.latency_us * 1e-3 + nbytes / (self.gbs * 1e9) * 1e3
+            return self.curves[pattern].time_ms(nbytes) + max(0, steps - self.curve_steps) * self.latency_us * 1e-3
+        return steps * self.latency_us * 1e-3 + nbytes / (self.gbs * 1e9) * 1e3
 
 
 @dataclass
@@ -99,7 +105,8 @@ class Network:
             return 0.0
         if not self.spans_nodes(ranks):
             return self._intra("all_gather", nbytes * (p - 1))
-        return self._cross(ranks).time_ms(nbytes * (p - 1), "all_gather")  # over the nodes every GPU receives it all
+        # over the nodes every GPU receives it all, in P - 1 ring steps
+        return self._cross(ranks).time_ms(nbytes * (p - 1), "all_gather", p - 1)
 
     def reduce_scatter_ms(self, nbytes: float, ranks: list[int]) -> float:
         """reduce_scatter of a buffer of ``nbytes`` per rank (``(P - 1)/P`` of it leaves each rank)."""
@@ -108,7 +115,7 @@ class Network:
             return 0.0
         if not self.spans_nodes(ranks):
             return self._intra("reduce_scatter", nbytes * (p - 1) / p)
-        return self._cross(ranks).time_ms(nbytes * (p - 1) / p, "reduce_scatter")
+        return self._cross(ranks).time_ms(nbytes * (p - 1) / p, "reduce_scatter", p - 1)
 
     def relayed_ms(self, nbytes: float, ranks: list[int]) -> float:
         """An all-gather or reduce-scatter relayed round the ring: ``P - 1`` hops of ``nbytes``."""

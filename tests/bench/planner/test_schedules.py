@@ -201,6 +201,22 @@ def test_across_nodes_the_link_between_them_is_needed_and_used():
     assert slow.time_ms > fast.time_ms and slow.exposed_ms > fast.exposed_ms
 
 
+def test_a_collective_across_nodes_pays_the_latency_between_them_at_every_ring_step():
+    """NCCL's all-gather and reduce-scatter are rings of P - 1 steps: across nodes each step waits for the
+    link's latency, so a decode step's small all-gather over 64 ranks costs 63 latencies, and splitting a
+    small cache over 8 nodes loses to splitting it within one."""
+    net = Network(calibration(), 8, InterNode(50.0, latency_us=10.0))
+    sixty_four, two_nodes = list(range(64)), [0, 8]
+    assert net.all_gather_ms(16e3, sixty_four) == pytest.approx(63 * 0.01 + 63 * 16e3 / 50e9 * 1e3)
+    assert net.reduce_scatter_ms(64 * 16e3, sixty_four) == pytest.approx(63 * 0.01 + 63 * 16e3 / 50e9 * 1e3)
+    assert net.all_gather_ms(16e3, two_nodes) == pytest.approx(0.01 + 16e3 / 50e9 * 1e3)
+    big = 1 << 30  # large messages: the bandwidth's term, as before
+    assert net.all_gather_ms(big, sixty_four) == pytest.approx(63 * big / 50e9 * 1e3, rel=1e-3)
+    m = model(gpus_per_node=8, inter=InterNode(50.0, latency_us=10.0))
+    prob = Problem(1 << 20, 32, 8, 128, mode="decode")
+    assert m.predict("decode", prob, 64).time_ms > m.predict("decode", prob, 8).time_ms
+
+
 def test_a_prediction_says_where_it_extrapolates_below_the_calibrated_work():
     m = model()
     few = m.predict("ulysses", Problem(8 * 2048, 32, 8, 128, causal=True, mode="fwd"), 8)  # 4 heads of 16K rows
