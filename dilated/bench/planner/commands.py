@@ -152,7 +152,8 @@ def run_plan(args, parser) -> int:
                    "kernel times: each call's FLOPs at the rate calibrated for its length and size (head dim and "
                    "GQA ratio as calibrated)" + _distributed_terms(model),
                    "within a node every GPU moves its bytes at the calibrated per-GPU rate whatever the group size; "
-                   "a group across nodes is limited by the per-GPU link between nodes",
+                   "a group across nodes is limited by the per-GPU link between nodes, and its all-gathers and "
+                   "reduce-scatters (rings of P - 1 steps) pay the link's latency at every step",
                    "memory: the schedule's tensors (shards, gradients, buffers in flight) and the largest documents "
                    "call's gathered rows, not kernels' workspaces or the allocator's slack; "
                    f"fits if at most {cal.memory_gib:.0f} GiB"]
