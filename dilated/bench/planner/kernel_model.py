@@ -77,6 +77,10 @@ class KernelModel:
             calibration.backend != "auto" or calibration.varlen_kernel == "flash_attn_4_varlen")
         # kernel time predicted since the last reset, and the part of it below a length's least-work point
         self.extrapolated_ms = self.total_ms = 0.0
+        # since the last reset: the head shapes (heads, kv heads, head dim) of those calls that no calibrated
+        # call had (a Ulysses rank's share of the heads, say): calibrating them would time them
+        self.uncalibrated_shapes = set()
+        self._shapes = {(p.heads, p.kv_heads, p.head_dim) for p in calibration.kernels}
         # the most bytes a batched documents call held at once since the last reset (its gathered rows)
         self.peak_bytes = 0.0
         # every time multiplied by this: the calibration's slowest rank's pace where several ranks run at once
@@ -164,8 +168,13 @@ class KernelModel:
         ms = call_flops(batch, lq, lk, heads, head_dim, causal and square) / rate * self.pace
         self.total_ms += ms
         if work < self._least_work(length, head_dim, heads // kv_heads, causal and square, mode):
-            self.extrapolated_ms += ms
+            self._extrapolated(ms, heads, kv_heads, head_dim)
         return ms
+
+    def _extrapolated(self, ms: float, heads: int, kv_heads: int, head_dim: int) -> None:
+        self.extrapolated_ms += ms
+        if (heads, kv_heads, head_dim) not in self._shapes:
+            self.uncalibrated_shapes.add((heads, kv_heads, head_dim))
 
     def _least_work(self, length, head_dim, ratio, causal, mode) -> float:
         """The least work measured at the calibrated lengths around ``length`` (the nearer ones on each side)."""
@@ -217,7 +226,7 @@ class KernelModel:
             one = call_flops(batch * c, m, m, heads, head_dim, causal) / rate * self.pace
             ms += one
             if work < self._least_work(m, head_dim, ratio, causal, mode):
-                self.extrapolated_ms += one
+                self._extrapolated(one, heads, kv_heads, head_dim)
         self.total_ms += ms
         return ms
 

@@ -678,6 +678,7 @@ class Model:
         if world > 1 and problem.mode != "decode" and strategy in STRATEGIES:
             floor = self.floor_ms(strategy, problem, world)
         self.kernels.extrapolated_ms = self.kernels.total_ms = self.kernels.peak_bytes = 0.0
+        self.kernels.uncalibrated_shapes = set()
         self.kernels.pace = self.pace if world > 1 else 1.0  # a collective or a ring waits for the slowest GPU
         try:
             t = self._timeline(strategy, problem, world, grid)
@@ -688,8 +689,11 @@ class Model:
         out.floor_ms = floor
         share = self.kernels.extrapolated_ms / self.kernels.total_ms if self.kernels.total_ms else 0.0
         if share > 0.1:
+            shapes = ",".join(f"{h}/{hkv}/{d}" for h, hkv, d in sorted(self.kernels.uncalibrated_shapes, reverse=True))
             out.notes.append(f"{100 * share:.0f}% of the kernel time is in calls with less work than any calibrated "
-                             "call of their length (few query rows or heads): extrapolated")
+                             "call of their length (few query rows or heads): extrapolated"
+                             + (f"; calibrate --head-shapes {shapes} too to time its calls of those heads" if shapes
+                                else ""))
         out.exposed_ms = max(0.0, t.time - t.compute)  # the host's floor is not communication
         out.memory_gib = self._memory(problem, world, t.extra_mem + self.kernels.peak_bytes)
         return out

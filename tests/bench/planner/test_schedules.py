@@ -224,6 +224,21 @@ def test_a_prediction_says_where_it_extrapolates_below_the_calibrated_work():
     assert not m.predict("ring_zigzag", Problem(2 * 65536, 32, 8, 128, causal=True, mode="fwd"), 2).notes
 
 
+def test_the_note_names_the_head_shapes_a_calibration_lacks(monkeypatch):
+    """Ulysses on 8 ranks runs 4 of Llama-3-8B's 32 q heads (and 1 of its 8 kv heads) per rank: a calibration
+    without that shape extrapolates those calls, and the note says which shape to calibrate; one with it
+    names none."""
+    import synthetic_calibration
+
+    prob = Problem(8 * 2048, 32, 8, 128, causal=True, mode="fwd")
+    lacking = model().predict("ulysses", prob, 8)
+    assert "--head-shapes 4/1/128" in lacking.notes[0]
+    monkeypatch.setattr(synthetic_calibration, "SHAPES", synthetic_calibration.SHAPES + [(4, 1, 128)])
+    cal = synthetic_calibration.calibration()
+    having = Model(KernelModel(cal), Network(cal, 8, None)).predict("ulysses", prob, 8)
+    assert not any("--head-shapes" in n for n in having.notes)
+
+
 def test_links_between_nodes_can_be_a_calibration_measured_across_nodes():
     slow = {name: link(latency=50.0 if name == "p2p" else 70.0, per_ms=1e30)
             for name in ("p2p", "all_to_all", "all_gather", "reduce_scatter")}
