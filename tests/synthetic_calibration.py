@@ -2,6 +2,7 @@
 logarithms of the call's length and work (so the model's interpolation between its points is exact
 and any other answer is a bug), links that take ``latency + bytes / bandwidth``, decode steps that
 take ``latency + bytes / bandwidth``."""
+import dataclasses
 import math
 
 from dilated.bench.flops import dense_flops
@@ -47,6 +48,12 @@ def calibration(links=None, decode=True, longest=65536, **fields) -> Calibration
                     steps.append(DecodePoint(ranks, b, s, 32, 8, 128, decode_ms(ranks, b * s * 8 * 128 * 4)))
     return Calibration(device="Synthetic GPU", gpus=2, memory_gib=80.0, software={"torch": "test"}, kernels=points,
                        links=links, decode=steps, **fields)
+
+
+def with_graph_decode(cal: Calibration, speedup: float = 4.0) -> Calibration:
+    """``cal`` with each decode step also timed as CUDA-graph replays, ``speedup`` times faster."""
+    cal.decode = cal.decode + [dataclasses.replace(d, ms=d.ms / speedup, cuda_graph=True) for d in cal.decode]
+    return cal
 
 
 def decode_ms(ranks: int, cache_bytes: float) -> float:

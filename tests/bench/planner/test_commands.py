@@ -3,11 +3,10 @@ import json
 import pytest
 
 from dilated.bench.__main__ import main
-from dilated.bench.planner.calibration import DecodePoint
 from dilated.bench.planner.kernel_model import KernelModel
 from dilated.bench.planner.network import Network
 from dilated.bench.planner.schedules import Model, Problem
-from synthetic_calibration import calibration
+from synthetic_calibration import calibration, with_graph_decode
 
 
 @pytest.fixture
@@ -123,9 +122,7 @@ def test_a_calibration_of_one_gpu_plans_one_gpu_only(tmp_path, capsys):
 
 
 def test_validate_reads_a_decode_row_replayed_from_a_cuda_graph_against_the_steps_timed_so(tmp_path, capsys):
-    cal = calibration()
-    cal.decode = cal.decode + [DecodePoint(d.ranks, d.batch, d.tokens, d.heads, d.kv_heads, d.head_dim, d.ms / 4, True)
-                               for d in cal.decode]
+    cal = with_graph_decode(calibration())
     path = tmp_path / "cal.json"
     cal.save(str(path))
     m = Model(KernelModel(cal), Network(cal, 8))

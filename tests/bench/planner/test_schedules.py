@@ -4,7 +4,7 @@ from dilated.bench.planner.calibration import DecodePoint
 from dilated.bench.planner.kernel_model import KernelModel
 from dilated.bench.planner.network import InterNode, Network
 from dilated.bench.planner.schedules import Model, Problem
-from synthetic_calibration import calibration, decode_ms, link, true_ms
+from synthetic_calibration import calibration, decode_ms, link, true_ms, with_graph_decode
 
 
 def model(links=None, gpus_per_node=8, inter=None):
@@ -165,10 +165,8 @@ def test_decode_reads_the_steps_timed_on_as_many_ranks():
 def test_decode_replayed_from_cuda_graphs_reads_the_steps_timed_so():
     """Steps called from Python hold the host's launches, replays of a CUDA graph do not: a problem run one
     way reads the steps timed that way, and says to calibrate again where there are none."""
-    cal = calibration()
+    cal = with_graph_decode(calibration())
     row = 8 * 128 * 2 * 2
-    cal.decode = cal.decode + [DecodePoint(d.ranks, d.batch, d.tokens, d.heads, d.kv_heads, d.head_dim, d.ms / 4, True)
-                               for d in cal.decode]
     m = Model(KernelModel(cal), Network(cal, 2, None))
     eager = m.predict("decode", Problem(1 << 18, 32, 8, 128, mode="decode"), 2)
     graph = m.predict("decode", Problem(1 << 18, 32, 8, 128, mode="decode", cuda_graph=True), 2)
