@@ -133,13 +133,7 @@ RING_IMPLEMENTATIONS = {
     "documents": _make("documents", "dense", "documents",
                        lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b, group=g),
                        "DocumentParallelAttention: documents balanced over the ranks (DocumentLayout), only "
-                       "crossing documents' K/V moved (pulled by the copy engines within a host, else "
-                       "all-gathered), overlapped with the local documents"),
-    "documents_all_gather": _make("documents_all_gather", "dense", "documents",
-                                  lambda c, b, g: dilated.DocumentParallelAttention(causal=c.causal, backend=b,
-                                                                                    group=g, transport="all_gather"),
-                                  "DocumentParallelAttention, transport='all_gather': the crossing rows by NCCL's "
-                                  "all-gather and reduce-scatter (kernels on the SMs beside the attention)"),
+                       "crossing documents' K/V all-gathered, overlapped with the local documents"),
     "ring_documents": _make("ring_documents", "dense", "documents", lambda c, b, g: _ring(c, b, "documents", True, g),
                             "RingAttention on the documents' DocumentLayout: only crossing documents' K/V rows "
                             "passed round the ring"),

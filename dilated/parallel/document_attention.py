@@ -6,21 +6,18 @@ every rank. A call on rank r:
 
 1. starts gathering the K/V rows of its pieces of *crossing* documents (those with pieces on
    several ranks), padded to the largest such count over the ranks (the layout knows every rank's,
-   so no sizes are exchanged): pulled from every peer by the GPUs' copy engines on a side stream
-   (``transport="copy_engine"``, the GPUs of one host: :mod:`dilated.parallel.crossing_pulls`), one
-   all-gather (``"all_gather"``), or ``P - 1`` send/recv hops round the ring issued on a side
-   stream (``"ring"``, :class:`~dilated.RingAttention` with ``layout="documents"``: traffic only
-   between ring neighbours);
+   so no sizes are exchanged): one all-gather (``transport="all_gather"``), or ``P - 1`` send/recv
+   hops round the ring issued on a side stream (``"ring"``, :class:`~dilated.RingAttention` with
+   ``layout="documents"``: traffic only between ring neighbours);
 2. meanwhile computes every local piece against itself (one varlen call over the pieces; causal,
    square within each piece): whole documents are done here, with no communication;
 3. computes each local piece of a crossing document against the other keys of its document that
    its queries see (causal: the positions before the piece; otherwise all others), gathered from
    the all-gather's rows, as one varlen call of rectangles; then merges the two by log-sum-exp.
 
-Backward runs the second part first, sends its dK/dV back to the keys' owners (float32: each owner
-pulls its rows of every peer's and sums them; or one reduce-scatter; on the ring, ``P - 1`` hops
-each adding its own part) while the local pieces' backward runs, and adds them to the owners'
-gradients. Kernels: the backend's varlen entry point where it has one (flash-attn 4, torch's
+Backward runs the second part first, sends its dK/dV back to the keys' owners with one
+reduce-scatter (float32; on the ring, ``P - 1`` hops each adding its own part) that overlaps the
+local pieces' backward, and adds them to the owners' gradients. Kernels: the backend's varlen entry point where it has one (flash-attn 4, torch's
 varlen flash kernel), else the pieces in batched calls per length (local) and one call per
 rectangle (crossing), with ``auto`` those too small for a call each in one call of torch's varlen
 kernel (:func:`dilated.packed.small_rectangles`).
@@ -46,13 +43,7 @@ from ..dense import AttentionSpec, attention_backward, attention_forward, defaul
 from ..indexed_rows import add_rows_, add_to_slots_, merge_rows_
 from .document_calls import block_documents_backward, block_documents_forward
 from .ring_exchange import RingExchange
-from . import peer_copy
-from .crossing_pulls import gather_rows, publication_bytes, reduce_rows
 from ..packed import small_rectangles
-
-
-#: how :class:`DocumentParallelAttention` moves the crossing rows
-TRANSPORTS = ("auto", "copy_engine", "all_gather")
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,8 +143,7 @@ class DocumentCall:
     """One call's kernel spec, layout, group and kernels (``varlen``: the backend's varlen entry point
     or None; ``small``: torch's varlen kernel for batched calls too small otherwise, or None), on
     ``rank`` of the group (``plan``: its :class:`RankPlan`); ``transport``: how the crossing rows
-    move, ``"copy_engine"`` (pulled from symmetric memory), ``"all_gather"`` (one collective each way)
-    or ``"ring"`` (send/recv hops round the ring)."""
+    move, ``"all_gather"`` (one collective each way) or ``"ring"`` (send/recv hops round the ring)."""
 
     spec: AttentionSpec
     layout: DocumentLayout
@@ -274,13 +264,11 @@ class DocumentParts:
                             self.small, rank, transport)
 
 
-def crossing_rows(k, v, send, rows: int, out=None):
+def crossing_rows(k, v, send, rows: int):
     """This rank's K/V rows ``send`` of crossing documents as one buffer ``[B, rows, Hkv, Dk + Dv]``
-    (zero-padded to the ``rows`` every rank sends), written into ``out`` where given."""
-    mine = k.new_empty(k.shape[0], rows, k.shape[2], k.shape[3] + v.shape[3]) if out is None else out
-    n = send.numel()
-    mine[:, :n] = torch.cat([k.index_select(1, send), v.index_select(1, send)], -1)
-    mine[:, n:].zero_()
+    (zero-padded to the ``rows`` every rank sends)."""
+    mine = k.new_zeros(k.shape[0], rows, k.shape[2], k.shape[3] + v.shape[3])
+    mine[:, :send.numel()] = torch.cat([k.index_select(1, send), v.index_select(1, send)], -1)
     return mine
 
 
@@ -312,14 +300,10 @@ class _Collective:
 
 
 def _gather_kv(call: DocumentCall, k, v, send):
-    """Start gathering every rank's crossing K/V rows (one all-gather, relayed round the ring, or
-    pulled by the copy engines): its ``wait()`` gives ``[P, B, rows, Hkv, Dk + Dv]``."""
-    p, rows = call.layout.world_size, call.plan.rows
-    if call.transport == "copy_engine":
-        shape = (k.shape[0], rows, k.shape[2], k.shape[3] + v.shape[3])
-        return gather_rows(call.group, call.stats, shape, k.dtype, k.device,
-                           lambda view: crossing_rows(k, v, send, rows, view), reads=(k, v))
-    mine = crossing_rows(k, v, send, rows)
+    """Start gathering every rank's crossing K/V rows (one all-gather, or relayed round the ring):
+    its ``wait()`` gives ``[P, B, rows, Hkv, Dk + Dv]``."""
+    p = call.layout.world_size
+    mine = crossing_rows(k, v, send, call.plan.rows)
     if call.transport == "ring":
         return RingExchange(call.group, call.stats).all_gather(mine)
     gathered = k.new_empty(p * k.shape[0], *mine.shape[1:])  # rank-major, as every backend takes it
@@ -328,25 +312,13 @@ def _gather_kv(call: DocumentCall, k, v, send):
     return _Collective(work, gathered.view(p, *mine.shape), call.stats)
 
 
-def _reduce_grads(call: DocumentCall, shape, dtype, device, d_rows, k_slots, dk: int):
-    """Start summing every rank's gradient rows of each rank's crossing rows onto their owner (one
-    reduce-scatter, relayed round the ring, or pulled by the copy engines): its ``wait()`` gives this
-    rank's ``[B, rows, ...]``. This rank's are ``shape = [B, P * rows, Hkv, Dk + Dv]`` (``dtype``): its
-    rectangles' key gradients ``d_rows`` (``(dk, dv)`` or None) added at their slots ``k_slots``."""
-    def write(d_full):
-        d_full.zero_()
-        if d_rows is not None:
-            add_to_slots_(d_full[..., :dk], k_slots, d_rows[0])
-            add_to_slots_(d_full[..., dk:], k_slots, d_rows[1])
-
-    if call.transport == "copy_engine":
-        return reduce_rows(call.group, call.stats, shape, dtype, device, write, reads=d_rows or ())
-    p, b = call.layout.world_size, shape[0]
-    d_full = torch.empty(shape, dtype=dtype, device=device)
-    write(d_full)
-    blocks = d_full.view(b, p, shape[1] // p, *shape[2:]).transpose(0, 1).contiguous()  # [P, B, rows, ...]
+def _reduce_grads(call: DocumentCall, blocks):
+    """Start summing every rank's gradient rows ``blocks [P, B, rows, ...]`` of each rank's crossing
+    rows onto their owner (one reduce-scatter, or relayed round the ring): its ``wait()`` gives this
+    rank's ``[B, rows, ...]``."""
     if call.transport == "ring":
         return RingExchange(call.group, call.stats).reduce_scatter(blocks)
+    p, b = blocks.shape[:2]
     mine = torch.empty(blocks.shape[1:], dtype=blocks.dtype, device=blocks.device)
     work = reduce_scatter_from(mine, blocks.view(p * b, *blocks.shape[2:]), group=call.group, async_op=True)
     call.stats.sent(blocks.numel() * blocks.element_size() * (p - 1) // p, collective=True)
@@ -394,17 +366,18 @@ class _DocumentFunction(torch.autograd.Function):
         if plan.rows:
             p, b = call.layout.world_size, q.shape[0]
             dk_all = k.shape[3]
+            d_full = torch.zeros(b, p * plan.rows, k.shape[2], dk_all + v.shape[3], dtype=acc, device=q.device)
             if q_rows.numel():
                 try:
                     kr, vr = _crossing_kv(rest[0], k_slots, dk_all)
                     d_rows = call.crossing_backward(*(x.index_select(1, q_rows) for x in (dout, q)), kr, vr,
                                                     out.index_select(1, q_rows), lse.index_select(2, q_rows),
                                                     plan.cu_q, plan.cu_k)
+                    add_to_slots_(d_full[..., :dk_all], k_slots, d_rows[1])
+                    add_to_slots_(d_full[..., dk_all:], k_slots, d_rows[2])
                 except Exception as e:  # noqa: BLE001 - raised once this rank has joined the reduce-scatter
                     failure = e
-            shape = (b, p * plan.rows, k.shape[2], dk_all + v.shape[3])
-            pending = _reduce_grads(call, shape, acc, q.device, None if d_rows is None else d_rows[1:], k_slots,
-                                    dk_all)
+            pending = _reduce_grads(call, d_full.view(b, p, plan.rows, *d_full.shape[2:]).transpose(0, 1).contiguous())
         if failure is None:
             try:
                 dq, dk, dv = call.local_backward((dout, q, k, v, out, lse))
@@ -436,10 +409,6 @@ class DocumentParallelAttention(nn.Module):
         scale: softmax scale (default ``head_dim ** -0.5``).
         backend: the local kernel (``"auto"``, ``"sdpa"``, ``"flash_attn_4"``, ...).
         group: the process group (default: the world).
-        transport: how the crossing rows move: ``"copy_engine"`` (pulled by the GPUs' copy engines
-            from symmetric memory, :mod:`dilated.parallel.crossing_pulls`: no SM runs a transfer beside
-            the attention), ``"all_gather"`` (NCCL's all-gather and reduce-scatter, or gloo's), or
-            ``"auto"``: copy_engine where the group's GPUs share a host, else all_gather.
         measure_comm: record the time the compute stream waits on communication in ``self.stats``.
 
     The layout of a batch's documents is :meth:`document_layout` (computed on the host, cached per
@@ -447,14 +416,11 @@ class DocumentParallelAttention(nn.Module):
     """
 
     def __init__(self, *, causal: bool = False, scale: float | None = None, backend: str = "auto", group=None,
-                 transport: str = "auto", measure_comm: bool = False):
+                 measure_comm: bool = False):
         super().__init__()
         check_causal(causal)
         check_scale(scale)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
-        self.transport, self.transport_used = transport, None
         self.stats = CommStats(measure_comm)
         self._agreed = AgreedSignatures()
         self.last_layout = None
@@ -481,25 +447,8 @@ class DocumentParallelAttention(nn.Module):
         parts = validate_on_all_ranks(self.group, self._agreed, "DocumentParallelAttention",
                                       lambda: self._validate(q, k, v, cu_seqlens, layout))
         self.last_layout = parts.layout
-        rank = dist.get_rank(self.group)
-        self.transport_used = self._resolve_transport(parts, rank, q, k, v)
-        call = parts.call(rank, self.group, self.stats, self.transport_used)
+        call = parts.call(dist.get_rank(self.group), self.group, self.stats)
         return document_attention(dense_rows(q), k.contiguous(), v.contiguous(), call)
-
-    def _resolve_transport(self, parts: DocumentParts, rank: int, q, k, v) -> str:
-        """The transport of this call (collective where it sets up symmetric memory: every rank calls it
-        with the same layout, so the same bytes)."""
-        if self.transport == "all_gather":
-            return "all_gather"
-        layout = parts.layout
-        nbytes = publication_bytes(layout.world_size, rank_plan(layout, rank).rows, q.shape[0], k.shape[2],
-                                   k.shape[3] + v.shape[3], k.dtype, acc_dtype(q.dtype))
-        why = peer_copy.prepare(self.group, k.device, nbytes) if nbytes else None
-        if why is None:
-            return "copy_engine"
-        if self.transport == "copy_engine":
-            raise ValueError(f"transport='copy_engine' is unavailable here: {why}; use transport='all_gather' or 'auto'")
-        return "all_gather"
 
     def shard(self, x: torch.Tensor, layout: DocumentLayout | None = None) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor in ``layout`` (default:

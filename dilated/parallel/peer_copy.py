@@ -60,11 +60,6 @@ def prepare(group, device: torch.device, nbytes: int) -> str | None:
         _WORKSPACES[key] = (f"its ranks set up symmetric memory on other groups unequally before "
                             f"({[c for _, c in seen]} times): torch's rendezvous would wait forever")
     else:
-        if ws is not None:  # a larger one: at least twice the last, so a growing need grows it rarely
-            nbytes = max(nbytes, 2 * ws[0].numel())
-            torch.cuda.synchronize(device)  # no pull of the last buffer is still in flight, here ...
-            dist.barrier(group=group)
-            torch.cuda.synchronize(device)  # ... or on a peer
         _new_workspace(key, group, nbytes, device)
         return None
     return _WORKSPACES[key]
@@ -93,37 +88,24 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 class Published:
     """``tensors`` (``[B, N, ...]``, one dtype) published by every rank of ``group``, contiguous in
     its buffer; :meth:`pull` copies rows of a peer's into local contiguous tensors on the current
-    stream. :meth:`written` publishes tensors written straight into the buffer (no copy)."""
+    stream."""
 
     def __init__(self, group, tensors):
         dtype = tensors[0].dtype
         if any(t.dtype != dtype for t in tensors):
             raise ValueError("published tensors must be of one dtype")
-
-        def write(*views):
-            for t, mine in zip(tensors, views):
-                mine.copy_(t)
-        self._publish(group, [t.shape for t in tensors], dtype, tensors[0].device, write)
-
-    @classmethod
-    def written(cls, group, shapes, dtype: torch.dtype, device: torch.device, write) -> "Published":
-        """Tensors of ``shapes`` published by every rank, each rank's written by ``write(*views)`` straight
-        into its views of its buffer (on the current stream, between the publication's two barriers)."""
-        published = cls.__new__(cls)
-        published._publish(group, [torch.Size(s) for s in shapes], dtype, device, write)
-        return published
-
-    def _publish(self, group, shapes, dtype: torch.dtype, device: torch.device, write) -> None:
-        self.shapes, self.dtype = shapes, dtype
+        self.shapes = [t.shape for t in tensors]
+        self.dtype = dtype
         self.offsets, total = [], 0
-        for s in shapes:
+        for t in tensors:
             self.offsets.append(total)
-            total += s.numel()
-        buf, self.handle = _WORKSPACES[(_group_name(group), torch.device(device).index)]
+            total += t.numel()
+        buf, self.handle = _WORKSPACES[(_group_name(group), tensors[0].device.index)]
         if buf.numel() < total * dtype.itemsize:
             raise RuntimeError("call peer_copy.prepare(group, device, nbytes) before publishing")
         self.handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)  # peers are done with the last one
-        write(*self.views(self.handle.rank))
+        for t, mine in zip(tensors, self.views(self.handle.rank)):
+            mine.copy_(t)
         self.handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)  # everyone's is complete
 
     def views(self, rank: int) -> list[torch.Tensor]:
@@ -143,14 +125,3 @@ class Published:
                     dst[b, rows].copy_(src[b, rows])
             nbytes += dst[:, rows].numel() * dst.element_size()
         return nbytes
-
-    def pull_rows(self, rank: int, rows: slice, out: torch.Tensor) -> int:
-        """Copy ``[:, rows]`` of ``rank``'s first tensor into ``out`` (``[B, rows, ...]``, contiguous);
-        returns the bytes. One copy per batch row where a batch row is not contiguous."""
-        src = self.views(rank)[0][:, rows]
-        if src.shape[0] == 1 or src.is_contiguous():
-            out.copy_(src)
-        else:
-            for b in range(src.shape[0]):
-                out[b].copy_(src[b])
-        return out.numel() * out.element_size()

@@ -135,14 +135,6 @@ def test_ring_copy_engine_pulls_match_send_recv_on_gpus():
     spawn(dist_worker.copy_engine_matches_p2p, args=(world, free_port()), nprocs=world)
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 GPUs (NCCL, copy engines)")
-def test_document_parallel_copy_engine_pulls_match_float64_and_the_collectives_on_gpus():
-    import torch
-
-    world = min(torch.cuda.device_count(), 4)
-    spawn(dist_worker.documents_copy_engine, args=(world, free_port()), nprocs=world)
-
-
 def test_host_groups_are_made_by_every_rank_of_the_world_and_never_by_a_subgroup_alone():
     spawn(dist_worker.host_groups_never_wait_on_group_counts, args=(4, free_port()), nprocs=4)
 

@@ -375,14 +375,9 @@ class Model:
         plans = [rank_plan(layout, r) for r in range(p)]
         rows = plans[0].rows
         row_bytes = b * kv_heads * 2 * d * ELEM
-        if transport == "copy_engine" and net.spans_nodes(ranks):
-            transport = "all_gather"  # symmetric memory maps the GPUs of one host: the module falls back
         if transport == "ring":
             gather = net.relayed_ms(rows * row_bytes, ranks)
             scatter = net.relayed_ms(rows * row_bytes * ACC / ELEM, ranks)
-        elif transport == "copy_engine":  # a rank pulls from each peer in turn, on one side stream
-            gather = (p - 1) * net.p2p_ms(rows * row_bytes, ranks, "copy_engine")
-            scatter = (p - 1) * net.p2p_ms(rows * row_bytes * ACC / ELEM, ranks, "copy_engine")
         else:
             gather = net.all_gather_ms(rows * row_bytes, ranks)
             scatter = net.reduce_scatter_ms(p * rows * row_bytes * ACC / ELEM, ranks)
@@ -398,7 +393,7 @@ class Model:
                 c += local_b + rect_b
             times.append(t)
             computes.append(c)
-        sent = rows * row_bytes * (1 if transport == "all_gather" else p - 1)
+        sent = rows * row_bytes * (p - 1 if transport == "ring" else 1)
         extra = p * rows * row_bytes
         if problem.mode == "fwd_bwd":
             sent += rows * row_bytes * ACC / ELEM * (p - 1)
@@ -715,8 +710,9 @@ class Model:
             raise NotImplementedError("the decode strategy plans --mode decode only")
         if problem.seq_len % (2 * world) and strategy != "documents":
             raise ValueError(f"N={problem.seq_len} is not divisible by 2 x {world} ranks (zigzag chunks)")
-        if strategy in DOCUMENT_TRANSPORTS:
-            return self._documents(problem, ranks, problem.heads, problem.kv_heads, DOCUMENT_TRANSPORTS[strategy])
+        if strategy in ("documents", "ring_documents"):
+            return self._documents(problem, ranks, problem.heads, problem.kv_heads,
+                                   "all_gather" if strategy == "documents" else "ring")
         if strategy == "ring_head_tail":
             return self._documents(problem, ranks, problem.heads, problem.kv_heads, "ring",
                                    DocumentLayout.head_tail(problem.cu_seqlens(), world, problem.causal))
@@ -749,10 +745,6 @@ class Model:
         return self._ring(problem, ranks, problem.heads, problem.kv_heads, layout, overlap, transport)
 
 
-#: the documents strategies on the documents' layout and how each moves the crossing rows (copy-engine
-#: pulls fall back to the collectives across nodes, as the module does)
-DOCUMENT_TRANSPORTS = {"documents": "copy_engine", "documents_all_gather": "all_gather", "ring_documents": "ring"}
-
 #: strategies the model follows: ring variants as (layout, overlap, transport); the others by name
 STRATEGIES = {
     "ring": ("contiguous", True, "copy_engine"),
@@ -765,7 +757,6 @@ STRATEGIES = {
     **{name: None for name in HYBRID_HEAD_GROUPS},
     **{name: None for name in ROW_GROUPS},
     "documents": None,
-    "documents_all_gather": None,
     "ring_documents": None,
     "ring_head_tail": None,
     "decode": None,
@@ -781,8 +772,6 @@ def measured_as(strategy: str) -> str:
         return "hybrid_documents" if strategy.startswith("hybrid_documents") else "hybrid"
     if strategy in ("documents", "ring_documents"):
         return strategy
-    if strategy == "documents_all_gather":
-        return "documents"
     if strategy == "ring_head_tail":
         return "ring_documents"
     return "ring_zigzag"
