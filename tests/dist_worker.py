@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 import dilated
+from dilated.bench.memory import MiB, PeakMemory
+from dilated.parallel import peer_copy
 from dilated.reference import dense_reference
 
 
@@ -249,6 +251,16 @@ def copy_engine_matches_p2p(rank, world, port):
                 assert err < 1e-2, f"{where}: copy engine vs p2p rel err {err:.2e}"
             if cu == mixes[1]:  # every document inside a chunk: no step between ranks pulls
                 assert got["copy_engine"][4] == 0 < got["p2p"][4], (layout, causal, got["copy_engine"][4])
+        # the symmetric buffer the pulls publish from (a shard's k and v at least) counts in a call's peak
+        # memory, though torch's allocator leaves it out
+        shard_kv = sum(t.numel() * t.element_size() for t in full[1:]) // p
+        assert peer_copy.held_bytes(dev) >= shard_kv, (peer_copy.held_bytes(dev), shard_kv)
+        ring = dilated.RingAttention(causal=True, group=group, transport="copy_engine")
+        q, k, v = (dilated.shard(t, group=group, layout="contiguous") for t in full)
+        with PeakMemory(dev) as mem:
+            ring(q, k, v)
+        allocator = torch.cuda.max_memory_allocated(dev)
+        assert abs(mem.peak_total_mib * MiB - allocator - peer_copy.held_bytes(dev)) < 1, (mem.peak_total_mib, allocator)
     dist.barrier()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..parallel.peer_copy import held_bytes
+
 MiB = 1 << 20
 
 
@@ -58,7 +60,10 @@ def _reset_cpu_peak() -> bool:
 
 class PeakMemory:
     """``with PeakMemory(device) as m: ...`` then ``m.peak_above_mib`` (above what was held before)
-    and ``m.peak_total_mib``. On CPU these are resident-set figures of the whole process."""
+    and ``m.peak_total_mib``. On CPU these are resident-set figures of the whole process. On CUDA,
+    torch's allocator peak plus the symmetric buffers held at the end (copy-engine transfers publish
+    from them; the allocator's statistics leave them out): the total counts them all, the part
+    above what was held before those made during the call."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -70,6 +75,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
+            self._symmetric = held_bytes(self.device)
         else:
             self._ok = _reset_cpu_peak()
             self._base = _rss_bytes("VmRSS")
@@ -78,9 +84,9 @@ class PeakMemory:
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self.peak_total_mib = peak / MiB
-            self.peak_above_mib = (peak - self._base) / MiB
+            peak, symmetric = torch.cuda.max_memory_allocated(self.device), held_bytes(self.device)
+            self.peak_total_mib = (peak + symmetric) / MiB
+            self.peak_above_mib = (peak - self._base + symmetric - self._symmetric) / MiB
         elif self._ok and self._base is not None:
             peak = _rss_bytes("VmHWM")
             self.peak_total_mib = peak / MiB

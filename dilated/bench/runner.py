@@ -216,7 +216,7 @@ class _RowRun:
             # dense: what materialising the scores would take (how much a fused kernel avoids)
             "score_matrix_mib": (None if score_bytes is None else score_bytes / (1 << 20)),
             "min_theoretical_mib": self.impl.min_bytes(case, case.mode) / (1 << 20),
-            "measure": "cuda allocator" if device.type == "cuda" else
+            "measure": "cuda allocator and symmetric buffers" if device.type == "cuda" else
             "process peak RSS" + ("" if large_allocations_tracked() else
                                   " (glibc's mmap threshold not pinned: freed heap memory reused by a call does not "
                                   "show; see memory.track_large_allocations)")}

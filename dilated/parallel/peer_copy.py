@@ -78,6 +78,14 @@ def _new_workspace(key, group, nbytes: int, device: torch.device):
     _RENDEZVOUS["count"] += 1
 
 
+def held_bytes(device) -> int:
+    """Bytes of symmetric buffers this process holds on ``device`` (every group's): device memory that
+    torch's allocator statistics leave out (symmetric memory maps its own)."""
+    index = torch.device(device).index
+    return sum(ws[0].numel() * ws[0].element_size() for (_, i), ws in _WORKSPACES.items()
+               if i == index and not isinstance(ws, str))
+
+
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The high-priority stream pulls are issued on (one per device)."""
     if device.index not in _SIDE:

@@ -313,7 +313,9 @@ class Model:
         end_f, compute_f = self._run_steps(fwd, [[move[kv_rows(r, s)] for s in range(p)] for r in range(p)], overlap,
                                            coupled=transport == "p2p")
         sent = sum(kv_rows(0, s) for s in range(1, p)) * row_bytes
-        t = _Timeline(max(end_f), max(compute_f), sent, 2 * n * row_bytes)
+        # two K/V blocks in flight; pulled by the copy engines, the shard's K/V published in symmetric memory too
+        published = n * row_bytes if transport == "copy_engine" and p > 1 else 0
+        t = _Timeline(max(end_f), max(compute_f), sent, 2 * n * row_bytes + published)
         if problem.mode == "fwd_bwd":
             bwd = [[self._calls_ms(calls[r][s], problem, heads, kv_heads, "bwd") for s in range(p)] for r in range(p)]
             dkv = net.p2p_ms(n * row_bytes * ACC / ELEM, ranks) if p > 1 else 0.0

@@ -525,3 +525,10 @@ def test_the_hybrids_defaults_follow_the_modules_choice_of_row_exchange():
     assert all(plan.local is not None for plan in row_plans(DocumentLayout.balance(cu, 2, True), 2, "auto", False))
     assert m.predict("hybrid_documents", kept, 4, (2, 2)).time_ms == pytest.approx(
         m.predict("hybrid_documents_one_exchange", kept, 4, (2, 2)).time_ms, rel=1e-9)
+
+
+def test_a_ring_pulled_by_the_copy_engines_holds_its_published_shard_too():
+    problem = Problem(65536, 32, 8, 128, causal=True, mode="fwd")
+    pulled, sent = (model().predict(s, problem, 2) for s in ("ring_zigzag", "ring_zigzag_p2p"))
+    shard_kv = 32768 * 8 * 128 * 2 * 2  # a rank's rows of k and v, bf16: what it publishes
+    assert (pulled.memory_gib - sent.memory_gib) * 2**30 == pytest.approx(shard_kv)
