@@ -584,7 +584,7 @@ def document_parallel(rank, world, port):
                     for x in layout.pieces[r]:
                         if x.doc not in crossing:
                             paths.add("whole")
-                        elif len([y for m in layout.pieces for y in m if y.doc == x.doc]) == 2 * world - 1:
+                        elif len([y for m in layout.pieces for y in m if y.doc == x.doc]) == 2 * world:
                             paths.add("head-tail")
                         else:
                             paths.add("cut at room")

@@ -9,8 +9,7 @@ holding exactly ``N / P`` positions:
 * documents whose work no whole-document assignment can balance are cut head-tail, as
   TransformerEngine's THD format and PyTorch's per-document balancer cut every document: into
   ``2P`` pieces, rank ``r`` taking pieces ``r`` and ``2P-1-r``, which gives every rank the same
-  share of the document's work (causal) and of its positions (rank ``P-1``'s two meet in the
-  middle of the document: one piece);
+  share of the document's work (causal) and of its positions;
 * the other documents stay whole (no communication at all), assigned largest work first to the
   rank with the least work that has room for them (longest-processing-time scheduling);
 * a whole document that no rank has room for is cut at the ranks' remaining room, in order.
@@ -94,20 +93,15 @@ def _shares(length: int, p: int, turn: int) -> list[int]:
 def _head_tail(a: int, length: int, p: int, turn: int, heads=None) -> list[tuple[int, int, int]]:
     """Document ``[a, a + length)`` cut into ``2P`` pieces, rank r taking pieces r and 2P-1-r, as
     ``(rank, start, length)`` in sequence order (empty pieces left out); rank r holds
-    ``_shares(length, p, turn)[r]`` positions, ``heads[r]`` of them in its head piece (default half).
-    Rank P-1's two pieces meet in the middle: they are one piece, attended there as one (its later
-    half's queries see its earlier half's keys without a rectangle of gathered rows)."""
+    ``_shares(length, p, turn)[r]`` positions, ``heads[r]`` of them in its head piece (default half)."""
     share = _shares(length, p, turn)
     heads = [m // 2 for m in share] if heads is None else heads
     out, at = [], a
-    for r in range(p - 1):  # the heads
+    for r in range(p):  # the heads
         if heads[r]:
             out.append((r, at, heads[r]))
             at += heads[r]
-    if share[p - 1]:  # rank P-1's head and tail, one after the other
-        out.append((p - 1, at, share[p - 1]))
-        at += share[p - 1]
-    for r in reversed(range(p - 1)):  # the other tails
+    for r in reversed(range(p)):  # the tails
         if share[r] - heads[r]:
             out.append((r, at, share[r] - heads[r]))
             at += share[r] - heads[r]

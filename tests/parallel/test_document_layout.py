@@ -334,7 +334,7 @@ def test_even_out_moves_work_from_a_rank_to_the_later_ranks_by_their_shares(p):
     """One document cut head-tail beside other work that leaves the ranks uneven: its re-split keeps
     each rank's count of its positions and brings every rank within a row's worth of pairs of the mean
     (counted position by position); the pieces cover the document once, heads in rank order, then tails
-    in reverse, the last rank's head and tail one piece."""
+    in reverse."""
     from dilated.parallel import document_layout as dl
 
     a, length = 100, 6007
@@ -348,26 +348,9 @@ def test_even_out_moves_work_from_a_rank_to_the_later_ranks_by_their_shares(p):
     pieces = dl._head_tail(a, length, p, 0, heads)
     assert [s for _, s, _ in pieces] == list(itertools.accumulate((m for _, _, m in pieces[:-1]), initial=a))
     assert sum(m for _, _, m in pieces) == length
-    share = dl._shares(length, p, 0)
-    assert [r for r, _, _ in pieces] == [r for r in range(p - 1) if heads[r]] + [p - 1] + [
-        r for r in reversed(range(p - 1)) if share[r] - heads[r]]
+    assert [r for r, _, _ in pieces] == [r for r in range(p) if heads[r]] + [
+        r for r in reversed(range(p)) if dl._shares(length, p, 0)[r] - heads[r]]
     counted = [o + sum(_work_of_positions(cu, torch.arange(s, s + m), True) for q, s, m in pieces if q == r)
                for r, o in enumerate(others)]
     assert counted == work
     assert max(work) - min(work) <= 2 * length and max(work) < max(load), (load, work)
-
-
-@pytest.mark.parametrize("p", [2, 3, 4])
-def test_the_last_rank_holds_the_middle_of_a_document_cut_head_tail_as_one_piece(p):
-    """Cut head-tail, a document's two middle chunks are the last rank's: one piece, so that its later
-    half's queries see its earlier half's keys in its own causal call. The rectangles of gathered keys
-    then hold only the positions before the middle: no key row of the last rank's own."""
-    from dilated.parallel.document_attention import rank_plan
-
-    cu = [0] + [2 * p * 600 + i for i in range(p + 1)]  # and P of one position, one whole on each rank
-    layout = DocumentLayout.head_tail(cu, p, True)
-    last = [x for x in layout.pieces_of(p - 1) if x.doc == 0]
-    assert len(last) == 1 and last[0].start == (p - 1) * 600 and last[0].length == 2 * 600, last
-    assert sum(len([x for x in layout.pieces_of(r) if x.doc == 0]) for r in range(p)) == 2 * p - 1
-    plan = rank_plan(layout, p - 1)
-    assert plan.cu_q == (0, 2 * 600) and plan.cu_k == (0, (p - 1) * 600), (plan.cu_q, plan.cu_k)
