@@ -295,8 +295,9 @@ def _check(cu_seqlens, world_size: int) -> tuple:
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
             raise ValueError("cu_seqlens must be a 1-D integer tensor of cumulative lengths [0, ..., N]")
-        cu_seqlens = cu_seqlens.tolist()
-    cu = tuple(map(int, cu_seqlens))
+        cu = tuple(cu_seqlens.tolist())  # Python ints already
+    else:
+        cu = tuple(map(int, cu_seqlens))
     if len(cu) < 2 or cu[0] != 0 or not all(map(operator.lt, cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise strictly from 0 (cumulative document lengths [0, ..., N]), got "
                          f"{list(cu[:8])}{' ...' if len(cu) > 8 else ''}")
@@ -410,7 +411,8 @@ def _search(cu: tuple, p: int, causal: bool, min_piece: int, docs: _Documents, c
     ``docs``' order (those of at least 2P x ``min_piece`` positions are a prefix of it)."""
     total = sum(docs.work)
     shortest = 2 * p * min_piece  # the documents of most work are the longest: a prefix of the order
-    cuttable = sum(1 for _ in itertools.takewhile(lambda x: x[0] >= shortest, docs.in_order)) if p > 1 else 0
+    # how many come first, longest first: a search, not a count
+    cuttable = bisect.bisect_left(docs.in_order, -shortest, key=lambda x: -x[0]) if p > 1 else 0
     ks = [0]
     while ks[-1] < cuttable:
         ks.append(min(cuttable, max(1, 2 * ks[-1])))
