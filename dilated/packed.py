@@ -23,7 +23,6 @@ meet one batch's documents again.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 from collections import OrderedDict, defaultdict
@@ -296,14 +295,6 @@ def _gather(x: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None, dim: i
     return rows if pad is None else rows.index_fill_(dim, pad, 0)
 
 
-def first_call_builds(causal: bool):
-    """Where a batched call's new shape gets its cuDNN graph at once: causal, the calls' shapes (a
-    bucket length and a power-of-two count) are a bounded set that every new mix draws from again;
-    non-causal, a call's length is a document's own, new at nearly every mix, so those calls take
-    the usual rule (a shape's first call on torch's flash kernel)."""
-    return build_at_first_call() if causal else contextlib.nullcontext()
-
-
 def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
     """:func:`packed_attention` on validated cumulative lengths ``cu`` (a list): documents of one
     length (causal: one bucket) in one call of ``attend``; ``small = (varlen kernel, scale)``: the
@@ -321,7 +312,7 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
         lse[:, :, pos] = l
     for length, count, pos, pad, real, at in calls:
         qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
-        with first_call_builds(causal):
+        with build_at_first_call():  # a bounded set of shapes that new mixes meet again
             o, l = attend(qg, kg, vg)
         h = l.shape[1]
         l = _real(l.reshape(b, count, h, length).transpose(1, 2).reshape(b, h, count * length), real, pad, 2)
@@ -364,7 +355,7 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
         lg, dlg = (None if x is None else _gather(x, pos, pad, 2).reshape(b, h, count, length).transpose(1, 2)
                    .reshape(b * count, h, length).contiguous() for x in (lse, dlse))
         extra = {} if dlg is None else {"dlse": dlg}
-        with first_call_builds(causal):
+        with build_at_first_call():
             call_grads = backward(dg, qg, kg, vg, og, lg, **extra)
         for i, (x, gi) in enumerate(zip((q, k, v), call_grads)):
             if grads[i] is None:  # every position is in one call: all of it is written
