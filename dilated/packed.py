@@ -16,6 +16,11 @@ at most ``1 / B`` of a call's length padding; four up to :data:`FINE_BUCKETS_ABO
 Padding at the end is exact under causality: a real query sees only keys at or before it, never
 a padded one, and the padded rows' outputs are dropped (their gradients are zero). So the calls
 are at most one per distinct length (non-causal) or about ``B`` per octave of lengths (causal).
+On SDPA's cuDNN kernel, which builds a graph per call shape, a call per distinct length would meet
+new shapes at nearly every new mix, so there non-causal documents are padded to bucket lengths too,
+and a call with padding runs as two causal calls, each document in order and reversed, whose merge
+is the non-causal attention (:mod:`dilated.causal_halves`; :func:`halves_backend`): the causal
+documents' shapes, a bounded set.
 Their backward gathers each call's rows again and scatters its gradients back
 (:class:`DocumentsFunction`), as the rings do. The calls' row indices are made on the device once
 per mix and kept for the last few (:func:`document_rows`): a model's layers and a call's backward
@@ -33,6 +38,7 @@ from .indexed_rows import place_rows_
 from ._transfer import host_values_on, made_for_a_cache
 from .backends import get_backend
 from .backends.graph_shapes import build_at_first_call
+from .causal_halves import diagonal_gradients, merge_halves
 from .backends.kernel_log import note_kernel
 from .backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel
 from .dense import attention_backward, attention_forward
@@ -103,9 +109,10 @@ def bucket_length(length: int, per_octave: int | None = None) -> int:
     return -(-length // step) * step
 
 
-def document_calls(cu: list[int], causal: bool) -> list[tuple[int, list[tuple[int, int]]]]:
+def document_calls(cu: list[int], causal: bool, halves: bool = False) -> list[tuple[int, list[tuple[int, int]]]]:
     """``(call length, [(start, length), ...])`` per kernel call: documents of one length, or
-    (causal) of one bucket length, together, in calls of a power-of-two count each (the binary
+    (causal, or with ``halves``: non-causal attended as two causal halves, :func:`halves_backend`)
+    of one bucket length, together, in calls of a power-of-two count each (the binary
     digits of the group's count, largest first); the longest call first, so the GPU starts on the
     largest work while the host launches the small calls (which take it longer than they take
     the GPU). A kernel that builds a plan per call shape (cuDNN's graphs: the batch is in the key)
@@ -113,7 +120,7 @@ def document_calls(cu: list[int], causal: bool) -> list[tuple[int, list[tuple[in
     groups = defaultdict(list)
     for start, end in zip(cu, cu[1:]):
         length = end - start
-        groups[bucket_length(length) if causal else length].append((start, length))
+        groups[bucket_length(length) if causal or halves else length].append((start, length))
     calls = []
     for length, docs in sorted(groups.items(), reverse=True):
         while docs:
@@ -135,9 +142,11 @@ def packed_attention(q, k, v, cu: list[int], backend: str, causal: bool, scale: 
             a, b, c, causal, scale, backend, True), causal)
     small = small_documents_kernel(q, k, v, causal) if backend == "auto" else None
     small = None if small is None else (small, scale)
+    halves = halves_backend(backend, q, k, v, causal)
+    halves = None if halves is None else (halves, scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return DocumentsFunction.apply(q, k, v, tuple(cu), backend, causal, scale, small)
-    return documents_forward(q, k, v, cu, _DocumentCalls(backend, causal, scale).forward, causal, small)
+        return DocumentsFunction.apply(q, k, v, tuple(cu), backend, causal, scale, small, halves)
+    return documents_forward(q, k, v, cu, _DocumentCalls(backend, causal, scale).forward, causal, small, halves)
 
 
 class _DocumentCalls:
@@ -162,12 +171,12 @@ class DocumentsFunction(torch.autograd.Function):
     accumulate them by sorting indices, a large share of a step: docs/performance-log.md)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu: tuple, backend: str, causal: bool, scale: float, small=None):
+    def forward(ctx, q, k, v, cu: tuple, backend: str, causal: bool, scale: float, small=None, halves=None):
         ctx.set_materialize_grads(False)  # an unused lse's gradient comes as None, not as zeros
         calls = _DocumentCalls(backend, causal, scale)
-        out, lse = documents_forward(q, k, v, list(cu), calls.forward, causal, small)
+        out, lse = documents_forward(q, k, v, list(cu), calls.forward, causal, small, halves)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.calls, ctx.cu, ctx.small = calls, list(cu), small
+        ctx.calls, ctx.cu, ctx.small, ctx.halves = calls, list(cu), small, halves
         return out, lse
 
     @staticmethod
@@ -177,8 +186,8 @@ class DocumentsFunction(torch.autograd.Function):
         count = iter(range(len(ctx.calls.resolved)))
         grads = documents_backward((dout, q, k, v, out, lse), ctx.cu,
                                    lambda *t, dlse=None: ctx.calls.backward(next(count), *t, dlse=dlse),
-                                   ctx.calls.causal, dlse, ctx.small)
-        return *grads, None, None, None, None, None
+                                   ctx.calls.causal, dlse, ctx.small, ctx.halves)
+        return *grads, None, None, None, None, None, None
 
 
 #: :func:`document_rows` keeps at most this many mixes (a ring's steps on documents meet several per call) ...
@@ -189,16 +198,17 @@ KEPT_POSITIONS = 1 << 22
 _KEPT: OrderedDict = OrderedDict()
 
 
-def document_rows(cu: list[int], causal: bool, heads: int, head_dim: int, small: bool, device) -> tuple:
+def document_rows(cu: list[int], causal: bool, heads: int, head_dim: int, small: bool, device,
+                  halves: bool = False) -> tuple:
     """``(rest, calls)`` of the packed documents ``cu`` on ``device``: the rows of the documents that
     the small-documents call takes (:func:`_small_rows`; None where none do or ``small`` is off) and
-    each batched call's rows (:func:`_document_rows`). A model's layers, and a call's backward, meet
-    one batch's documents again, so the last mixes are kept (:data:`KEPT_MIXES`, up to
-    :data:`KEPT_POSITIONS` positions in all; their index tensors take about ``4 * 8`` bytes per
-    position) instead of being made again in a dozen small kernels per call; under CUDA-graph
-    capture they are made anew (the graph keeps what it reads)."""
+    each batched call's rows (:func:`_document_rows`; ``halves``: as :func:`document_calls`). A
+    model's layers, and a call's backward, meet one batch's documents again, so the last mixes are
+    kept (:data:`KEPT_MIXES`, up to :data:`KEPT_POSITIONS` positions in all; their index tensors take
+    about ``4 * 8`` bytes per position) instead of being made again in a dozen small kernels per
+    call; under CUDA-graph capture they are made anew (the graph keeps what it reads)."""
     device = torch.device(device)
-    key = (tuple(cu), causal, heads, head_dim, SMALL_CALL_FLOPS if small else None, device)
+    key = (tuple(cu), causal, heads, head_dim, SMALL_CALL_FLOPS if small else None, device, halves)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return _make_rows(*key)
     kept = _KEPT.pop(key, None)
@@ -217,20 +227,22 @@ def document_rows(cu: list[int], causal: bool, heads: int, head_dim: int, small:
     return kept[0]
 
 
-def _make_rows(cu: tuple, causal: bool, heads: int, head_dim: int, small_flops, device) -> tuple:
+def _make_rows(cu: tuple, causal: bool, heads: int, head_dim: int, small_flops, device, halves: bool) -> tuple:
     """:func:`document_rows`; ``small_flops``: :data:`SMALL_CALL_FLOPS` as it is now (None: no small call)."""
-    calls, rest = document_calls(list(cu), causal), []
+    calls, rest = document_calls(list(cu), causal, halves), []
     if small_flops is not None:
         calls, rest = split_small_calls(calls, heads, head_dim, causal)
-    return (_small_rows(rest, device) if rest else None), tuple(_document_rows(calls, device))
+    return (_small_rows(rest, device) if rest else None), tuple(_document_rows(calls, device, halves and not causal))
 
 
-def _document_rows(calls, device):
-    """Per kernel call of :func:`document_calls`: ``(length, documents, pos, pad, real, at)``: the
-    positions its ``[documents, length]`` rows read, the indices of its padding rows among them
-    (None where it has none), the indices of its real rows among them and their positions in the
-    sequence. Made on the device from the documents' starts and lengths without waiting for it:
-    the sizes are known here (a boolean mask would make indexing wait for its count)."""
+def _document_rows(calls, device, halves: bool = False):
+    """Per kernel call of :func:`document_calls`: ``(length, documents, pos, pad, real, at, flip)``:
+    the positions its ``[documents, length]`` rows read, the indices of its padding rows among them
+    (None where it has none), the indices of its real rows among them, their positions in the
+    sequence, and, with ``halves`` where the call has padding, the order of its rows with each
+    document reversed (padding in place; its own inverse; else None). Made on the device from the
+    documents' starts and lengths without waiting for it: the sizes are known here (a boolean mask
+    would make indexing wait for its count)."""
     for length, docs in calls:
         starts, lengths = host_values_on(docs, torch.int64, device)[0].unbind(1)
         offsets = torch.arange(length, device=device)
@@ -242,7 +254,11 @@ def _document_rows(calls, device):
         if total < length * len(docs):
             pad_doc, pad_within = _runs(length - lengths, length * len(docs) - total)
             pad = pad_doc * length + lengths[pad_doc] + pad_within
-        yield length, len(docs), pos, pad, doc * length + within, starts[doc] + within
+        flip = None
+        if halves and pad is not None:  # row i * length + t of a document of m rows <-> i * length + m - 1 - t
+            first = torch.arange(len(docs), device=device)[:, None] * length
+            flip = torch.where(inside, first + lengths[:, None] - 1 - offsets, first + offsets).flatten()
+        yield length, len(docs), pos, pad, doc * length + within, starts[doc] + within, flip
 
 
 def _runs(sizes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,6 +266,21 @@ def _runs(sizes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     sizes (``total`` given: the host knows it, and computing it would wait for the device)."""
     run = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes, output_size=total)
     return run, torch.arange(total, device=sizes.device) - (torch.cumsum(sizes, 0) - sizes)[run]
+
+
+def halves_backend(backend, q, k, v, causal: bool):
+    """The backend on which non-causal documents go padded to bucket lengths, as causal ones do, each
+    padded call attended as two causal calls (:mod:`dilated.causal_halves`), or None: SDPA's cuDNN
+    kernel, where ``backend`` (a name or a resolved :class:`~dilated.backends.Backend`) runs these
+    inputs on it. A call per document length would make new call shapes at nearly every new mix,
+    and cuDNN builds a graph for each (docs/performance-log.md); padded, the shapes are a bounded set,
+    the causal documents' own."""
+    if causal or q.device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    impl = get_backend(backend, q, k, False, v=v) if isinstance(backend, str) else backend
+    if impl.kernel_name(q, k, False) != "sdpa_cudnn":
+        return None
+    return get_backend("sdpa_cudnn", q, k, True, v=v)
 
 
 #: a batched call doing less work than this (a fraction of a millisecond of a Hopper GPU) takes the
@@ -295,14 +326,16 @@ def _gather(x: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None, dim: i
     return rows if pad is None else rows.index_fill_(dim, pad, 0)
 
 
-def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
+def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None, halves=None):
     """:func:`packed_attention` on validated cumulative lengths ``cu`` (a list): documents of one
     length (causal: one bucket) in one call of ``attend``; ``small = (varlen kernel, scale)``: the
-    documents of calls below :data:`SMALL_CALL_FLOPS` in one call of that kernel instead."""
+    documents of calls below :data:`SMALL_CALL_FLOPS` in one call of that kernel instead;
+    ``halves = (backend, scale)``: non-causal documents in calls of a bucket length, a call with
+    padding as two causal calls of that backend (:func:`halves_backend`)."""
     b, n = q.shape[:2]
     if len(cu) == 2:
         return attend(q, k, v)
-    rest, calls = document_rows(cu, causal, q.shape[2], q.shape[3], small is not None, q.device)
+    rest, calls = document_rows(cu, causal, q.shape[2], q.shape[3], small is not None, q.device, halves is not None)
     out = lse = None
     if rest:
         pos, cu_rest = rest
@@ -310,10 +343,16 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
         out, lse = o.new_empty(b, n, *o.shape[2:]), l.new_empty(b, l.shape[1], n)
         place_rows_(out, pos, o)
         lse[:, :, pos] = l
-    for length, count, pos, pad, real, at in calls:
+    for length, count, pos, pad, real, at, flip in calls:
         qg, kg, vg = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:]) for x in (q, k, v))
         with build_at_first_call():  # a bounded set of shapes that new mixes meet again
-            o, l = attend(qg, kg, vg)
+            if flip is None:
+                o, l = attend(qg, kg, vg)
+            else:  # keys at or before each query, then at or after it (each document reversed)
+                impl, scale = halves
+                o, l = attention_forward(impl, qg, kg, vg, True, scale)
+                o2, l2 = attention_forward(impl, *(_flipped(x, flip, b) for x in (qg, kg, vg)), True, scale)
+                o, l = merge_halves(o, l, _flipped(o2, flip, b), _flipped_lse(l2, flip, b), qg, kg, vg, scale)
         h = l.shape[1]
         l = _real(l.reshape(b, count, h, length).transpose(1, 2).reshape(b, h, count * length), real, pad, 2)
         if out is None:  # every position is in one call: all of it is written
@@ -324,16 +363,39 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None):
     return out, lse
 
 
+def _halves_backward(halves, flip: torch.Tensor, b: int, dout, q, k, v, out, lse, dlse):
+    """``(dq, dk, dv)`` of a call attended as two causal halves (:func:`documents_forward`): each half's
+    backward given the merged out and lse, the second's rows put back in order, less the diagonal's
+    share that both hold (:func:`dilated.causal_halves.diagonal_gradients`)."""
+    impl, scale = halves
+    first = attention_backward(impl, dout, q, k, v, out, lse, True, scale, dlse)
+    second = attention_backward(impl, *(_flipped(x, flip, b) for x in (dout, q, k, v, out)), _flipped_lse(lse, flip, b),
+                                True, scale, None if dlse is None else _flipped_lse(dlse, flip, b))
+    diagonal = diagonal_gradients(dout, q, k, v, out, lse, scale, dlse)
+    return tuple((g1.to(d.dtype) + _flipped(g2, flip, b).to(d.dtype) - d).to(g1.dtype)
+                 for g1, g2, d in zip(first, second, diagonal))
+
+
+def _flipped(x: torch.Tensor, flip: torch.Tensor, b: int) -> torch.Tensor:
+    """A call's ``[b * count, length, ...]`` rows with each document reversed (``flip``: :func:`_document_rows`)."""
+    return x.reshape(b, -1, *x.shape[2:]).index_select(1, flip).reshape(x.shape)
+
+
+def _flipped_lse(lse: torch.Tensor, flip: torch.Tensor, b: int) -> torch.Tensor:
+    """:func:`_flipped` of a call's lse ``[b * count, H, length]``."""
+    return _flipped(lse.transpose(1, 2), flip, b).transpose(1, 2).contiguous()
+
+
 def _real(rows: torch.Tensor, real: torch.Tensor, pad: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
     """A call's real rows ``real`` along ``dim`` (all of them where it has no padding ``pad``)."""
     return rows if pad is None else rows.index_select(dim, real)
 
 
-def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None, small=None):
+def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None, small=None, halves=None):
     """``backward(dout, q, k, v, out, lse[, dlse=]) -> (dq, dk, dv)`` (a kernel backward, causal as
     given) over each document of the packed ``tensors = (dout, q, k, v, out, lse)`` separately, in
     the calls of :func:`documents_forward`; lse ``[B, H, N]``; ``dlse`` (``[B, H, N]`` or None) the
-    gradient of lse; ``small`` as in :func:`documents_forward`. Padded rows have q, out and dout 0
+    gradient of lse; ``small`` and ``halves`` as in :func:`documents_forward`. Padded rows have q, out and dout 0
     and lse and dlse 0: they add no gradient."""
     dout, q, k, v, out, lse = tensors
     b, n = q.shape[:2]
@@ -341,7 +403,7 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
         return backward(*tensors) if dlse is None else backward(*tensors, dlse=dlse)
     h = lse.shape[1]
     grads = [None, None, None]
-    rest, calls = document_rows(cu, causal, q.shape[2], q.shape[3], small is not None, q.device)
+    rest, calls = document_rows(cu, causal, q.shape[2], q.shape[3], small is not None, q.device, halves is not None)
     if rest:
         pos, cu_rest = rest
         rows = tuple(x.index_select(1, pos) for x in (dout, q, k, v, out)) + (lse.index_select(2, pos),)
@@ -349,14 +411,17 @@ def documents_backward(tensors, cu: list[int], backward, causal: bool, dlse=None
                 small[0], rows, cu_rest, causal, small[1], None if dlse is None else dlse.index_select(2, pos)))):
             grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)
             place_rows_(grads[i], pos, gi)
-    for length, count, pos, pad, real, at in calls:
+    for length, count, pos, pad, real, at, flip in calls:
         dg, qg, kg, vg, og = (_gather(x, pos, pad).reshape(b * count, length, *x.shape[2:])
                               for x in (dout, q, k, v, out))
         lg, dlg = (None if x is None else _gather(x, pos, pad, 2).reshape(b, h, count, length).transpose(1, 2)
                    .reshape(b * count, h, length).contiguous() for x in (lse, dlse))
         extra = {} if dlg is None else {"dlse": dlg}
         with build_at_first_call():
-            call_grads = backward(dg, qg, kg, vg, og, lg, **extra)
+            if flip is None:
+                call_grads = backward(dg, qg, kg, vg, og, lg, **extra)
+            else:
+                call_grads = _halves_backward(halves, flip, b, dg, qg, kg, vg, og, lg, dlg)
         for i, (x, gi) in enumerate(zip((q, k, v), call_grads)):
             if grads[i] is None:  # every position is in one call: all of it is written
                 grads[i] = torch.empty(x.shape, dtype=gi.dtype, device=x.device)

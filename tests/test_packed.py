@@ -395,3 +395,67 @@ def test_a_mix_met_again_makes_no_new_rows(monkeypatch, gen):
     for cu in mixes:
         dilated.attention(q, k, v, causal=True, backend="manual", cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     assert [key[0] for key in packed._KEPT] == [tuple(cu) for cu in mixes[-2:]]
+
+
+@pytest.mark.parametrize("cu", [DOCS["varied"], DOCS["lognormal-like"], [0, 17, 36, 37, 40]])
+def test_non_causal_documents_padded_to_buckets_as_two_causal_halves(cu, monkeypatch, gen):
+    """Where non-causal documents go padded to bucket lengths (on SDPA's cuDNN kernel:
+    ``halves_backend``; here the manual kernel stands in), a call with padding runs as two causal
+    calls, each document in order and reversed, merged less the diagonal: exact against float64,
+    forward and gradients through out and lse, GQA heads, two batch rows, a call holding documents of
+    two lengths ([0, 17, 36, ...]: 17 and 19 rows in one call of 20)."""
+    from dilated import packed
+    from dilated.backends import get_backend
+
+    merged = []
+    merge = packed.merge_halves
+
+    def counted(*args):
+        merged.append(args[0].shape[:2])
+        return merge(*args)
+
+    monkeypatch.setattr(packed, "halves_backend", lambda backend, q, k, v, causal: None if causal else
+                        get_backend("manual"))
+    monkeypatch.setattr(packed, "merge_halves", counted)
+    q = rand(2, 40, 4, 8, gen=gen, requires_grad=True)
+    k, v = (rand(2, 40, 2, 8, gen=gen, requires_grad=True) for _ in range(2))
+    out, lse = dilated.attention(q, k, v, backend="manual", return_lse=True,
+                                 cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _per_document(qd, kd.repeat_interleave(2, 2), vd.repeat_interleave(2, 2), cu, False)
+    _assert_matches(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
+    calls = document_calls(cu, causal=False, halves=True)
+    assert [(n, len(d)) for n, d in calls] == [(n, len(d)) for n, d in document_calls(cu, causal=True)]
+    padded = [(2 * len(d), n) for n, d in calls if any(m < n for _, m in d)]
+    assert padded and sorted(merged) == sorted(padded)  # each call with padding, and only those, in halves
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("hkv", [8, 2])
+def test_gpu_non_causal_documents_on_cudnn_as_causal_halves_in_bf16(hkv, monkeypatch, gen):
+    """Non-causal documents on SDPA's cuDNN kernel go padded to bucket lengths, a call with padding
+    as two causal cuDNN calls (calls of 320 rows holding documents of 280, 300 and 320): bf16 against
+    float64, forward and gradients through out and lse."""
+    from conftest import TOL
+
+    from dilated import packed
+
+    merged = []
+    merge = packed.merge_halves
+    monkeypatch.setattr(packed, "merge_halves", lambda *a: merged.append(a[0].shape) or merge(*a))
+    tol = TOL[torch.bfloat16]
+    cu = [0, 300, 620, 900, 1000, 1100, 1400, 1700, 2048]
+    q = rand(2, 2048, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_()
+    k, v = (rand(2, 2048, hkv, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(2))
+    out, lse = dilated.attention(q, k, v, backend="sdpa_cudnn", return_lse=True,
+                                 cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    assert merged, "no call ran as causal halves"
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = 8 // hkv
+    ref, ref_lse = _per_document(qd, kd.repeat_interleave(rep, 2), vd.repeat_interleave(rep, 2), cu, False)
+    assert rel_err(out, ref) < tol and rel_err(lse, ref_lse) < 1e-3
+    dout, dlse = rand(*out.shape, gen=gen, dtype=torch.bfloat16).cuda(), rand(*lse.shape, gen=gen).cuda()
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert rel_err(g, rg) < 2 * tol, f"d{name}"

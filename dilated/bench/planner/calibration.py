@@ -151,7 +151,9 @@ class Calibration:
     ``memory_gib``: one GPU's memory; ``varlen_kernel``: the varlen entry point the backend runs packed
     documents' rectangles on (None: each rectangle is its own dense call); ``documents``: calls on
     packed documents; ``decode``: decode steps; ``strategies``: calls of the sequence-parallel
-    strategies on the calibration's ranks."""
+    strategies on the calibration's ranks; ``document_halves``: whether the backend ran non-causal
+    packed documents padded to bucket lengths, in causal halves (:func:`dilated.packed.halves_backend`;
+    False: a call per document length, as calibrations that do not say ran them)."""
 
     device: str
     gpus: int
@@ -164,6 +166,7 @@ class Calibration:
     strategies: list[StrategyPoint] = field(default_factory=list)
     backend: str = "auto"
     varlen_kernel: str | None = None
+    document_halves: bool = False
     nodes: int = 1
     command: str = ""
     created: str = ""

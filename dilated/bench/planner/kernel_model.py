@@ -75,6 +75,8 @@ class KernelModel:
         # from a 128-row probe, so an auto calibration naming it is read as batched calls
         self.varlen_documents = calibration.varlen_kernel is not None and (
             calibration.backend != "auto" or calibration.varlen_kernel == "flash_attn_4_varlen")
+        # non-causal documents padded to bucket lengths, a call with padding in two causal halves
+        self.halves = calibration.document_halves and not self.varlen_documents
         # kernel time predicted since the last reset, and the part of it below a length's least-work point
         self.extrapolated_ms = self.total_ms = 0.0
         # since the last reset: the head shapes (heads, kv heads, head dim) of those calls that no calibrated
@@ -251,9 +253,8 @@ class KernelModel:
         if self.varlen_documents:  # one call of the varlen kernel (dilated.parallel.document_calls)
             return self.varlen_ms([b - a for a, b in zip(cu, cu[1:])], batch, heads, kv_heads, head_dim, causal,
                                   mode), 0.0, 1, 0
-        big, small = split_small_calls(document_calls(cu, causal), heads, head_dim, causal)
-        ms = sum(self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, causal, mode)
-                 for length, docs in big)
+        big, small = split_small_calls(document_calls(cu, causal, self.halves), heads, head_dim, causal)
+        ms = sum(self._batched_ms(length, docs, batch, heads, kv_heads, head_dim, causal, mode) for length, docs in big)
         if big:  # a batched call's rows gathered: q, k, v and its out; in backward also dout, dq, dk, dv
             rows = batch * max(length * len(docs) for length, docs in big)
             per_row = (2 if mode == "fwd" else 4) * (heads + kv_heads) * head_dim * ELEM
@@ -266,6 +267,14 @@ class KernelModel:
             one = self.call_ms(mean, mean, batch * len(small), heads, kv_heads, head_dim, causal, mode)
             small_ms = flops * one / call_flops(batch * len(small), mean, mean, heads, head_dim, causal)
         return ms, small_ms, len(big) + (1 if small else 0), batch * sum(length * len(docs) for length, docs in big)
+
+    def _batched_ms(self, length: int, docs, batch: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
+                    mode: str) -> float:
+        """A batched call of ``docs`` padded to ``length`` rows: one call, or (non-causal with padding, in
+        halves: :mod:`dilated.causal_halves`) two causal calls."""
+        if self.halves and not causal and any(m < length for _, m in docs):
+            return 2 * self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, True, mode)
+        return self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, causal, mode)
 
     def documents_ms(self, cu, batch: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
                      mode: str) -> float:

@@ -365,10 +365,12 @@ def calibrate(shapes, longest: int, device, backend: str = "auto", command: str 
     software = {k: env.get(k) for k in ("torch", "cuda", "cudnn", "triton", "flash_attn_4", "driver", "git_commit")}
     props = torch.cuda.get_device_properties(device)
     from ...backends.varlen import varlen_kernel
+    from ...packed import halves_backend
 
     h, hkv, d = shapes[0]  # the varlen kernel the documents path takes for a long shard (auto's pick is by shape)
     probe = [torch.randn(1, longest, x, d, device=device, dtype=torch.bfloat16) for x in (h, hkv, hkv)]
     varlen = varlen_kernel(*probe, backend, True)
+    halves = varlen_kernel(*probe, backend, False) is None and halves_backend(backend, *probe, False) is not None
     gpus = dist.get_world_size() if dist.is_initialized() else 1
     hosts = [None] * gpus
     if gpus > 1:
@@ -378,5 +380,6 @@ def calibrate(shapes, longest: int, device, backend: str = "auto", command: str 
     return Calibration(device=torch.cuda.get_device_name(device), gpus=gpus,
                        memory_gib=props.total_memory / 2**30, software=software, kernels=kernels, links=links,
                        documents=documents, decode=decode, strategies=strategies, backend=backend,
-                       varlen_kernel=None if varlen is None else varlen.name, nodes=len(set(hosts)), command=command,
+                       varlen_kernel=None if varlen is None else varlen.name, document_halves=halves,
+                       nodes=len(set(hosts)), command=command,
                        created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))

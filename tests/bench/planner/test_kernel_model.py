@@ -50,6 +50,21 @@ def test_documents_are_timed_in_the_librarys_calls():
     assert km.documents_ms(cu, 1, 32, 8, 128, False, "fwd") == pytest.approx(want, rel=1e-9)
 
 
+def test_non_causal_documents_in_causal_halves_are_timed_as_the_library_runs_them():
+    """A calibration whose backend ran non-causal documents padded to bucket lengths in causal halves
+    (``document_halves``): a call with padding is two causal calls of its bucket length, one without
+    padding one non-causal call; a calibration that does not say keeps a call per length."""
+    cu = [0, 8192, 16384, 24576, 32768, 45056, 57000]  # four of 8K (one call, no padding), 12288, 11944
+    halves = KernelModel(calibration(document_halves=True))
+    want = true_ms(4, 8192, 8192, 32, 128, False, "fwd") + 2 * true_ms(2, 12288, 12288, 32, 128, True, "fwd")
+    assert halves.documents_ms(cu, 1, 32, 8, 128, False, "fwd") == pytest.approx(want, rel=1e-9)
+    per_length = KernelModel(calibration())
+    want = sum(true_ms(b, m, m, 32, 128, False, "fwd") for b, m in ((4, 8192), (1, 12288), (1, 11944)))
+    assert per_length.documents_ms(cu, 1, 32, 8, 128, False, "fwd") == pytest.approx(want, rel=1e-9)
+    causal = true_ms(4, 8192, 8192, 32, 128, True, "fwd") + true_ms(2, 12288, 12288, 32, 128, True, "fwd")
+    assert halves.documents_ms(cu, 1, 32, 8, 128, True, "fwd") == pytest.approx(causal, rel=1e-9)
+
+
 def test_the_documents_paths_cost_per_call_is_read_off_the_calibrated_mixes():
     cu = (0, 8192, 20480, 36864, 45056, 57344, 73728)  # 8K, 12K, 16K twice: three calls without the mask
     kernels = sum(true_ms(2, m, m, 32, 128, False, "fwd") for m in (8192, 12288, 16384))
