@@ -15,6 +15,10 @@ exactly:
 every split of keys is (ring attention's steps), gives its keys' share of the gradients; the
 diagonal's share, counted by both, is taken off once (:func:`diagonal_gradients`).
 
+:func:`merge` and :func:`combine_gradients` do each in one pass over a call's rows on CUDA
+(:mod:`dilated._triton.causal_halves`), reading the second half's rows where the reversed call left
+them; elsewhere (CPU, float64, ``DILATED_TRITON=0``) torch's ops give the same results.
+
 Tensors ``[B, L, H, D]`` (k and v with ``H / G`` heads, GQA), lse ``[B, H, L]`` float32.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import acc_dtype
+from ._triton.launch import LAUNCH, blocks, triton_enabled
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -69,4 +74,63 @@ def diagonal_gradients(dout, q, k, v, out, lse, scale: float, dlse=None) -> tupl
     dq = (_grouped(ds.unsqueeze(-1), hkv) * k.unsqueeze(3).to(acc)).flatten(2, 3) * scale
     dk = (_grouped(ds.unsqueeze(-1), hkv) * _grouped(q.to(acc), hkv)).sum(3) * scale
     dv = (_grouped(p.unsqueeze(-1), hkv) * g_out).sum(3)
+    return dq, dk, dv
+
+
+def flipped(x: torch.Tensor, flip: torch.Tensor, b: int) -> torch.Tensor:
+    """A call's rows ``[b * count, L, ...]`` in the order ``flip`` gives within each of its ``b`` batch
+    rows of ``count * L`` (:func:`dilated.packed.document_rows`: each document reversed; its own inverse)."""
+    return x.reshape(b, -1, *x.shape[2:]).index_select(1, flip).reshape(x.shape)
+
+
+def flipped_lse(lse: torch.Tensor, flip: torch.Tensor, b: int) -> torch.Tensor:
+    """:func:`flipped` of a call's lse ``[b * count, H, L]``."""
+    return flipped(lse.transpose(1, 2), flip, b).transpose(1, 2).contiguous()
+
+
+def _on_triton(*tensors: torch.Tensor) -> bool:
+    return triton_enabled(tensors[0].device) and tensors[0].dtype != torch.float64
+
+
+def _launch(pairs: int, d: int) -> tuple[int, int, tuple]:
+    rows, block_d = blocks(d)
+    return rows, block_d, ((pairs + rows - 1) // rows,)
+
+
+def merge(o1, lse1, o2, lse2, q, k, v, scale: float, flip: torch.Tensor, b: int):
+    """:func:`merge_halves` of a call whose second half ``(o2, lse2)`` is in the order ``flip`` (each
+    document reversed: :func:`flipped`): one Triton kernel on CUDA (or Triton's interpreter), else torch."""
+    if not _on_triton(q):
+        return merge_halves(o1, lse1, flipped(o2, flip, b), flipped_lse(lse2, flip, b), q, k, v, scale)
+    from ._triton.causal_halves import merge_halves_kernel
+
+    o1, lse1, o2, lse2, q, k, v = (x.contiguous() for x in (o1, lse1, o2, lse2, q, k, v))
+    out = torch.empty_like(o1)
+    lse = torch.empty(lse1.shape, dtype=torch.float32, device=q.device)
+    calls, n, h, d = q.shape
+    block, block_d, grid = _launch(calls * n * h, d)
+    merge_halves_kernel[grid](out, lse, o1, lse1, o2, lse2, q, k, v, flip, calls * n, calls * n // b, n, h,
+                              k.shape[2], d, scale, BLOCK=block, BLOCK_D=block_d, num_warps=LAUNCH["num_warps"])
+    return out, lse
+
+
+def combine_gradients(first, second, dout, q, k, v, out, lse, scale: float, flip: torch.Tensor, b: int, dlse=None):
+    """``(dq, dk, dv)`` of a call in two causal halves: the first half's gradients ``first``, plus the
+    second's ``second`` (in the order ``flip``), less the diagonal's share both hold
+    (:func:`diagonal_gradients`); one Triton kernel on CUDA (writing into ``first``), else torch."""
+    if not _on_triton(q):
+        diagonal = diagonal_gradients(dout, q, k, v, out, lse, scale, dlse)
+        return tuple((g1.to(x.dtype) + flipped(g2, flip, b).to(x.dtype) - x).to(g1.dtype)
+                     for g1, g2, x in zip(first, second, diagonal))
+    from ._triton.causal_halves import halves_gradients_kernel
+
+    dq, dk, dv = (g.contiguous() for g in first)
+    dq2, dk2, dv2, dout, q, k, v, out, lse = (x.contiguous() for x in (*second, dout, q, k, v, out, lse))
+    dlse = None if dlse is None else dlse.contiguous()
+    calls, n, h, d = q.shape
+    block, block_d, grid = _launch(calls * n * k.shape[2], d)
+    halves_gradients_kernel[grid](dq, dk, dv, dq2, dk2, dv2, dout, q, k, v, out, lse, lse if dlse is None else dlse,
+                                  flip, calls * n, calls * n // b, n, h, k.shape[2], d, scale,
+                                  HAS_DLSE=dlse is not None, BLOCK=block, BLOCK_D=block_d,
+                                  num_warps=LAUNCH["num_warps"])
     return dq, dk, dv

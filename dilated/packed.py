@@ -38,7 +38,8 @@ from .indexed_rows import place_rows_
 from ._transfer import host_values_on, made_for_a_cache
 from .backends import get_backend
 from .backends.graph_shapes import build_at_first_call
-from .causal_halves import diagonal_gradients, merge_halves
+from . import causal_halves
+from .causal_halves import flipped, flipped_lse
 from .backends.kernel_log import note_kernel
 from .backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel
 from .dense import attention_backward, attention_forward
@@ -351,8 +352,8 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None, 
             else:  # keys at or before each query, then at or after it (each document reversed)
                 impl, scale = halves
                 o, l = attention_forward(impl, qg, kg, vg, True, scale)
-                o2, l2 = attention_forward(impl, *(_flipped(x, flip, b) for x in (qg, kg, vg)), True, scale)
-                o, l = merge_halves(o, l, _flipped(o2, flip, b), _flipped_lse(l2, flip, b), qg, kg, vg, scale)
+                o2, l2 = attention_forward(impl, *(flipped(x, flip, b) for x in (qg, kg, vg)), True, scale)
+                o, l = causal_halves.merge(o, l, o2, l2, qg, kg, vg, scale, flip, b)
         h = l.shape[1]
         l = _real(l.reshape(b, count, h, length).transpose(1, 2).reshape(b, h, count * length), real, pad, 2)
         if out is None:  # every position is in one call: all of it is written
@@ -369,21 +370,9 @@ def _halves_backward(halves, flip: torch.Tensor, b: int, dout, q, k, v, out, lse
     share that both hold (:func:`dilated.causal_halves.diagonal_gradients`)."""
     impl, scale = halves
     first = attention_backward(impl, dout, q, k, v, out, lse, True, scale, dlse)
-    second = attention_backward(impl, *(_flipped(x, flip, b) for x in (dout, q, k, v, out)), _flipped_lse(lse, flip, b),
-                                True, scale, None if dlse is None else _flipped_lse(dlse, flip, b))
-    diagonal = diagonal_gradients(dout, q, k, v, out, lse, scale, dlse)
-    return tuple((g1.to(d.dtype) + _flipped(g2, flip, b).to(d.dtype) - d).to(g1.dtype)
-                 for g1, g2, d in zip(first, second, diagonal))
-
-
-def _flipped(x: torch.Tensor, flip: torch.Tensor, b: int) -> torch.Tensor:
-    """A call's ``[b * count, length, ...]`` rows with each document reversed (``flip``: :func:`_document_rows`)."""
-    return x.reshape(b, -1, *x.shape[2:]).index_select(1, flip).reshape(x.shape)
-
-
-def _flipped_lse(lse: torch.Tensor, flip: torch.Tensor, b: int) -> torch.Tensor:
-    """:func:`_flipped` of a call's lse ``[b * count, H, length]``."""
-    return _flipped(lse.transpose(1, 2), flip, b).transpose(1, 2).contiguous()
+    second = attention_backward(impl, *(flipped(x, flip, b) for x in (dout, q, k, v, out)), flipped_lse(lse, flip, b),
+                                True, scale, None if dlse is None else flipped_lse(dlse, flip, b))
+    return causal_halves.combine_gradients(first, second, dout, q, k, v, out, lse, scale, flip, b, dlse)
 
 
 def _real(rows: torch.Tensor, real: torch.Tensor, pad: torch.Tensor | None, dim: int = 1) -> torch.Tensor:

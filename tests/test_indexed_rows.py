@@ -156,12 +156,13 @@ def test_triton_kernels_in_the_interpreter():
 def test_packed_and_document_parallel_attention_on_the_kernels_in_the_interpreter():
     """The callers against float64 with the kernels in Triton's interpreter: packed documents (batched
     calls' rows placed, padded and not, forward and gradients) and document-parallel attention on
-    two gloo ranks (the crossing rows merged, added and summed)."""
+    two gloo ranks (the crossing rows merged, added and summed), and non-causal documents in two causal
+    halves (their merge and their gradients' sum, :mod:`dilated._triton.causal_halves`)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_packed.py",
                           "tests/parallel/test_distributed.py", "tests/parallel/test_context_parallel.py", "-k",
                           "match_each_document_alone and manual or document_parallel_attention_matches_float64 "
-                          "or document_parallel_attention_in_the_kernels_varlen_entry_points"],
+                          "or document_parallel_attention_in_the_kernels_varlen_entry_points or two_causal_halves"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 

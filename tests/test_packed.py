@@ -404,11 +404,11 @@ def test_non_causal_documents_padded_to_buckets_as_two_causal_halves(cu, monkeyp
     calls, each document in order and reversed, merged less the diagonal: exact against float64,
     forward and gradients through out and lse, GQA heads, two batch rows, a call holding documents of
     two lengths ([0, 17, 36, ...]: 17 and 19 rows in one call of 20)."""
-    from dilated import packed
+    from dilated import causal_halves, packed
     from dilated.backends import get_backend
 
     merged = []
-    merge = packed.merge_halves
+    merge = causal_halves.merge
 
     def counted(*args):
         merged.append(args[0].shape[:2])
@@ -416,7 +416,7 @@ def test_non_causal_documents_padded_to_buckets_as_two_causal_halves(cu, monkeyp
 
     monkeypatch.setattr(packed, "halves_backend", lambda backend, q, k, v, causal: None if causal else
                         get_backend("manual"))
-    monkeypatch.setattr(packed, "merge_halves", counted)
+    monkeypatch.setattr(causal_halves, "merge", counted)
     q = rand(2, 40, 4, 8, gen=gen, requires_grad=True)
     k, v = (rand(2, 40, 2, 8, gen=gen, requires_grad=True) for _ in range(2))
     out, lse = dilated.attention(q, k, v, backend="manual", return_lse=True,
@@ -438,11 +438,11 @@ def test_gpu_non_causal_documents_on_cudnn_as_causal_halves_in_bf16(hkv, monkeyp
     float64, forward and gradients through out and lse."""
     from conftest import TOL
 
-    from dilated import packed
+    from dilated import causal_halves
 
     merged = []
-    merge = packed.merge_halves
-    monkeypatch.setattr(packed, "merge_halves", lambda *a: merged.append(a[0].shape) or merge(*a))
+    merge = causal_halves.merge
+    monkeypatch.setattr(causal_halves, "merge", lambda *a: merged.append(a[0].shape) or merge(*a))
     tol = TOL[torch.bfloat16]
     cu = [0, 300, 620, 900, 1000, 1100, 1400, 1700, 2048]
     q = rand(2, 2048, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_()
