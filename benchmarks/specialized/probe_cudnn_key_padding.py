@@ -25,7 +25,8 @@ from dilated.packed import bucket_length
 
 
 def padded(x: torch.Tensor, lengths, bucket: int) -> torch.Tensor:
-    """``[count, bucket, H, D]``: document ``i``'s ``lengths[i]`` rows of ``x [count, >= length, H, D]``, zeros after."""
+    """``[count, bucket, H, D]``: document ``i``'s ``lengths[i]`` rows of ``x [count, >= length, H, D]``,
+    zeros after."""
     out = x.new_zeros(len(lengths), bucket, *x.shape[2:])
     for i, m in enumerate(lengths):
         out[i, :m] = x[i, :m]
