@@ -255,10 +255,11 @@ class KernelModel:
                                   mode), 0.0, 1, 0
         big, small = split_small_calls(document_calls(cu, causal, self.halves), heads, head_dim, causal)
         ms = sum(self._batched_ms(length, docs, batch, heads, kv_heads, head_dim, causal, mode) for length, docs in big)
-        if big:  # a batched call's rows gathered: q, k, v and its out; in backward also dout, dq, dk, dv
-            rows = batch * max(length * len(docs) for length, docs in big)
+        if big:  # a batched call's rows gathered: q, k, v and its out; in backward also dout, dq, dk, dv (in
+            # halves each twice: the documents reversed, and the second half's out and gradients)
             per_row = (2 if mode == "fwd" else 4) * (heads + kv_heads) * head_dim * ELEM
-            self.peak_bytes = max(self.peak_bytes, rows * per_row)
+            held = max(length * len(docs) * (2 if self._in_halves(length, docs, causal) else 1) for length, docs in big)
+            self.peak_bytes = max(self.peak_bytes, batch * held * per_row)
         small_ms = 0.0
         if small:  # one varlen call: its FLOPs at the rate of its documents' mean length, all rows at once
             rows = sum(m for _, m in small)
@@ -268,11 +269,15 @@ class KernelModel:
             small_ms = flops * one / call_flops(batch * len(small), mean, mean, heads, head_dim, causal)
         return ms, small_ms, len(big) + (1 if small else 0), batch * sum(length * len(docs) for length, docs in big)
 
+    def _in_halves(self, length: int, docs, causal: bool) -> bool:
+        """Whether a batched call runs as two causal halves (non-causal, padded, on a calibration that says so)."""
+        return self.halves and not causal and any(m < length for _, m in docs)
+
     def _batched_ms(self, length: int, docs, batch: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
                     mode: str) -> float:
         """A batched call of ``docs`` padded to ``length`` rows: one call, or (non-causal with padding, in
         halves: :mod:`dilated.causal_halves`) two causal calls."""
-        if self.halves and not causal and any(m < length for _, m in docs):
+        if self._in_halves(length, docs, causal):
             return 2 * self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, True, mode)
         return self.call_ms(length, length, batch * len(docs), heads, kv_heads, head_dim, causal, mode)
 

@@ -63,6 +63,11 @@ def test_non_causal_documents_in_causal_halves_are_timed_as_the_library_runs_the
     assert per_length.documents_ms(cu, 1, 32, 8, 128, False, "fwd") == pytest.approx(want, rel=1e-9)
     causal = true_ms(4, 8192, 8192, 32, 128, True, "fwd") + true_ms(2, 12288, 12288, 32, 128, True, "fwd")
     assert halves.documents_ms(cu, 1, 32, 8, 128, True, "fwd") == pytest.approx(causal, rel=1e-9)
+    # memory (forward: q, k, v, out per row): the padded call's rows held twice in halves (in order and
+    # reversed); the 8K call's once
+    per_row = 2 * (32 + 8) * 128 * 2
+    assert halves.peak_bytes == 2 * 2 * 12288 * per_row
+    assert per_length.peak_bytes == 4 * 8192 * per_row
 
 
 def test_the_documents_paths_cost_per_call_is_read_off_the_calibrated_mixes():
