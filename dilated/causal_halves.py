@@ -88,8 +88,8 @@ def flipped_lse(lse: torch.Tensor, flip: torch.Tensor, b: int) -> torch.Tensor:
     return flipped(lse.transpose(1, 2), flip, b).transpose(1, 2).contiguous()
 
 
-def _on_triton(*tensors: torch.Tensor) -> bool:
-    return triton_enabled(tensors[0].device) and tensors[0].dtype != torch.float64
+def _on_triton(x: torch.Tensor) -> bool:
+    return triton_enabled(x.device) and x.dtype != torch.float64
 
 
 def _launch(pairs: int, d: int) -> tuple[int, int, tuple]:
