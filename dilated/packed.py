@@ -143,8 +143,7 @@ def packed_attention(q, k, v, cu: list[int], backend: str, causal: bool, scale: 
             a, b, c, causal, scale, backend, True), causal)
     small = small_documents_kernel(q, k, v, causal) if backend == "auto" else None
     small = None if small is None else (small, scale)
-    halves = halves_backend(backend, q, k, v, causal)
-    halves = None if halves is None else (halves, scale)
+    halves = halves_for(backend, q, k, v, causal, scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return DocumentsFunction.apply(q, k, v, tuple(cu), backend, causal, scale, small, halves)
     return documents_forward(q, k, v, cu, _DocumentCalls(backend, causal, scale).forward, causal, small, halves)
@@ -282,6 +281,13 @@ def halves_backend(backend, q, k, v, causal: bool):
     if impl.kernel_name(q, k, False) != "sdpa_cudnn":
         return None
     return get_backend("sdpa_cudnn", q, k, True, v=v)
+
+
+def halves_for(backend, q, k, v, causal: bool, scale: float):
+    """``(backend, scale)``, the ``halves`` argument of :func:`documents_forward`, where non-causal
+    documents go as two causal halves (:func:`halves_backend`), else None."""
+    impl = halves_backend(backend, q, k, v, causal)
+    return None if impl is None else (impl, scale)
 
 
 #: a batched call doing less work than this (a fraction of a millisecond of a Hopper GPU) takes the

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..backends.varlen import VarlenKernel
 from ..dense import AttentionSpec, attention_backward, attention_forward
-from ..packed import documents_backward, documents_forward, halves_backend, varlen_backward, varlen_forward
+from ..packed import documents_backward, documents_forward, halves_for, varlen_backward, varlen_forward
 
 
 def block_documents_forward(spec: AttentionSpec, varlen: VarlenKernel | None, small: VarlenKernel | None,
@@ -19,7 +19,8 @@ def block_documents_forward(spec: AttentionSpec, varlen: VarlenKernel | None, sm
 
     def attend(qd, kd, vd):
         return attention_forward(spec.backend, qd, kd, vd, causal, spec.scale)
-    return documents_forward(q, k, v, cu, attend, causal, small and (small, spec.scale), _halves(spec, q, k, v, causal))
+    return documents_forward(q, k, v, cu, attend, causal, small and (small, spec.scale),
+                             halves_for(spec.backend, q, k, v, causal, spec.scale))
 
 
 def block_documents_backward(spec: AttentionSpec, varlen: VarlenKernel | None, small: VarlenKernel | None,
@@ -32,11 +33,4 @@ def block_documents_backward(spec: AttentionSpec, varlen: VarlenKernel | None, s
     def grads(*ts):
         return attention_backward(spec.backend, *ts, causal, spec.scale)
     return documents_backward(tensors, cu, grads, causal, small=small and (small, spec.scale),
-                              halves=_halves(spec, *tensors[1:4], causal))
-
-
-def _halves(spec: AttentionSpec, q, k, v, causal: bool):
-    """``(backend, scale)`` where non-causal documents go as two causal halves
-    (:func:`dilated.packed.halves_backend`), or None."""
-    impl = halves_backend(spec.backend, q, k, v, causal)
-    return None if impl is None else (impl, spec.scale)
+                              halves=halves_for(spec.backend, *tensors[1:4], causal, spec.scale))
