@@ -373,11 +373,12 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None, 
 def _halves_backward(halves, flip: torch.Tensor, b: int, dout, q, k, v, out, lse, dlse):
     """``(dq, dk, dv)`` of a call attended as two causal halves (:func:`documents_forward`): each half's
     backward given the merged out and lse, the second's rows put back in order, less the diagonal's
-    share that both hold (:func:`dilated.causal_halves.diagonal_gradients`)."""
+    share that both hold (:func:`dilated.causal_halves.diagonal_gradients`). The reversed half runs
+    first, so that its reversed inputs are gone before the first half's gradients are made."""
     impl, scale = halves
-    first = attention_backward(impl, dout, q, k, v, out, lse, True, scale, dlse)
     second = attention_backward(impl, *(flipped(x, flip, b) for x in (dout, q, k, v, out)), flipped_lse(lse, flip, b),
                                 True, scale, None if dlse is None else flipped_lse(dlse, flip, b))
+    first = attention_backward(impl, dout, q, k, v, out, lse, True, scale, dlse)
     return causal_halves.combine_gradients(first, second, dout, q, k, v, out, lse, scale, flip, b, dlse)
 
 
