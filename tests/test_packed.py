@@ -20,14 +20,25 @@ def _per_document(q, k, v, cu, causal):
     return torch.cat(outs, 1), torch.cat(lses, 2)
 
 
-def _assert_matches(out, lse, ref, ref_lse, inputs, ref_inputs, gen):
-    """out and lse, and the gradients through both on random dout and dlse, against float64."""
-    assert rel_err(out, ref) < 2e-4 and rel_err(lse, ref_lse) < 2e-4
-    dout, dlse = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
+def _assert_matches(out, lse, ref, ref_lse, inputs, ref_inputs, gen, tol=2e-4, lse_tol=2e-4, grad_tol=4e-4):
+    """out and lse, and the gradients through both on random dout and dlse (out's dtype and device),
+    against float64; returns dout (the reference's graph kept for more gradients)."""
+    assert rel_err(out, ref) < tol and rel_err(lse, ref_lse) < lse_tol
+    dout = rand(*out.shape, gen=gen, dtype=out.dtype).to(out.device)
+    dlse = rand(*lse.shape, gen=gen).to(lse.device)
     grads = torch.autograd.grad((out, lse), inputs, (dout, dlse))
-    ref_grads = torch.autograd.grad((ref, ref_lse), ref_inputs, (dout.double(), dlse.double()))
+    ref_grads = torch.autograd.grad((ref, ref_lse), ref_inputs, (dout.double(), dlse.double()), retain_graph=True)
     for name, g, rg in zip("qkv", grads, ref_grads):
-        assert rel_err(g, rg) < 4e-4, f"d{name}"
+        assert rel_err(g, rg) < grad_tol, f"d{name}"
+    return dout
+
+
+def _assert_matches_in_bf16(out, lse, ref, ref_lse, inputs, ref_inputs, gen):
+    """:func:`_assert_matches` with bfloat16's tolerances."""
+    from conftest import TOL
+
+    tol = TOL[torch.bfloat16]
+    return _assert_matches(out, lse, ref, ref_lse, inputs, ref_inputs, gen, tol, 1e-3, 2 * tol)
 
 
 DOCS = {"one": [0, 40], "fixed": [0, 8, 16, 24, 32, 40], "varied": [0, 1, 6, 19, 20, 33, 40],
@@ -187,13 +198,8 @@ def test_gpu_varlen_kernels_in_bf16(backend, causal, hkv, gen):
     out, lse = dilated.attention(q, k, v, causal=causal, backend=backend, return_lse=True, cu_seqlens=cu)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = _per_document(qd, kd, vd, GPU_DOCS, causal)
-    assert rel_err(out, ref) < tol and rel_err(lse, ref_lse) < 1e-3
-    dout, dlse = rand(*out.shape, gen=gen, dtype=torch.bfloat16).cuda(), rand(*lse.shape, gen=gen).cuda()
-    ref_out_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double(), retain_graph=True)
-    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
-    for name, g, rg in zip("qkv", grads, ref_grads):
-        assert rel_err(g, rg) < 2 * tol, f"d{name}"
+    dout = _assert_matches_in_bf16(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
+    ref_out_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
     try:
@@ -436,14 +442,11 @@ def test_gpu_non_causal_documents_on_cudnn_as_causal_halves_in_bf16(hkv, monkeyp
     """Non-causal documents on SDPA's cuDNN kernel go padded to bucket lengths, a call with padding
     as two causal cuDNN calls (calls of 320 rows holding documents of 280, 300 and 320): bf16 against
     float64, forward and gradients through out and lse."""
-    from conftest import TOL
-
     from dilated import causal_halves
 
     merged = []
     merge = causal_halves.merge
     monkeypatch.setattr(causal_halves, "merge", lambda *a: merged.append(a[0].shape) or merge(*a))
-    tol = TOL[torch.bfloat16]
     cu = [0, 300, 620, 900, 1000, 1100, 1400, 1700, 2048]
     q = rand(2, 2048, 8, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_()
     k, v = (rand(2, 2048, hkv, 64, gen=gen, dtype=torch.bfloat16).cuda().requires_grad_() for _ in range(2))
@@ -453,9 +456,4 @@ def test_gpu_non_causal_documents_on_cudnn_as_causal_halves_in_bf16(hkv, monkeyp
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     rep = 8 // hkv
     ref, ref_lse = _per_document(qd, kd.repeat_interleave(rep, 2), vd.repeat_interleave(rep, 2), cu, False)
-    assert rel_err(out, ref) < tol and rel_err(lse, ref_lse) < 1e-3
-    dout, dlse = rand(*out.shape, gen=gen, dtype=torch.bfloat16).cuda(), rand(*lse.shape, gen=gen).cuda()
-    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    ref_grads = torch.autograd.grad((ref, ref_lse), (qd, kd, vd), (dout.double(), dlse.double()))
-    for name, g, rg in zip("qkv", grads, ref_grads):
-        assert rel_err(g, rg) < 2 * tol, f"d{name}"
+    _assert_matches_in_bf16(out, lse, ref, ref_lse, (q, k, v), (qd, kd, vd), gen)
