@@ -39,7 +39,6 @@ from ._transfer import host_values_on, made_for_a_cache
 from .backends import get_backend
 from .backends.graph_shapes import build_at_first_call
 from . import causal_halves
-from .causal_halves import flipped, flipped_lse
 from .backends.kernel_log import note_kernel
 from .backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel
 from .dense import attention_backward, attention_forward
@@ -358,7 +357,8 @@ def documents_forward(q, k, v, cu: list[int], attend, causal: bool, small=None, 
             else:  # keys at or before each query, then at or after it (each document reversed)
                 impl, scale = halves
                 o, l = attention_forward(impl, qg, kg, vg, True, scale)
-                o2, l2 = attention_forward(impl, *(flipped(x, flip, b) for x in (qg, kg, vg)), True, scale)
+                reversed_ = (causal_halves.flipped(x, flip, b) for x in (qg, kg, vg))
+                o2, l2 = attention_forward(impl, *reversed_, True, scale)
                 o, l = causal_halves.merge(o, l, o2, l2, qg, kg, vg, scale, flip, b)
         h = l.shape[1]
         l = _real(l.reshape(b, count, h, length).transpose(1, 2).reshape(b, h, count * length), real, pad, 2)
@@ -376,8 +376,10 @@ def _halves_backward(halves, flip: torch.Tensor, b: int, dout, q, k, v, out, lse
     share that both hold (:func:`dilated.causal_halves.diagonal_gradients`). The reversed half runs
     first, so that its reversed inputs are gone before the first half's gradients are made."""
     impl, scale = halves
-    second = attention_backward(impl, *(flipped(x, flip, b) for x in (dout, q, k, v, out)), flipped_lse(lse, flip, b),
-                                True, scale, None if dlse is None else flipped_lse(dlse, flip, b))
+    reversed_ = [causal_halves.flipped(x, flip, b) for x in (dout, q, k, v, out)]
+    reversed_lse = [None if x is None else causal_halves.flipped_lse(x, flip, b) for x in (lse, dlse)]
+    second = attention_backward(impl, *reversed_, reversed_lse[0], True, scale, reversed_lse[1])
+    del reversed_, reversed_lse  # freed before the first half's gradients are made
     first = attention_backward(impl, dout, q, k, v, out, lse, True, scale, dlse)
     return causal_halves.combine_gradients(first, second, dout, q, k, v, out, lse, scale, flip, b, dlse)
 
