@@ -112,25 +112,6 @@ def ulysses(rank, world):
         assert "num_heads 5 must be divisible by" in str(e) and "RingAttention" in str(e), str(e)
     else:
         raise AssertionError("heads not divisible by the world size ran")
-    # head groups' exchanges by the copy engines: "auto" takes NCCL where they cannot run (gloo, CPU
-    # tensors); asked for, a clear error naming the way out; a transport that is none, named
-    q, k, v = _full(3, 4 * world, 2 * world, 2 * world)
-    module = dilated.UlyssesAttention(backend="manual", head_groups=2, transport="auto")
-    module(*(module.shard(t) for t in (q, k, v)))
-    assert module.transport_used == "nccl", module.transport_used
-    try:
-        module = dilated.UlyssesAttention(backend="manual", transport="copy_engine")
-        module(*(module.shard(t) for t in (q, k, v)))
-    except ValueError as e:
-        assert "transport='copy_engine' is unavailable here" in str(e) and "'nccl'" in str(e), str(e)
-    else:
-        raise AssertionError("transport='copy_engine' ran on gloo")
-    try:
-        dilated.UlyssesAttention(transport="nvlink")
-    except ValueError as e:
-        assert "transport must be one of" in str(e), str(e)
-    else:
-        raise AssertionError("transport='nvlink' was accepted")
 
 
 @worker

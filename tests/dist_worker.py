@@ -266,53 +266,6 @@ def copy_engine_matches_p2p(rank, world, port):
     faulthandler.cancel_dump_traceback_later()
 
 
-def ulysses_copy_engine(rank, world, port):
-    """On GPUs (NCCL): Ulysses' head groups exchanged by copy-engine transfers against float64 attention,
-    forward and every gradient, dense and within packed documents, causal or not, GQA, batch 2, one
-    and two head groups, several calls in a row (each call's buffer reused); the bytes counted as
-    NCCL's exchanges count them."""
-    faulthandler.dump_traceback_later(150, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
-                            timeout=datetime.timedelta(seconds=120))
-    n, h = 256 * world, 4 * world
-    cu = [0, 100, 101, n // 2 + 7, n - 30, n]
-    g = torch.Generator(device=dev).manual_seed(11)
-    for hkv, causal, docs, groups in itertools.product((h, 2 * world), (False, True), (None, cu), (1, 2)):
-        full = [torch.randn(2, n, hh, 64, device=dev, dtype=torch.bfloat16, generator=g) for hh in (h, hkv, hkv)]
-        dout = torch.randn(full[0].shape, device=dev, dtype=torch.bfloat16, generator=g)
-        leaves = [t.double().requires_grad_() for t in full]
-        if docs is None:
-            want = dense_reference(*leaves, causal=causal)[0]
-        else:
-            want = _documents_reference(*leaves, docs, causal)
-        ref_grads = torch.autograd.grad(want, leaves, dout.double())
-        where = f"P={world} H={h}/{hkv} causal={causal} documents={docs is not None} head_groups={groups}"
-        sent = {}
-        for transport in ("nccl", "copy_engine"):
-            module = dilated.UlyssesAttention(causal=causal, head_groups=groups, local_documents=False,
-                                              document_groups=1, transport=transport)
-            kw = {} if docs is None else {"cu_seqlens": torch.tensor(docs, dtype=torch.int32)}
-            for _ in range(2):
-                q, k, v = (module.shard(t).requires_grad_() for t in full)
-                module.stats.reset()
-                out = module(q, k, v, **kw)
-                out.backward(module.shard(dout))
-            assert module.transport_used == transport, (where, module.transport_used)
-            sent[transport] = module.stats.bytes_sent
-            for name, got, exp in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad),
-                                      (want.detach(), *ref_grads)):
-                got = module.unshard(got).double()
-                err = ((got - exp).abs().max() / exp.abs().max()).item()
-                assert err < 2e-2, f"{where} {transport} {name}: rel err {err:.2e} against float64"
-        assert sent["copy_engine"] == sent["nccl"] > 0, (where, sent)
-    dist.barrier()
-    dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
-
-
 def timing_agrees(rank, world, port):
     """Time-based timing on ranks of different speeds: every rank takes the same number of calls."""
     import time
@@ -547,8 +500,6 @@ def steady_calls_do_not_sync(rank, world, port):
                for layout in ("contiguous", "zigzag") for transport in ("copy_engine", "p2p") for causal in (False, True)]
     modules += [(f"ulysses causal={causal}", dilated.UlyssesAttention(causal=causal), True) for causal in (False, True)]
     modules += [("ulysses document groups", dilated.UlyssesAttention(causal=True, document_groups="always"), True)]
-    modules += [("ulysses copy engine", dilated.UlyssesAttention(causal=True, head_groups=2, local_documents=False,
-                                                                 document_groups=1, transport="copy_engine"), True)]
     grids = [u for u in sorted({1, 2, world}) if world % u == 0]  # 2 x 2 on 4 GPUs: both groups NCCL subgroups
     modules += [(f"hybrid {u}x{world // u}", dilated.HybridAttention(u, world // u, causal=True), True)
                 for u in grids]

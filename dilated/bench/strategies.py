@@ -30,11 +30,7 @@ def _make(name, problem, layout, factory, description, documents=True, splits_he
 
 #: Ulysses' benchmark names and the head groups each runs (:mod:`dilated.parallel.head_groups`)
 ULYSSES_HEAD_GROUPS = {"ulysses": "auto", "ulysses_exchange_all": "auto", "ulysses_no_overlap": 1,
-                       "ulysses_head_groups_2": 2, "ulysses_head_groups_4": 4, "ulysses_head_groups_8": 8,
-                       "ulysses_copy_engine": "auto", "ulysses_head_groups_2_copy_engine": 2,
-                       "ulysses_head_groups_4_copy_engine": 4}
-#: the Ulysses names whose head groups exchange by copy-engine transfers (``transport="copy_engine"``)
-COPY_ENGINE = {"ulysses_copy_engine", "ulysses_head_groups_2_copy_engine", "ulysses_head_groups_4_copy_engine"}
+                       "ulysses_head_groups_2": 2, "ulysses_head_groups_4": 4, "ulysses_head_groups_8": 8}
 #: the hybrid's benchmark names and the head groups each runs
 HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_head_groups_2": 2, "hybrid_head_groups_4": 4,
                       "hybrid_documents": "auto", "hybrid_documents_one_exchange": "auto",
@@ -64,9 +60,9 @@ def document_groups_of(name: str):
     return "always" if name in ROW_GROUPS else "auto" if name in DOCUMENT_GROUPS_AUTO else 1
 
 
-def _ulysses(case, backend, group, head_groups="auto", local="auto", document_groups="auto", transport="nccl"):
+def _ulysses(case, backend, group, head_groups="auto", local="auto", document_groups="auto"):
     return dilated.UlyssesAttention(causal=case.causal, backend=backend, group=group, head_groups=head_groups,
-                                    local_documents=local, document_groups=document_groups, transport=transport)
+                                    local_documents=local, document_groups=document_groups)
 
 
 def _hybrid(case, backend, group, layout="zigzag", head_groups="auto", local="auto", document_groups="auto"):
@@ -84,11 +80,9 @@ def _ulysses_impl(name, groups):
     what = {1: "nothing overlapped", "auto": "two pipelined groups where packed documents run in one varlen call "
             "each, else one"}.get(groups, "exchanges pipelined with attention")
     local, by_docs = local_documents_of(name), document_groups_of(name)
-    transport = "copy_engine" if name in COPY_ENGINE else "nccl"
-    return _make(name, "dense", "contiguous", lambda c, b, g: _ulysses(c, b, g, groups, local, by_docs, transport),
+    return _make(name, "dense", "contiguous", lambda c, b, g: _ulysses(c, b, g, groups, local, by_docs),
                  f"UlyssesAttention (all-to-all: the whole sequence on H/P heads per rank), head_groups={groups!r}: "
-                 f"{what}; local_documents={local!r}, document_groups={by_docs!r}, transport={transport!r}",
-                 splits_heads=True, local=local)
+                 f"{what}; local_documents={local!r}, document_groups={by_docs!r}", splits_heads=True, local=local)
 
 
 def _hybrid_impl(name, groups):

@@ -67,20 +67,3 @@ class AllToAll:
                 work.wait()
         self.send = None  # the exchange is done with it
         return self.recv if self.many else self.recv[0]
-
-
-class Exchanges:
-    """The all-to-alls of one pipelined call by NCCL, with the interface of
-    :class:`~dilated.parallel.peer_copy.PeerExchanges`: every input exchange (a list of tensors ``[P,
-    ...]``, block ``i`` for rank ``i``) issued at once, :meth:`pulled` ``(e)`` its :class:`AllToAll`;
-    :meth:`push` ``(e, tensors)`` issues output exchange ``e`` as its data comes."""
-
-    def __init__(self, group, stats: CommStats, inputs, outputs=None):
-        self.group, self.stats = group, stats
-        self.arrivals = [AllToAll(list(ex), group, stats) for ex in inputs]
-
-    def pulled(self, e: int) -> AllToAll:
-        return self.arrivals[e]
-
-    def push(self, e: int, tensors) -> AllToAll:
-        return AllToAll(list(tensors), self.group, self.stats)

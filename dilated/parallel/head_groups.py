@@ -30,9 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import peer_copy
-from .all_to_all import Exchanges
-from .peer_copy import PeerExchanges
+from .all_to_all import AllToAll
 from .sharding import CommStats
 
 
@@ -77,11 +75,11 @@ def head_groups_for(head_groups, q_heads: int, kv_heads: int, one_call: bool) ->
     return 1
 
 
-def _heads_blocks(x: torch.Tensor, p: int, groups: int, g: int) -> torch.Tensor:
+def _to_heads_blocks(x: torch.Tensor, p: int, groups: int, g: int) -> torch.Tensor:
     """Head group ``g`` of each rank's heads of the sequence shard ``x`` ``[B, n, H, D]`` as blocks
-    ``[P, B, n, H/(P*groups), D]``: block ``i`` for rank ``i`` (a view; the exchange copies it)."""
+    ``[P, B, n, H/(P*groups), D]``: block ``i`` for rank ``i`` (a copy)."""
     b, n, _, d = x.shape
-    return x.view(b, n, p, groups, -1, d)[:, :, :, g].permute(2, 0, 1, 3, 4)
+    return x.view(b, n, p, groups, -1, d)[:, :, :, g].permute(2, 0, 1, 3, 4).contiguous()
 
 
 def _whole_sequence(recv: torch.Tensor) -> torch.Tensor:
@@ -107,39 +105,30 @@ def _into_heads(dst: torch.Tensor, recv: torch.Tensor, g: int) -> None:
 @dataclass
 class HeadGroupCall:
     """One pipelined call: ``attend(q, k, v)`` on whole-sequence head groups, ``groups`` q-head
-    groups per rank reading kv groups ``kv_of``, over ``group``, counted in ``stats``, its exchanges
-    by ``transport`` (:data:`TRANSPORTS`)."""
+    groups per rank reading kv groups ``kv_of``, over ``group``, counted in ``stats``."""
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     groups: int
     kv_of: list[int]
     group: object
     stats: CommStats
-    transport: str = "nccl"
-
-    def exchanges(self, inputs, outputs):
-        """The exchanges of one direction: ``inputs`` issued now, ``outputs`` (shapes) pushed later."""
-        kind = PeerExchanges if self.transport == "copy_engine" else Exchanges
-        return kind(self.group, self.stats, inputs, outputs)
 
 
 class _AttendByHeadGroups(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: HeadGroupCall):
         p, groups, kv_groups = dist.get_world_size(call.group), call.groups, call.kv_of[-1] + 1
-        b, n, h, _ = q.shape
-        inputs, kv_sent = [], set()
+
+        q_in, kv_sent = [], set()
         for g, j in enumerate(call.kv_of):  # every input exchange at once, a kv group's with its first reader's q
-            parts = [_heads_blocks(q, p, groups, g)]
+            parts = [_to_heads_blocks(q, p, groups, g)]
             if j not in kv_sent:
                 kv_sent.add(j)
-                parts += [_heads_blocks(x, p, kv_groups, j) for x in (k, v)]
-            inputs.append(parts)
-        out_block = (p, b, n, h // (p * groups), v.shape[-1])
-        ex = call.exchanges(inputs, [[out_block]] * groups)
+                parts += [_to_heads_blocks(x, p, kv_groups, j) for x in (k, v)]
+            q_in.append(AllToAll(parts, call.group, call.stats))
         grad = any(ctx.needs_input_grad[:3])
         kv, graphs, back = {}, [], []
         for g, j in enumerate(call.kv_of):
-            came = ex.pulled(g).wait()
+            came = q_in[g].wait()
             qg = _whole_sequence(came[0])
             if j not in kv:
                 kv[j] = [_whole_sequence(x).detach().requires_grad_(grad) for x in came[1:]]
@@ -150,10 +139,14 @@ class _AttendByHeadGroups(torch.autograd.Function):
                 graphs.append((leaves, og))
             else:
                 og = call.attend(qg, *kv[j])
-            back.append(ex.push(g, [_to_sequence_blocks(og.detach(), p)]))
-        out = q.new_empty(b, n, p, groups, *out_block[3:])
-        for g, sent in enumerate(back):
-            _into_heads(out, sent.wait()[0], g)
+            back.append(AllToAll(_to_sequence_blocks(og.detach(), p), call.group, call.stats))
+        b, n, h, _ = q.shape
+        out = None
+        for g, ex in enumerate(back):
+            recv = ex.wait()
+            if out is None:  # v's head_dim
+                out = recv.new_empty(b, n, p, groups, h // (p * groups), recv.shape[-1])
+            _into_heads(out, recv, g)
         ctx.call, ctx.graphs, ctx.shapes = call, graphs, (q.shape, k.shape, v.shape)
         return out.view(b, n, h, -1)
 
@@ -163,69 +156,36 @@ class _AttendByHeadGroups(torch.autograd.Function):
         ctx.graphs = None  # each group's graph is used once
         p, groups, kv_groups = dist.get_world_size(call.group), call.groups, call.kv_of[-1] + 1
         dout = dout.contiguous()
+        d_in = [AllToAll(_to_heads_blocks(dout, p, groups, g), call.group, call.stats) for g in range(groups)]
         last_reader = {j: g for g, j in enumerate(call.kv_of)}
-        blocks = [(p, b, n, h // (p * count), d) for (b, n, h, d), count in zip(ctx.shapes, (groups, kv_groups,
-                                                                                             kv_groups))]
-        outputs = [[blocks[0]] + (blocks[1:] if last_reader[j] == g else []) for g, j in enumerate(call.kv_of)]
-        ex = call.exchanges([[_heads_blocks(dout, p, groups, g)] for g in range(groups)], outputs)
         dkv_sum, back = {}, []
         for g, j in enumerate(call.kv_of):
             leaves, og = graphs[g]
-            grads = torch.autograd.grad(og, leaves, _whole_sequence(ex.pulled(g).wait()[0]))
+            grads = torch.autograd.grad(og, leaves, _whole_sequence(d_in[g].wait()))
             dkv_sum[j] = grads[1:] if j not in dkv_sum else [a + c for a, c in zip(dkv_sum[j], grads[1:])]
             parts = [grads[0]]
             if last_reader[j] == g:  # the kv group's gradients are whole: they go back with this group's dq
                 parts += dkv_sum.pop(j)
-            back.append(ex.push(g, [_to_sequence_blocks(x, p) for x in parts]))
-        grads = [dout.new_empty(*block[1:3], p, count, *block[3:])
-                 for block, count in zip(blocks, (groups, kv_groups, kv_groups))]
-        for g, sent in enumerate(back):
-            came = sent.wait()
+            back.append(AllToAll([_to_sequence_blocks(x, p) for x in parts], call.group, call.stats))
+        grads = [dout.new_empty(b, n, p, count, h // (p * count), d)
+                 for (b, n, h, d), count in zip(ctx.shapes, (groups, kv_groups, kv_groups))]
+        for g, ex in enumerate(back):
+            came = ex.wait()
             _into_heads(grads[0], came[0], g)
             for dst, x in zip(grads[1:], came[1:]):
                 _into_heads(dst, x, call.kv_of[g])
         return *(x.view(s) for x, s in zip(grads, ctx.shapes)), None
 
 
-#: how head groups' exchanges move: NCCL's all-to-alls, copy-engine transfers over symmetric memory
-#: (:class:`~dilated.parallel.peer_copy.PeerExchanges`: no SM runs them beside the attention), or
-#: ``"auto"``: the copy engines where :func:`~dilated.parallel.peer_copy.prepare` serves the group
-TRANSPORTS = ("auto", "nccl", "copy_engine")
-
-
-def check_transport(transport) -> None:
-    """``transport`` is one of :data:`TRANSPORTS`."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-
-
-def transport_for(transport: str, group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> str:
-    """The transport (``"nccl"`` or ``"copy_engine"``) of a call of :func:`attend_by_head_groups` on
-    these inputs: ``transport`` (:data:`TRANSPORTS`), where the group's symmetric buffer can hold
-    both directions' exchanges (a collective where it must grow); a clear error where
-    ``"copy_engine"`` is asked and unavailable."""
-    if transport == "nccl" or dist.get_world_size(group) == 1:
-        return "nccl"
-    out = q.numel() // q.shape[-1] * v.shape[-1]
-    nbytes = (q.numel() + k.numel() + v.numel() + out) * q.element_size() + peer_copy.ALIGN * 4 * (groups + 1)
-    why = peer_copy.prepare(group, q.device, nbytes)
-    if why is None:
-        return "copy_engine"
-    if transport == "copy_engine":
-        raise ValueError(f"transport='copy_engine' is unavailable here: {why}; use transport='nccl' or 'auto'")
-    return "nccl"
-
-
 def attend_by_head_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], *,
-                          groups: int, group, stats: CommStats, transport: str = "nccl") -> torch.Tensor:
+                          groups: int, group, stats: CommStats) -> torch.Tensor:
     """``attend`` over the whole sequence on this rank's heads, from and to sequence shards,
     differentiable. ``q`` ``[B, N/P, H, D]`` and ``k``, ``v`` ``[B, N/P, H_kv, D]`` are this rank's
     positions (``H`` and ``H_kv`` divisible by ``P x groups`` and by ``P``, as
     :func:`kv_group_of` says); ``attend(q, k, v)`` takes ``[B, N, h, D]`` head groups of this rank
-    and returns their output; ``transport``: ``"nccl"`` or ``"copy_engine"`` (:func:`transport_for`).
-    Returns this rank's output ``[B, N/P, H, D]``."""
+    and returns their output. Returns this rank's output ``[B, N/P, H, D]``."""
     p = dist.get_world_size(group)
     kv_of = kv_group_of(q.shape[2] // p, k.shape[2] // p, groups)
-    call = HeadGroupCall(attend, groups, kv_of, group, stats, transport)
+    call = HeadGroupCall(attend, groups, kv_of, group, stats)
     return _AttendByHeadGroups.apply(q.contiguous(), k.contiguous(), v.contiguous(), call)

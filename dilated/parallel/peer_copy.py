@@ -8,10 +8,6 @@ under an attention kernel: NCCL's send/recv kernels compete with it for SMs, so 
 during a kernel lengthens it about as much as not overlapping at all, where a copy-engine pull
 from a high-priority stream lengthens it far less (measured: docs/performance-log.md).
 
-:class:`PeerExchanges` makes the all-to-alls of one pipelined call (Ulysses' head groups) this way:
-every input exchange published at once and pulled by its receivers, each output exchange pushed
-into its receivers' buffers as its data comes.
-
 Only for CUDA tensors of NCCL groups whose ranks share one host (:func:`prepare` sets the group's
 buffer up, or says why not; callers then fall back to point-to-point messages). The group's barrier (a tiny kernel in
 stream order) fences each publication: one before writing (peers have finished pulling the last
@@ -20,7 +16,6 @@ publication) and one after (the new one is complete everywhere).
 from __future__ import annotations
 
 import importlib.util
-import math
 import socket
 import warnings
 
@@ -138,125 +133,3 @@ class Published:
                     dst[b, rows].copy_(src[b, rows])
             nbytes += dst[:, rows].numel() * dst.element_size()
         return nbytes
-
-
-#: where each tensor of :class:`PeerExchanges`' layout starts (bytes): aligned for the copy engines
-ALIGN = 256
-
-
-class _Arrival:
-    """What came in one exchange: :meth:`wait` makes the compute stream wait for it and returns it."""
-
-    def __init__(self, tensors, done, stats):
-        self.tensors, self.done, self.stats = tensors, done, stats
-
-    def wait(self) -> list[torch.Tensor]:
-        with self.stats.waiting(self.tensors[0].device):
-            torch.cuda.current_stream(self.tensors[0].device).wait_event(self.done)
-        return self.tensors
-
-
-class _Inbox:
-    """One output exchange pushed into the receivers' buffers: :meth:`wait` waits for every push of the
-    call to be complete everywhere (:meth:`PeerExchanges.finish`) and returns what this rank received,
-    as views of its buffer (read them before the group's buffer is used again)."""
-
-    def __init__(self, exchanges: "PeerExchanges", index: int):
-        self.exchanges, self.index = exchanges, index
-
-    def wait(self) -> list[torch.Tensor]:
-        ex = self.exchanges
-        ex.finish()
-        return [ex.view(ex.me, shape, at) for shape, at in zip(ex.out_shapes[self.index], ex.out_at[self.index])]
-
-
-class PeerExchanges:
-    """The all-to-alls of one pipelined call by copy-engine transfers over ``group``'s symmetric buffer.
-
-    An exchange is a list of tensors ``[P, ...]`` of one dtype, block ``i`` for rank ``i``; what
-    arrives is ``[P, ...]``, block ``j`` from rank ``j``. ``inputs`` (tensors of any strides) are
-    written into this rank's buffer at once, then every rank pulls its block of each, exchange by
-    exchange, on the high-priority side stream (:func:`side_stream`): :meth:`pulled` ``(e).wait()``
-    makes the compute stream wait for exchange ``e`` and returns it. ``outputs`` (the shapes of the
-    exchanges whose data comes later) have their place in every rank's buffer: :meth:`push` ``(e,
-    tensors)`` copies block ``i`` into rank ``i``'s place for this rank, on the side stream after
-    the compute stream's work so far; the handle it returns waits, at its first ``wait``, for every
-    push of every rank (:meth:`finish`: a barrier) and returns what came, as views of this rank's
-    buffer. Bytes that leave this rank are counted in ``stats``, one collective per exchange; the
-    compute stream's waits are timed there. Raises where :func:`prepare` refuses the group.
-    """
-
-    def __init__(self, group, stats, inputs: list[list[torch.Tensor]], outputs: list[list[tuple]]):
-        first = inputs[0][0]
-        self.device, self.dtype, self.stats = first.device, first.dtype, stats
-        if any(t.dtype != self.dtype for ex in inputs for t in ex):
-            raise ValueError("the tensors of peer exchanges must be of one dtype")
-        self.p, self.me = dist.get_world_size(group), dist.get_rank(group)
-        size = first.element_size()
-        end = 0
-
-        def place(shape) -> int:  # the element offset of a tensor of ``shape`` in the buffer
-            nonlocal end
-            at = end
-            end += -(-math.prod(shape) * size // ALIGN) * ALIGN
-            return at // size
-
-        self.in_shapes = [[tuple(t.shape) for t in ex] for ex in inputs]
-        self.in_at = [[place(s) for s in ex] for ex in self.in_shapes]
-        self.out_shapes = [[tuple(s) for s in ex] for ex in outputs]
-        self.out_at = [[place(s) for s in ex] for ex in self.out_shapes]
-        why = prepare(group, self.device, end)
-        if why is not None:
-            raise RuntimeError(f"copy-engine exchanges are unavailable here: {why}")
-        self.handle = _WORKSPACES[(_group_name(group), self.device.index)][1]
-        self.cur, self.side = torch.cuda.current_stream(self.device), side_stream(self.device)
-        self.held, self.finished = [], False
-        self.handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)  # peers are done with the buffer
-        for ex, ats in zip(inputs, self.in_at):
-            for t, at in zip(ex, ats):
-                self.view(self.me, t.shape, at).copy_(t)
-        self.handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)  # every rank's inputs are written
-        self.arrivals = [self._pull(e) for e in range(len(inputs))]
-
-    def view(self, rank: int, shape, at: int) -> torch.Tensor:
-        """The tensor of ``shape`` at element offset ``at`` of ``rank``'s buffer."""
-        return self.handle.get_buffer(rank, tuple(shape), self.dtype, storage_offset=at)
-
-    def _pull(self, e: int) -> _Arrival:
-        got = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self.in_shapes[e]]
-        self.side.wait_stream(self.cur)
-        with torch.cuda.stream(self.side):
-            for j in range(self.p):
-                for dst, shape, at in zip(got, self.in_shapes[e], self.in_at[e]):
-                    dst[j].copy_(self.view(j, shape, at)[self.me])
-            done = torch.cuda.Event()
-            done.record(self.side)
-        self.stats.sent(sum(t[0].numel() * t.element_size() for t in got) * (self.p - 1), collective=True)
-        return _Arrival(got, done, self.stats)
-
-    def pulled(self, e: int) -> _Arrival:
-        """Input exchange ``e``, on its way since the call began."""
-        return self.arrivals[e]
-
-    def push(self, e: int, tensors: list[torch.Tensor]) -> _Inbox:
-        """Send output exchange ``e`` (contiguous ``[P, ...]`` tensors of its shapes)."""
-        if [tuple(t.shape) for t in tensors] != self.out_shapes[e]:
-            raise ValueError(f"output exchange {e}: shapes {[tuple(t.shape) for t in tensors]}, "
-                             f"expected {self.out_shapes[e]}")
-        self.side.wait_stream(self.cur)
-        with torch.cuda.stream(self.side):
-            for j in range(self.p):
-                for t, at in zip(tensors, self.out_at[e]):
-                    self.view(j, t.shape, at)[self.me].copy_(t[j])
-        self.held.append(tensors)  # read by the side stream: kept until it is done
-        self.stats.sent(sum(t[0].numel() * t.element_size() for t in tensors) * (self.p - 1), collective=True)
-        return _Inbox(self, e)
-
-    def finish(self) -> None:
-        """Wait (compute stream) for this rank's transfers and then for every rank's (a barrier)."""
-        if self.finished:
-            return
-        with self.stats.waiting(self.device):
-            self.cur.wait_stream(self.side)
-            self.handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
-        self.finished, self.held = True, []

@@ -32,7 +32,7 @@ from torch import nn
 from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from .document_groups import attend_by_document_groups, check_document_groups, check_groups_of_one_kind, groups_to_use
-from .head_groups import attend_by_head_groups, check_head_groups, check_transport, head_groups_for, transport_for
+from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .local_documents import check_local_documents, contiguous_ranges, local_documents
 from .sharding import CommStats, rank_and_size
 from ..functional import attention
@@ -91,9 +91,8 @@ class UlyssesAttention(nn.Module):
 
     def __init__(self, *, causal=False, scale=None, backend="auto", group=None, measure_comm: bool = False,
                  head_groups: int | str = "auto", document_groups: int | str = "auto",
-                 local_documents: bool | str = "auto", transport: str = "nccl"):
+                 local_documents: bool | str = "auto"):
         super().__init__()
-        check_transport(transport)
         check_causal(causal)
         check_scale(scale)
         check_head_groups(head_groups)
@@ -102,7 +101,6 @@ class UlyssesAttention(nn.Module):
         check_groups_of_one_kind(document_groups, head_groups)
         self.causal, self.scale, self.backend, self.group = causal, scale, backend, group
         self.head_groups, self.document_groups, self.local_documents = head_groups, document_groups, local_documents
-        self.transport, self.transport_used = transport, None
         self._agreed = AgreedSignatures()  # input signatures all ranks agreed on
         self.stats = CommStats(measure_comm)
 
@@ -127,8 +125,7 @@ class UlyssesAttention(nn.Module):
         groups = 1 if by_docs or local else head_groups_for(self.head_groups, q.shape[2] // p, hkv // p, one_call)
         return (hkv, groups, scale, docs, by_docs, local), signature(
             q, k, v, causal=self.causal, scale=scale, algorithm="ulysses", documents=docs, head_groups=groups,
-            document_groups=len(by_docs) if by_docs else 1, local_documents=local is not None,
-            transport=self.transport)
+            document_groups=len(by_docs) if by_docs else 1, local_documents=local is not None)
 
     def forward(self, q, k, v, cu_seqlens: torch.Tensor | None = None):
         """``cu_seqlens``: packed documents of the *global* sequence (int32 cumulative lengths
@@ -142,7 +139,7 @@ class UlyssesAttention(nn.Module):
             cu_t = torch.tensor(cu, dtype=torch.int32)
             return attention(qg, kg, vg, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_t)
 
-        mine, self.transport_used = (), "nccl"
+        mine = ()
         if local:
             rank = rank_and_size(self.group)[0]
             if not local.exchanged:  # every document where it lies: nothing to exchange
@@ -158,9 +155,7 @@ class UlyssesAttention(nn.Module):
         def attend(qh, kh, vh):
             return attention(qh, kh, vh, causal=self.causal, scale=scale, backend=self.backend, cu_seqlens=cu_seqlens)
 
-        self.transport_used = transport_for(self.transport, self.group, q, k, v, groups)
-        return attend_by_head_groups(q, k, v, attend, groups=groups, group=self.group, stats=self.stats,
-                                     transport=self.transport_used)
+        return attend_by_head_groups(q, k, v, attend, groups=groups, group=self.group, stats=self.stats)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part ``[B, N/P, ...]`` of a global ``[B, N, ...]`` tensor (contiguous)."""

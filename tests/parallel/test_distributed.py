@@ -218,14 +218,6 @@ def test_a_rank_that_stops_ends_the_job_within_the_timeout_naming_it(tmp_path):
     assert "rank 1: process warm-up: fails_on_rank_1" in res.stderr, res.stderr[-3000:]
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 GPUs (NCCL, copy engines)")
-def test_ulysses_copy_engine_exchanges_match_float64_on_gpus():
-    import torch
-
-    world = min(torch.cuda.device_count(), 4)
-    spawn(dist_worker.ulysses_copy_engine, args=(world, free_port()), nprocs=world)
-
-
 @pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 GPUs (NCCL)")
 def test_sequence_parallel_steady_calls_do_not_sync_on_gpus():
     import torch
