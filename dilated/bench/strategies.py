@@ -30,8 +30,7 @@ def _make(name, problem, layout, factory, description, documents=True, splits_he
 
 #: Ulysses' benchmark names and the head groups each runs (:mod:`dilated.parallel.head_groups`)
 ULYSSES_HEAD_GROUPS = {"ulysses": "auto", "ulysses_exchange_all": "auto", "ulysses_no_overlap": 1,
-                       "ulysses_head_groups_2": 2, "ulysses_head_groups_4": 4, "ulysses_head_groups_8": 8,
-                       "ulysses_local_balanced": "auto"}
+                       "ulysses_head_groups_2": 2, "ulysses_head_groups_4": 4, "ulysses_head_groups_8": 8}
 #: the hybrid's benchmark names and the head groups each runs
 HYBRID_HEAD_GROUPS = {"hybrid": "auto", "hybrid_no_overlap": 1, "hybrid_head_groups_2": 2, "hybrid_head_groups_4": 4,
                       "hybrid_documents": "auto", "hybrid_documents_one_exchange": "auto",
@@ -53,7 +52,7 @@ DOCUMENT_GROUPS_AUTO = {"ulysses", "hybrid_documents"}
 
 def local_documents_of(name: str):
     """The ``local_documents`` setting the benchmark's Ulysses or hybrid ``name`` runs."""
-    return "auto" if name in LOCAL_DOCUMENTS else "balanced" if name == "ulysses_local_balanced" else False
+    return "auto" if name in LOCAL_DOCUMENTS else False
 
 
 def document_groups_of(name: str):

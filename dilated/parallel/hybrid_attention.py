@@ -67,8 +67,7 @@ class HybridAttention(nn.Module):
             rest; ``"auto"`` (default): where the slowest rank's work also stays within
             :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` of the mean (and, within a row,
             at most :data:`~dilated.parallel.local_documents.MOST_EXCHANGED` of its rows move);
-            ``"balanced"``: as ``"auto"`` whatever share of the rows moves; ``"always"``: wherever
-            documents lie whole within a rank; ``False``: never.
+            ``"always"``: wherever documents lie whole within a rank; ``False``: never.
         document_groups: ``layout="documents"``, where not every document is kept local: ``1``, a row
             exchanges what it does not keep at once, then the ring; ``"always"``: first its pieces of
             documents that cross rows, attended by the ring, then its documents whole within it,

@@ -13,9 +13,8 @@ the heaviest documents of the slowest rank, one at a time, until the slowest ran
 :data:`LOCAL_IMBALANCE` of the mean: the few long documents that unbalance a mix move, the many
 short ones stay; where that leaves more than :data:`MOST_EXCHANGED` of the rows to exchange, it
 keeps none local (the exchange of every document, pipelined by document groups where they pay,
-hides more). ``"balanced"`` balances the same way and keeps what is left however few rows that is.
-``"always"`` keeps every document that lies whole within a rank where it is; ``False`` exchanges
-them all.
+hides more). ``"always"`` keeps every document that lies whole within a rank where it is; ``False``
+exchanges them all.
 
 A rank attends its own documents in two parts of about equal work (:meth:`LocalDocuments.parts`):
 the first while the exchanged documents' inputs arrive, the second while their output goes back
@@ -37,16 +36,15 @@ LOCAL_IMBALANCE = 1.02
 #: ``"auto"`` keeps documents local only where at most this share of the rows is exchanged
 MOST_EXCHANGED = 0.5
 
-SETTINGS = (False, "auto", "balanced", "always")
+SETTINGS = (False, "auto", "always")
 
 
 def check_local_documents(setting) -> None:
-    """``setting`` is False, ``"auto"``, ``"balanced"`` or ``"always"``."""
+    """``setting`` is False, ``"auto"`` or ``"always"``."""
     if setting is True or setting not in SETTINGS:
         raise ValueError(f"local_documents must be False (every document exchanged), 'auto' (documents that lie "
                          f"whole within one rank attend there, but for the longest where the ranks' work would be "
-                         f"more than {LOCAL_IMBALANCE} x the mean, and none where that exchanges most rows), "
-                         f"'balanced' (the same, whatever it exchanges) or 'always', got {setting!r}")
+                         f"more than {LOCAL_IMBALANCE} x the mean) or 'always', got {setting!r}")
 
 
 @dataclass(frozen=True)
@@ -125,14 +123,14 @@ def local_documents(setting, cu, ranges, causal: bool, exchanged=()) -> LocalDoc
     heaviest local document of the slowest rank after them, one at a time, while that rank's work
     (its local documents' plus ``1/P`` of the exchanged ones') is more than :data:`LOCAL_IMBALANCE`
     over the mean, and None where that exchanges more than :data:`MOST_EXCHANGED` of the rows;
-    ``"balanced"``: the same without that limit; ``"always"``: every document whole within a rank stays. ``exchanged``: documents exchanged
+    ``"always"``: every document whole within a rank stays. ``exchanged``: documents exchanged
     wherever they lie (indices)."""
     check_local_documents(setting)
     if setting is False:
         return None
     cu = tuple(cu)
     found = _local(cu, tuple(tuple(map(tuple, mine)) for mine in ranges), bool(causal),
-                   None if setting == "always" else LOCAL_IMBALANCE, frozenset(exchanged))
+                   LOCAL_IMBALANCE if setting == "auto" else None, frozenset(exchanged))
     if setting == "auto" and found is not None and \
             sum(cu[d + 1] - cu[d] for d in found.exchanged) > MOST_EXCHANGED * cu[-1]:
         return None

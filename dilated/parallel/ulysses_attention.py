@@ -83,9 +83,8 @@ class UlyssesAttention(nn.Module):
             or document groups), beside that attention. ``"auto"`` (default): the longest of the
             slowest rank's documents are exchanged too, one at a time, while its work is more than
             :data:`~dilated.parallel.local_documents.LOCAL_IMBALANCE` over the mean (on documents of
-            one length whose boundaries meet the shards': none, nothing moves), and none where that
-            would exchange most rows; ``"balanced"``: the same whatever it exchanges; ``"always"``:
-            every document whole within a rank stays; ``False``: every document exchanged.
+            one length whose boundaries meet the shards': none, nothing moves); ``"always"``: every
+            document whole within a rank stays; ``False``: every document exchanged.
 
     ``self.stats`` (a :class:`dilated.parallel.sharding.CommStats`) counts the all-to-alls and bytes sent.
     """

@@ -124,24 +124,6 @@ def test_auto_keeps_documents_local_only_where_at_most_half_the_rows_move(spec, 
     assert (local_documents("auto", cu_seqlens_of(spec, n), contiguous_ranges(n, 4), True) is not None) == kept
 
 
-def test_balanced_keeps_what_auto_would_balance_however_many_rows_move():
-    """256K lognormal:8k at P=4, where balance exchanges most rows: "auto" keeps nothing, "balanced"
-    keeps what the balancing leaves (its slowest rank within LOCAL_IMBALANCE of the mean); where
-    "auto" keeps documents, "balanced" keeps the same."""
-    from dilated.bench.documents import cu_seqlens_of
-
-    cu, ranges = cu_seqlens_of("lognormal:8k,1.0", 1 << 18), contiguous_ranges(1 << 18, 4)
-    got = local_documents("balanced", cu, ranges, True)
-    assert local_documents("auto", cu, ranges, True) is None
-    assert got is not None and got.imbalance <= LOCAL_IMBALANCE
-    moved = sum(cu[d + 1] - cu[d] for d in got.exchanged)
-    assert MOST_EXCHANGED * cu[-1] < moved < cu[-1]
-    assert sum(m for spans in got.spans for _, m in spans) == cu[-1] - moved  # every row kept or moved
-    cu = cu_seqlens_of("lognormal:8k,1.0", 1 << 20)
-    assert local_documents("balanced", cu, contiguous_ranges(1 << 20, 4), True) == \
-        local_documents("auto", cu, contiguous_ranges(1 << 20, 4), True)
-
-
 @pytest.mark.parametrize("seed", range(20))
 def test_own_documents_parts_are_the_cut_of_about_equal_work(seed):
     """Two parts of a rank's documents in local order, together its documents, the cut where the
