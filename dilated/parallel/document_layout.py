@@ -4,7 +4,10 @@ Packed documents attend within themselves, so work per position varies: causal, 
 offset ``i`` of its document attends ``i + 1`` keys; without a mask, the document's length. The
 contiguous and zigzag layouts balance one sequence, not many documents. A :class:`DocumentLayout`
 balances the documents given as cumulative lengths ``cu_seqlens`` over ``P`` ranks, each rank
-holding exactly ``N / P`` positions:
+holding exactly ``N / P`` positions. Causal, the work it balances weighs each pair by the call that
+attends it (:data:`PAIR_COSTS`): a piece's own keys in a causal call, a little dearer per pair than the
+rectangle of its document's keys before it; so a rank of whole documents holds a few fewer pairs than
+one of pieces.
 
 * documents whose work no whole-document assignment can balance are cut head-tail, as
   TransformerEngine's THD format and PyTorch's per-document balancer cut every document: into
@@ -55,6 +58,14 @@ TARGET_IMBALANCE = 1.01
 MIN_PIECE = 128
 #: ... unless no layout with such pieces comes within this of the mean: then smaller pieces are tried
 ACCEPTABLE_IMBALANCE = 1.05
+#: what a causal layout balances: (query, key) pairs weighted ``(triangle, rectangle)``. A piece's queries
+#: attend their own keys in a causal call (a triangle, its diagonal tiles masked) and the keys of their
+#: document before the piece as a rectangle (every tile full); at equal pairs a causal call's forward
+#: and backward take about 9% longer than a rectangle's (flash-attn 4 and cuDNN on H100 and H200), so a
+#: rank holding whole documents would finish last on equal pairs
+PAIR_COSTS = (12, 11)
+#: pairs counted as they are
+EQUAL_COSTS = (1, 1)
 
 
 class Piece(NamedTuple):
@@ -83,6 +94,15 @@ def document_work(length: int, causal: bool) -> int:
     return piece_work(length, 0, length, causal)
 
 
+def piece_cost(length: int, offset: int, doc_length: int, causal: bool, costs: tuple = EQUAL_COSTS) -> int:
+    """:func:`piece_work` with causal pairs weighted ``costs = (triangle, rectangle)``: the piece's own
+    triangle of pairs and the rectangle of its document's keys before it (:data:`PAIR_COSTS`)."""
+    if not causal:
+        return length * doc_length
+    triangle, rectangle = costs
+    return rectangle * length * offset + triangle * (length * (length + 1) // 2)
+
+
 def _shares(length: int, p: int, turn: int) -> list[int]:
     """Each rank's positions of a document of ``length`` cut head-tail: ``length / P``, the positions left
     over going one each to ranks ``turn, turn + 1, ...`` (mod P)."""
@@ -108,21 +128,23 @@ def _head_tail(a: int, length: int, p: int, turn: int, heads=None) -> list[tuple
     return out
 
 
-def _even_out(cu: tuple, p: int, causal: bool, d: int, load: list) -> tuple[tuple | None, list]:
+def _even_out(cu: tuple, p: int, causal: bool, d: int, load: list,
+              costs: tuple = EQUAL_COSTS) -> tuple[tuple | None, list]:
     """``(heads, work)``: document ``d``, the first cut head-tail (``turn`` 0), split again between each
     rank's head and tail piece, every rank keeping its share of the document's positions, so that the
-    ranks' work ``load`` (which counts the even split) comes as near the mean as the document allows.
-    Moving ``x`` of rank r's positions from its tail to its head starts the pieces of every rank
-    ``j > r`` ``x`` positions later in the document, moving about ``x * share[j]`` causal pairs from r to
-    each of them: a step per rank r < P-1, from the first, each from the ranks' exact work; twice (the
-    pairs moved are quadratic in ``x``). ``heads`` None where no split beats the even one."""
+    ranks' work ``load`` (which counts the even split; pairs weighted by ``costs``, :func:`piece_cost`)
+    comes as near the mean as the document allows. Moving ``x`` of rank r's positions from its tail to its
+    head starts the pieces of every rank ``j > r`` ``x`` positions later in the document, moving about
+    ``x * share[j]`` causal pairs (of a rectangle) from r to each of them: a step per rank r < P-1, from the
+    first, each from the ranks' exact work; twice (the pairs moved are quadratic in ``x``). ``heads`` None
+    where no split beats the even one."""
     a, length = cu[d], cu[d + 1] - cu[d]
     share = _shares(length, p, 0)
 
     def work_of(heads):
         w = [0] * p
         for r, start, m in _head_tail(a, length, p, 0, heads):
-            w[r] += piece_work(m, start - a, length, causal)
+            w[r] += piece_cost(m, start - a, length, causal, costs)
         return w
 
     heads = [m // 2 for m in share]
@@ -131,7 +153,7 @@ def _even_out(cu: tuple, p: int, causal: bool, d: int, load: list) -> tuple[tupl
     for _ in range(2):
         for r in range(p - 1):
             now = rest[r] + work_of(heads)[r]
-            later = sum(share[r + 1:])
+            later = sum(share[r + 1:]) * costs[1]
             if later:
                 heads[r] += max(-heads[r], min(share[r] - heads[r], round((now - mean) / later)))
     work = list(map(operator.add, rest, work_of(heads)))
@@ -152,10 +174,11 @@ class _Documents(NamedTuple):
     in_order: list
 
 
-def _documents(cu: tuple, causal: bool) -> _Documents:
+def _documents(cu: tuple, causal: bool, costs: tuple = EQUAL_COSTS) -> _Documents:
     lengths = list(map(operator.sub, cu[1:], cu))
-    # document_work, written out: one list for a thousand documents
-    work = [m * (m + 1) // 2 for m in lengths] if causal else [m * m for m in lengths]
+    # piece_cost of whole documents, written out: one list for a thousand documents
+    triangle = costs[0]  # m (m + 1) is even: the halving is exact
+    work = [triangle * m * (m + 1) // 2 for m in lengths] if causal else [m * m for m in lengths]
     # a stable sort keeps ties in document order, reversed too
     return _Documents(work, sorted(zip(lengths, work, range(len(lengths))), key=operator.itemgetter(0), reverse=True))
 
@@ -182,12 +205,12 @@ def _cut_head_tail(cu: tuple, p: int, order, heads=None) -> list:
 
 
 class _CutPrefix:
-    """The ranks' room and work with the first ``k`` documents of ``order`` (the documents of most
-    work first) cut head-tail, for every ``k`` asked, each document cut once: the passes of the search
-    cut ever longer prefixes of one order."""
+    """The ranks' room and work (pairs weighted by ``costs``: :func:`piece_cost`) with the first ``k``
+    documents of ``order`` (the documents of most work first) cut head-tail, for every ``k`` asked, each
+    document cut once: the passes of the search cut ever longer prefixes of one order."""
 
-    def __init__(self, cu: tuple, p: int, causal: bool, order: list):
-        self.cu, self.p, self.causal, self.order = cu, p, causal, order
+    def __init__(self, cu: tuple, p: int, causal: bool, order: list, costs: tuple = EQUAL_COSTS):
+        self.cu, self.p, self.causal, self.order, self.costs = cu, p, causal, order, costs
         self.room, self.load = [[cu[-1] // p] * p], [[0] * p]
         self._cuts = _head_tail_cuts(cu, p, order)
 
@@ -198,7 +221,7 @@ class _CutPrefix:
             room, load = list(self.room[-1]), list(self.load[-1])
             for r, start, m in cuts:
                 room[r] -= m
-                load[r] += piece_work(m, start - a, b - a, self.causal)
+                load[r] += piece_cost(m, start - a, b - a, self.causal, self.costs)
             self.room.append(room)
             self.load.append(load)
         return list(self.room[k]), list(self.load[k])
@@ -272,7 +295,7 @@ def _assign(cu: tuple, p: int, causal: bool, cut: _CutPrefix, k: int, docs: _Doc
             piece = Piece(d, at, min(room[r], b - at), a, b)
             pieces[r].append(piece)
             room[r] -= piece.length
-            load[r] += piece.work(causal)
+            load[r] += piece_cost(piece.length, at - a, b - a, causal, cut.costs)
             at += piece.length
     return (mine, pieces, k), load
 
@@ -322,21 +345,30 @@ class DocumentLayout:
     causal: bool
     whole: tuple
     cut: tuple
+    #: the ``(triangle, rectangle)`` weights of causal pairs it balanced (:data:`PAIR_COSTS`)
+    pair_costs: tuple = EQUAL_COSTS
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __getstate__(self):  # a pickled layout carries no derived values (device tensors among them)
         return {**self.__dict__, "_derived": {}}
 
     @classmethod
-    def balance(cls, cu_seqlens, world_size: int, causal: bool = True, min_piece: int = MIN_PIECE) -> "DocumentLayout":
+    def balance(cls, cu_seqlens, world_size: int, causal: bool = True, min_piece: int = MIN_PIECE,
+                pair_costs: tuple = PAIR_COSTS) -> "DocumentLayout":
         """The layout of the documents ``cu_seqlens`` (int cumulative lengths ``[0, ..., N]``, a list or
         a tensor) over ``world_size`` ranks; documents are cut head-tail only into pieces of at
-        least ``min_piece`` positions. ValueError on lengths that are not cumulative or an N that
-        ``world_size`` does not divide."""
+        least ``min_piece`` positions. Causal, what it balances is the ranks' pairs weighted
+        ``pair_costs = (triangle, rectangle)`` (positive ints; :data:`PAIR_COSTS`; ``(1, 1)``: the pairs
+        themselves). ValueError on lengths that are not cumulative or an N that ``world_size`` does not
+        divide."""
         cu = _check(cu_seqlens, world_size)
         if isinstance(min_piece, bool) or not isinstance(min_piece, int) or min_piece < 1:
             raise ValueError(f"min_piece must be a positive int, got {min_piece!r}")
-        return _balanced(cu, world_size, bool(causal), min_piece)
+        if (not isinstance(pair_costs, tuple) or len(pair_costs) != 2
+                or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in pair_costs)):
+            raise ValueError(f"pair_costs must be a tuple of two positive ints (triangle, rectangle), got "
+                             f"{pair_costs!r}: e.g. {PAIR_COSTS}, or (1, 1) to balance the pairs themselves")
+        return _balanced(cu, world_size, bool(causal), min_piece, pair_costs if causal else EQUAL_COSTS)
 
     @classmethod
     def head_tail(cls, cu_seqlens, world_size: int, causal: bool = True) -> "DocumentLayout":
@@ -370,6 +402,13 @@ class DocumentLayout:
     def imbalance(self) -> float:
         """The slowest rank's work over the mean (1.0: balanced)."""
         return _imbalance(self.work_per_rank())
+
+    def cost_per_rank(self) -> list[int]:
+        """Each rank's pairs weighted by :attr:`pair_costs` (what :meth:`balance` balances)."""
+        cu, causal, costs = self.cu_seqlens, self.causal, self.pair_costs
+        return [sum(piece_cost(cu[d + 1] - cu[d], 0, cu[d + 1] - cu[d], causal, costs) for d in whole)
+                + sum(piece_cost(x.length, x.start - x.doc_start, x.doc_end - x.doc_start, causal, costs) for x in cut)
+                for whole, cut in zip(self.whole, self.cut)]
 
     def derived(self, key, make):
         """``make()``, computed once for this layout and ``key`` and kept with it."""
@@ -442,17 +481,17 @@ def _assign_evened(cu: tuple, p: int, causal: bool, cut: _CutPrefix, k: int, doc
     if found is None:
         return None
     (whole, pieces, _), work = found
-    heads, work = _even_out(cu, p, causal, cut.order[0], work) if evened else (None, work)
+    heads, work = _even_out(cu, p, causal, cut.order[0], work, cut.costs) if evened else (None, work)
     return (whole, pieces, k, heads), work
 
 
 @functools.lru_cache(maxsize=16)
-def _balanced(cu: tuple, p: int, causal: bool, min_piece: int) -> DocumentLayout:
+def _balanced(cu: tuple, p: int, causal: bool, min_piece: int, costs: tuple) -> DocumentLayout:
     # a document too short for pieces of min_piece that still dominates a rank's work (the rest
     # of the batch is shorter still) is cut into smaller pieces: an uneven rank costs more than
     # a kernel's partly filled tiles
-    docs = _documents(cu, causal)
-    cut = _CutPrefix(cu, p, causal, [d for _, _, d in docs.in_order])
+    docs = _documents(cu, causal, costs)
+    cut = _CutPrefix(cu, p, causal, [d for _, _, d in docs.in_order], costs)
     best = _search(cu, p, causal, min_piece, docs, cut)
     while best[0] > ACCEPTABLE_IMBALANCE and min_piece > 1:
         min_piece //= 2
@@ -466,7 +505,7 @@ def _layout(cu: tuple, p: int, causal: bool, assignment, cut: _CutPrefix) -> Doc
     """The layout of an assignment ``(whole, pieces, k, heads)`` of :func:`_assign_evened` on ``cut``."""
     whole, pieces, k, heads = assignment
     return DocumentLayout(cu, p, causal, tuple(tuple(sorted(docs)) for docs in whole),
-                          tuple(tuple(ht + mine) for ht, mine in zip(cut.pieces(k, heads), pieces)))
+                          tuple(tuple(ht + mine) for ht, mine in zip(cut.pieces(k, heads), pieces)), cut.costs)
 
 
 @functools.lru_cache(maxsize=16)

@@ -41,6 +41,61 @@ def test_every_rank_gets_n_over_p_positions_and_equal_work(spec, n, p, causal):
     assert max(work) / (sum(work) / p) <= 1.02, work
 
 
+def _cost_of_positions(cu, layout, rank, costs):
+    """Rank ``rank``'s positions' keys weighted ``costs = (triangle, rectangle)``, summed position by
+    position: the keys of its piece up to it (a causal call) at the triangle's weight, its document's
+    keys before the piece (a rectangle) at the rectangle's. Only where the pieces start is the layout's."""
+    cu_t = torch.tensor(cu)
+    positions = layout.positions(rank)
+    doc = torch.bucketize(positions, cu_t[1:], right=True)
+    piece_start = torch.cat([torch.full((x.length,), x.start) for x in layout.pieces_of(rank)])
+    triangle, rectangle = positions - piece_start + 1, piece_start - cu_t[doc]
+    return int((costs[0] * triangle + costs[1] * rectangle).sum())
+
+
+@pytest.mark.parametrize("spec,n", [("lognormal:8k,1.0", 1 << 18), ("lognormal:8k,1.0", 1 << 20),
+                                    ("lognormal:1k,1.0", 1 << 20), ("uniform:1k-64k", 1 << 20)])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_causal_layouts_balance_pairs_weighted_by_their_cost(spec, n, p):
+    """Causal, the layout balances each rank's pairs weighted (triangle, rectangle): counted position by
+    position here, the weighted cost of every rank is within 2% of the mean, and the pairs themselves
+    within 5%."""
+    cu = cu_seqlens_of(spec, n)
+    layout = DocumentLayout.balance(cu, p, causal=True)
+    assert layout.pair_costs == (12, 11)
+    cost = [_cost_of_positions(cu, layout, r, layout.pair_costs) for r in range(p)]
+    assert cost == layout.cost_per_rank()
+    assert max(cost) / (sum(cost) / p) <= 1.02, cost
+    assert layout.imbalance() <= 1.05
+
+
+def test_a_rank_of_whole_documents_gets_fewer_pairs_where_causal_pairs_cost_more():
+    """On a mix where one rank holds whole documents (all its pairs causal) and the others pieces of
+    cut ones (a share of rectangles), balancing pairs leaves that rank's weighted cost above the others';
+    weighting them evens it out, that rank then holding fewer pairs. Equal weights balance the pairs."""
+    cu = cu_seqlens_of("lognormal:8k,1.0", 1 << 18)
+    costs = (12, 11)
+    by_pairs = DocumentLayout.balance(cu, 4, causal=True, pair_costs=(1, 1))
+    weighted = DocumentLayout.balance(cu, 4, causal=True, pair_costs=costs)
+
+    def spread(layout):
+        cost = [_cost_of_positions(cu, layout, r, costs) for r in range(4)]
+        return max(cost) / (sum(cost) / 4)
+
+    assert by_pairs.imbalance() <= 1.001 and spread(by_pairs) > 1.015
+    assert spread(weighted) < 1.005 and weighted.imbalance() > 1.005
+    heavy = max(range(4), key=lambda r: _cost_of_positions(cu, by_pairs, r, costs))
+    pairs = weighted.work_per_rank()
+    assert pairs[heavy] == min(pairs)
+
+
+def test_non_causal_layouts_take_no_weights():
+    cu = cu_seqlens_of("lognormal:8k,1.0", 1 << 18)
+    assert DocumentLayout.balance(cu, 4, causal=False).pair_costs == (1, 1)
+    assert DocumentLayout.balance(cu, 4, causal=False).pieces == DocumentLayout.balance(
+        cu, 4, causal=False, pair_costs=(1, 1)).pieces
+
+
 def test_documents_stay_whole_where_whole_documents_balance():
     cu = cu_seqlens_of("fixed:32k", 1 << 18)  # 8 documents, 2 per rank at P=4
     layout = DocumentLayout.balance(cu, 4, causal=True)
@@ -82,6 +137,8 @@ def test_layout_order_and_a_tensor_cu_seqlens():
     ([0, 15], 2, {}, "divisible by world_size 2"),
     ([0, 16], 0, {}, "world_size must be a positive int"),
     ([0, 16], 2, {"min_piece": 0}, "min_piece must be a positive int"),
+    ([0, 16], 2, {"pair_costs": (1.1, 1)}, "pair_costs must be a tuple of two positive ints"),
+    ([0, 16], 2, {"pair_costs": (12, 0)}, "pair_costs must be a tuple of two positive ints"),
     (torch.tensor([0.0, 16.0]), 2, {}, "integer tensor"),
 ])
 def test_bad_documents_name_the_argument(cu, p, kw, match):
