@@ -92,6 +92,10 @@ class VarlenKernel:
     name = "varlen"
     #: the largest float32 dq accumulator (elements) its backward indexes right (None: no limit known)
     dq_accumulator_limit: int | None = None
+    #: what a causal pair of its calls costs, ``(triangle, rectangle)``: a piece's own keys (a causal
+    #: call) against the keys of its document before it (a rectangle, every tile full); what a
+    #: :class:`~dilated.DocumentLayout` of documents this kernel attends balances (``pair_costs``)
+    pair_costs: tuple = (1, 1)
 
     def forward(self, q, k, v, call: VarlenCall):
         """``(out [T, H, D], lse [H, T] float32)`` (float64 for float64 inputs)."""
@@ -186,6 +190,9 @@ def bucketed_max_seqlen(n: int) -> int:
 
 class FlashAttn4Varlen(VarlenKernel):
     name = "flash_attn_4_varlen"
+    # at equal pairs its causal calls cost more than its rectangles' (measured: docs/performance-log.md,
+    # "Causal pairs weighted in the document layout")
+    pair_costs = (12, 11)
 
     def _args(self, call: VarlenCall) -> dict:
         return dict(cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=bucketed_max_seqlen(call.max_q),
@@ -259,6 +266,27 @@ def varlen_kernel(q, k, v, backend: str, causal: bool = False) -> VarlenKernel |
     if varlen_reason(q, k, v, backend, causal) is not None:
         return None
     return _KERNELS[dense_kernel(q, k, v, backend, causal)]
+
+
+def documents_pair_costs(backend: str, device=None, dtype=torch.bfloat16) -> tuple:
+    """The ``pair_costs`` of the varlen kernel that packed documents of ``dtype`` on ``device`` (default:
+    the current CUDA device, else the host) go to with ``backend`` where it is flash-attn 4's (``auto``
+    takes it wherever it runs), else ``(1, 1)``: what the modules' document layouts balance. Judged
+    from the backend, the device and the dtype alone, so that a layout made before the call (from
+    ``cu_seqlens`` only) is the one the call makes."""
+    if backend not in ("auto", "flash_attn_4"):
+        return (1, 1)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
+    reason = varlen_reason(probe, probe, probe, "flash_attn_4", True)
+    return _KERNELS["flash_attn_4"].pair_costs if reason is None else (1, 1)
+
+
+def varlen_pair_costs(name: str | None) -> tuple:
+    """The ``pair_costs`` of the varlen kernel named ``name`` (:attr:`VarlenKernel.name`; None or
+    unknown: ``(1, 1)``)."""
+    return next((kernel.pair_costs for kernel in _KERNELS.values() if kernel.name == name), (1, 1))
 
 
 def small_documents_kernel(q, k, v, causal: bool = False) -> VarlenKernel | None:

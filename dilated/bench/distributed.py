@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import dilated
+from dilated.backends.varlen import documents_pair_costs
 from dilated.parallel.agreement import all_gather_text, group_device, host_and_device_backend
 
 from .registry import Case, Implementation
@@ -185,14 +186,16 @@ class DistributedImplementation(Implementation):
         mine = torch.arange(rank * n, (rank + 1) * n, device=t.device).view(1, n, 1, 1)
         return self._unshard(mine).flatten()
 
-    def work_per_rank(self, case, p: int) -> list[float] | None:
+    def work_per_rank(self, case, p: int, backend: str = "auto") -> list[float] | None:
         """Attended (query, key) pairs each rank computes (its queries, or its heads of every
-        query), or None where not known."""
+        query), or None where not known; document layouts as the modules make them on ``backend``
+        (their pair costs: :func:`dilated.backends.varlen.documents_pair_costs`)."""
         if self.problem.name != "dense":
             return None
-        kept = kept_local(case, p, self.layout, self.local_documents)
+        costs = documents_pair_costs(backend, dtype=case.torch_dtype) if case.causal else (1, 1)
+        kept = kept_local(case, p, self.layout, self.local_documents, costs)
         if kept is None and self.layout == "hybrid_documents":  # documents kept within each row, or none
-            row_local = row_local_work(case, p, self.local_documents)
+            row_local = row_local_work(case, p, self.local_documents, costs)
             if row_local is not None:
                 return row_local
         if kept is not None:  # documents attended where they lie, the others by heads
@@ -200,10 +203,10 @@ class DistributedImplementation(Implementation):
         if self.splits_heads:  # every rank: all queries, H/P heads
             return [work_per_rank(case, 1, "contiguous")[0] / p] * p
         if self.layout in ("documents", "documents_head_tail"):  # the queries DocumentLayout gives each rank
-            return document_layout_work(case, p, head_tail=self.layout == "documents_head_tail")
+            return document_layout_work(case, p, head_tail=self.layout == "documents_head_tail", pair_costs=costs)
         if self.layout in ("hybrid", "hybrid_documents"):  # a ring over the rows, heads split within a row
             return grid_work_per_rank(case, p, ulysses_size_for(p, case.num_heads) or 1,
-                                      "zigzag" if self.layout == "hybrid" else "documents")
+                                      "zigzag" if self.layout == "hybrid" else "documents", costs)
         return work_per_rank(case, p, self.layout)
 
     def reduce_max(self, values):
@@ -322,7 +325,7 @@ def run_scaling_sweep(sweep: ScalingSweep, opts: RunOptions, writer, script: str
             dist.barrier()
             if rank != 0:
                 continue
-            work = impl.work_per_rank(case, p) if role != "baseline" else None
+            work = impl.work_per_rank(case, p, backend) if role != "baseline" else None
             _add_scaling(row, role, bkey, backend, baseline_ms, p, scaling, imbalance(work))
             rows.append(row)
             if writer is not None:

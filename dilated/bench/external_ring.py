@@ -288,7 +288,7 @@ def _usp_grid(p, heads):
 class _YunchangUSP(DistributedImplementation):
     """yunchang's USP on contiguous shards: Ulysses over consecutive ranks, its basic ring across."""
 
-    def work_per_rank(self, case, p):
+    def work_per_rank(self, case, p, backend="auto"):
         if case.documents:
             return None
         return grid_work_per_rank(case, p, _usp_grid(p, case.num_heads), "contiguous")

@@ -69,27 +69,30 @@ def per_document_order(cu, p: int) -> torch.Tensor:
     return torch.tensor(order, dtype=torch.long)
 
 
-def document_layout_work(case, p: int, head_tail: bool = False) -> list[float]:
+def document_layout_work(case, p: int, head_tail: bool = False, pair_costs: tuple = (1, 1)) -> list[float]:
     """Attended pairs of each rank's query positions in the :class:`~dilated.DocumentLayout` of the
-    case's documents (one document without ``--doc-lengths``): balanced, or ``head_tail``."""
+    case's documents (one document without ``--doc-lengths``): balanced (weighing causal pairs by
+    ``pair_costs``), or ``head_tail``."""
     from dilated import DocumentLayout
 
     from .documents import cu_seqlens_of
 
     cu = cu_seqlens_of(case.documents, case.seq_len) if case.documents else (0, case.seq_len)
-    layout = (DocumentLayout.head_tail if head_tail else DocumentLayout.balance)(cu, p, case.causal)
+    layout = (DocumentLayout.head_tail(cu, p, case.causal) if head_tail
+              else DocumentLayout.balance(cu, p, case.causal, pair_costs=pair_costs))
     return [float(w) for w in layout.work_per_rank()]
 
 
-def grid_work_per_rank(case, p: int, ulysses: int, ring_layout: str) -> list[float]:
+def grid_work_per_rank(case, p: int, ulysses: int, ring_layout: str, pair_costs: tuple = (1, 1)) -> list[float]:
     """Attended pairs of each rank of a Ulysses x ring grid: rings of ``p / ulysses`` over the rows
-    in ``ring_layout``, each ring position's heads split among ``ulysses`` consecutive ranks."""
-    ring = (document_layout_work(case, p // ulysses) if ring_layout == "documents"
+    in ``ring_layout`` (``"documents"``: balancing ``pair_costs``), each ring position's heads split
+    among ``ulysses`` consecutive ranks."""
+    ring = (document_layout_work(case, p // ulysses, pair_costs=pair_costs) if ring_layout == "documents"
             else work_per_rank(case, p // ulysses, ring_layout))
     return [ring[r // ulysses] / ulysses for r in range(p)]
 
 
-def kept_local(case, p: int, layout: str, setting):
+def kept_local(case, p: int, layout: str, setting, pair_costs: tuple = (1, 1)):
     """The :class:`~dilated.parallel.local_documents.LocalDocuments` a Ulysses (``layout``
     ``"contiguous"``) or hybrid-on-documents (``"hybrid_documents"``) module of ``local_documents=setting``
     runs the case's documents with on ``p`` ranks, or None where it exchanges every document."""
@@ -103,10 +106,10 @@ def kept_local(case, p: int, layout: str, setting):
     if layout == "contiguous":
         return local_documents(setting, cu, contiguous_ranges(case.seq_len, p), case.causal)
     u = ulysses_size_for(p, case.num_heads)
-    return None if u is None else grid_local_documents(setting, cu, p // u, u, case.causal)
+    return None if u is None else grid_local_documents(setting, cu, p // u, u, case.causal, pair_costs=pair_costs)
 
 
-def row_local_work(case, p: int, setting) -> list[float] | None:
+def row_local_work(case, p: int, setting, pair_costs: tuple = (1, 1)) -> list[float] | None:
     """Attended pairs of each rank of the hybrid on documents keeping documents within its part of
     its row with ``local_documents=setting`` (:func:`dilated.parallel.row_documents.row_plans`): a
     rank's own documents, and a ``1/U`` share of the rest of its row's work; None where the rows keep
@@ -119,11 +122,12 @@ def row_local_work(case, p: int, setting) -> list[float] | None:
     u = ulysses_size_for(p, case.num_heads)
     if not case.documents or not setting or u is None:
         return None
-    layout = DocumentLayout.balance(cu_seqlens_of(case.documents, case.seq_len), p // u, case.causal)
+    layout = DocumentLayout.balance(cu_seqlens_of(case.documents, case.seq_len), p // u, case.causal,
+                                    pair_costs=pair_costs)
     plans = row_plans(layout, u, setting)
     if plans is None:
         return None
-    rows = document_layout_work(case, p // u)
+    rows = document_layout_work(case, p // u, pair_costs=pair_costs)
     out = []
     for row, plan in zip(rows, plans):
         own = [sum(document_work(m, case.causal) for _, m in spans) for spans in plan.local.spans]

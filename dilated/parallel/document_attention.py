@@ -36,7 +36,7 @@ from .._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_row
 from .._transfer import host_tensor_on, host_values_on
 from .agreement import AgreedSignatures, signature, validate_on_all_ranks
 from ..backends import get_backend
-from ..backends.varlen import VarlenCall, VarlenKernel, small_documents_kernel, varlen_kernel
+from ..backends.varlen import VarlenCall, VarlenKernel, documents_pair_costs, small_documents_kernel, varlen_kernel
 from .sharding import CommStats, all_gather_into, reduce_scatter_from
 from .document_layout import DocumentLayout, given_or_last, ranges_to_positions
 from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
@@ -44,6 +44,15 @@ from ..indexed_rows import add_rows_, add_to_slots_, merge_rows_
 from .document_calls import block_documents_backward, block_documents_forward
 from .ring_exchange import RingExchange
 from ..packed import small_rectangles
+
+
+def balanced_layout(cu_seqlens, world_size: int, causal: bool, backend: str, device=None,
+                    dtype=torch.bfloat16) -> DocumentLayout:
+    """:meth:`DocumentLayout.balance` of ``cu_seqlens`` over ``world_size`` ranks balancing the pairs as the
+    kernel that attends them costs them (:func:`~dilated.backends.varlen.documents_pair_costs` of ``backend``
+    for inputs of ``dtype`` on ``device``): what the modules on document layouts make."""
+    return DocumentLayout.balance(cu_seqlens, world_size, causal,
+                                  pair_costs=documents_pair_costs(backend, device, dtype) if causal else (1, 1))
 
 
 @dataclass(frozen=True, eq=False)
@@ -228,7 +237,8 @@ class DocumentParts:
             raise ValueError(f"q and k/v shards must have one length, got {q.shape[1]} and {k.shape[1]}")
         p = world_size
         if layout is None:
-            layout = DocumentLayout.balance([0, q.shape[1] * p] if cu_seqlens is None else cu_seqlens, p, causal)
+            layout = balanced_layout([0, q.shape[1] * p] if cu_seqlens is None else cu_seqlens, p, causal, backend,
+                                     q.device, q.dtype)
         elif not isinstance(layout, DocumentLayout):
             raise TypeError(f"layout must be a DocumentLayout (DocumentLayout.balance), got {type(layout).__name__}")
         elif cu_seqlens is not None:
@@ -428,7 +438,7 @@ class DocumentParallelAttention(nn.Module):
     def document_layout(self, cu_seqlens) -> DocumentLayout:
         """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` (cumulative lengths
         ``[0, ..., N]`` of the global sequence) over this module's group."""
-        return DocumentLayout.balance(cu_seqlens, dist.get_world_size(self.group), self.causal)
+        return balanced_layout(cu_seqlens, dist.get_world_size(self.group), self.causal, self.backend)
 
     def _validate(self, q, k, v, cu_seqlens, layout):
         parts = DocumentParts.resolve(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,

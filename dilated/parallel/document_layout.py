@@ -4,10 +4,11 @@ Packed documents attend within themselves, so work per position varies: causal, 
 offset ``i`` of its document attends ``i + 1`` keys; without a mask, the document's length. The
 contiguous and zigzag layouts balance one sequence, not many documents. A :class:`DocumentLayout`
 balances the documents given as cumulative lengths ``cu_seqlens`` over ``P`` ranks, each rank
-holding exactly ``N / P`` positions. Causal, the work it balances weighs each pair by the call that
-attends it (:data:`PAIR_COSTS`): a piece's own keys in a causal call, a little dearer per pair than the
-rectangle of its document's keys before it; so a rank of whole documents holds a few fewer pairs than
-one of pieces.
+holding exactly ``N / P`` positions. Causal, the work it balances can weigh each pair by the call
+that attends it (``pair_costs``): a piece's own keys in a causal call, on some kernels dearer per pair
+than the rectangle of its document's keys before it (the modules take the weights of the varlen kernel
+their documents go to: :func:`dilated.backends.varlen.documents_pair_costs`); so a rank of whole
+documents holds a few fewer pairs than one of pieces.
 
 * documents whose work no whole-document assignment can balance are cut head-tail, as
   TransformerEngine's THD format and PyTorch's per-document balancer cut every document: into
@@ -58,13 +59,10 @@ TARGET_IMBALANCE = 1.01
 MIN_PIECE = 128
 #: ... unless no layout with such pieces comes within this of the mean: then smaller pieces are tried
 ACCEPTABLE_IMBALANCE = 1.05
-#: what a causal layout balances: (query, key) pairs weighted ``(triangle, rectangle)``. A piece's queries
-#: attend their own keys in a causal call (a triangle, its diagonal tiles masked) and the keys of their
-#: document before the piece as a rectangle (every tile full); at equal pairs a causal call's forward
-#: and backward take about 9% longer than a rectangle's (flash-attn 4 and cuDNN on H100 and H200), so a
-#: rank holding whole documents would finish last on equal pairs
-PAIR_COSTS = (12, 11)
-#: pairs counted as they are
+#: what a causal layout balances by default: (query, key) pairs weighted ``(triangle, rectangle)`` = (1, 1),
+#: the pairs as they are. A piece's queries attend their own keys in a causal call (a triangle, its
+#: diagonal tiles masked) and the keys of their document before the piece as a rectangle (every tile
+#: full); where a kernel's causal pairs cost more, a rank of whole documents finishes last on equal pairs
 EQUAL_COSTS = (1, 1)
 
 
@@ -96,7 +94,7 @@ def document_work(length: int, causal: bool) -> int:
 
 def piece_cost(length: int, offset: int, doc_length: int, causal: bool, costs: tuple = EQUAL_COSTS) -> int:
     """:func:`piece_work` with causal pairs weighted ``costs = (triangle, rectangle)``: the piece's own
-    triangle of pairs and the rectangle of its document's keys before it (:data:`PAIR_COSTS`)."""
+    triangle of pairs and the rectangle of its document's keys before it."""
     if not causal:
         return length * doc_length
     triangle, rectangle = costs
@@ -345,7 +343,7 @@ class DocumentLayout:
     causal: bool
     whole: tuple
     cut: tuple
-    #: the ``(triangle, rectangle)`` weights of causal pairs it balanced (:data:`PAIR_COSTS`)
+    #: the ``(triangle, rectangle)`` weights of causal pairs it balanced
     pair_costs: tuple = EQUAL_COSTS
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -354,20 +352,20 @@ class DocumentLayout:
 
     @classmethod
     def balance(cls, cu_seqlens, world_size: int, causal: bool = True, min_piece: int = MIN_PIECE,
-                pair_costs: tuple = PAIR_COSTS) -> "DocumentLayout":
+                pair_costs: tuple = EQUAL_COSTS) -> "DocumentLayout":
         """The layout of the documents ``cu_seqlens`` (int cumulative lengths ``[0, ..., N]``, a list or
         a tensor) over ``world_size`` ranks; documents are cut head-tail only into pieces of at
         least ``min_piece`` positions. Causal, what it balances is the ranks' pairs weighted
-        ``pair_costs = (triangle, rectangle)`` (positive ints; :data:`PAIR_COSTS`; ``(1, 1)``: the pairs
-        themselves). ValueError on lengths that are not cumulative or an N that ``world_size`` does not
-        divide."""
+        ``pair_costs = (triangle, rectangle)`` (positive ints; the default ``(1, 1)``: the pairs themselves;
+        a kernel's: :attr:`dilated.backends.varlen.VarlenKernel.pair_costs`). ValueError on lengths that
+        are not cumulative or an N that ``world_size`` does not divide."""
         cu = _check(cu_seqlens, world_size)
         if isinstance(min_piece, bool) or not isinstance(min_piece, int) or min_piece < 1:
             raise ValueError(f"min_piece must be a positive int, got {min_piece!r}")
         if (not isinstance(pair_costs, tuple) or len(pair_costs) != 2
                 or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in pair_costs)):
             raise ValueError(f"pair_costs must be a tuple of two positive ints (triangle, rectangle), got "
-                             f"{pair_costs!r}: e.g. {PAIR_COSTS}, or (1, 1) to balance the pairs themselves")
+                             f"{pair_costs!r}: e.g. (12, 11), or (1, 1) to balance the pairs themselves")
         return _balanced(cu, world_size, bool(causal), min_piece, pair_costs if causal else EQUAL_COSTS)
 
     @classmethod

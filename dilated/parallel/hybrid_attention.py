@@ -33,7 +33,7 @@ from .._checks import check_causal, check_qkv, check_scale
 from .agreement import AgreedSignatures, host_and_device_backend, host_group, signature, validate_on_all_ranks
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, shard, unshard
-from .document_attention import DocumentParts, document_attention
+from .document_attention import DocumentParts, balanced_layout, document_attention
 from .document_groups import attend_by_document_groups, check_groups_of_one_kind
 from .document_layout import DocumentLayout
 from .local_documents import check_local_documents, grid_local_documents
@@ -134,7 +134,7 @@ class HybridAttention(nn.Module):
     def document_layout(self, cu_seqlens) -> DocumentLayout:
         """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` over the ring
         (``layout="documents"``)."""
-        return DocumentLayout.balance(cu_seqlens, self.ring_size, self.causal)
+        return balanced_layout(cu_seqlens, self.ring_size, self.causal, self.backend)
 
     def _validate(self, q, k, v, cu_seqlens, layout):
         check_qkv(q, k, v)
@@ -161,7 +161,7 @@ class HybridAttention(nn.Module):
             cu_seqlens, q.shape[1] * self.ulysses_size * self.ring_size)
         own = by_docs = None
         if docs is not None and self.layout == "documents":
-            layout = layout or self.document_layout(docs)
+            layout = layout or balanced_layout(docs, self.ring_size, self.causal, self.backend, q.device, q.dtype)
             own = grid_local_documents(self.local_documents, docs, self.ring_size, self.ulysses_size, self.causal,
                                        layout)
             own = None if own is None else (own.local_cu(self.ring_rank * self.ulysses_size + self.ulysses_rank),

@@ -162,12 +162,12 @@ def grid_part_ranges(layout, ulysses_size: int) -> list[list[tuple[int, int]]]:
 
 
 def grid_local_documents(setting, cu, ring_size: int, ulysses_size: int, causal: bool,
-                         layout: DocumentLayout | None = None) -> LocalDocuments | None:
+                         layout: DocumentLayout | None = None, pair_costs: tuple = (1, 1)) -> LocalDocuments | None:
     """What :class:`~dilated.HybridAttention` on the documents' layout (``layout``, default the
-    :class:`~dilated.DocumentLayout` of ``cu`` over ``ring_size`` rows) keeps where it lies: every
+    :class:`~dilated.DocumentLayout` of ``cu`` over ``ring_size`` rows balancing ``pair_costs``) keeps where it lies: every
     document (each rank its own, nothing moves) where :func:`local_documents` would exchange none,
     else None (the hybrid keeps all or none)."""
-    layout = layout or DocumentLayout.balance(cu, ring_size, causal)
+    layout = layout or DocumentLayout.balance(cu, ring_size, causal, pair_costs=pair_costs)
     kept = local_documents(setting, cu, grid_part_ranges(layout, ulysses_size), causal)
     return kept if kept is not None and not kept.exchanged else None
 

@@ -50,7 +50,7 @@ from .sharding import CommStats
 from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
 from ..merge import RowAccumulator
 from ..backends.varlen import VarlenKernel, small_documents_kernel, varlen_kernel
-from .document_attention import DocumentParts, document_attention
+from .document_attention import DocumentParts, balanced_layout, document_attention
 from .document_calls import block_documents_backward, block_documents_forward
 from .document_layout import DocumentLayout, given_or_last
 from ..packed import check_cu_seqlens
@@ -366,7 +366,7 @@ class RingAttention(nn.Module):
     def document_layout(self, cu_seqlens) -> DocumentLayout:
         """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` (global cumulative
         lengths) over this module's group (``layout="documents"``)."""
-        return DocumentLayout.balance(cu_seqlens, dist.get_world_size(self.group), self.causal)
+        return balanced_layout(cu_seqlens, dist.get_world_size(self.group), self.causal, self.backend)
 
     def _resolve_transport(self, k, v) -> str:
         if self.transport == "p2p":

@@ -371,3 +371,25 @@ def test_the_hybrid_keeps_documents_within_its_rows_on_every_grid(world, grids):
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_exchange_of_several_tensors_delivers_each_block(world):
     spawn(cp_worker.all_to_all_parts, args=(world, free_port()), nprocs=world)
+
+
+def test_the_harness_counts_the_work_of_the_layout_the_module_makes(monkeypatch):
+    """The work per rank a row records on document layouts is that of the layout the module makes on
+    the row's backend: weighted as flash-attn 4's varlen calls where its documents go to them."""
+    from dilated import DocumentLayout
+    from dilated.backends import varlen
+    from dilated.bench.documents import cu_seqlens_of
+    from dilated.bench.registry import Case
+    from dilated.bench.strategies import RING_IMPLEMENTATIONS
+
+    case = Case(batch=1, seq_len=1 << 18, num_heads=32, num_kv_heads=8, head_dim=128, causal=True,
+                documents="lognormal:8k,1.0")
+    cu = cu_seqlens_of(case.documents, case.seq_len)
+    impl = RING_IMPLEMENTATIONS["documents"]
+    pairs = [float(w) for w in DocumentLayout.balance(cu, 4, True).work_per_rank()]
+    weighted = [float(w) for w in DocumentLayout.balance(cu, 4, True, pair_costs=(12, 11)).work_per_rank()]
+    assert pairs != weighted
+    assert impl.work_per_rank(case, 4, "auto") == pairs  # the host: no varlen kernel
+    monkeypatch.setattr(varlen, "varlen_reason", lambda q, k, v, backend, causal=False: None)
+    assert impl.work_per_rank(case, 4, "auto") == weighted
+    assert impl.work_per_rank(case, 4, "sdpa_cudnn") == pairs

@@ -61,7 +61,7 @@ def test_causal_layouts_balance_pairs_weighted_by_their_cost(spec, n, p):
     position here, the weighted cost of every rank is within 2% of the mean, and the pairs themselves
     within 5%."""
     cu = cu_seqlens_of(spec, n)
-    layout = DocumentLayout.balance(cu, p, causal=True)
+    layout = DocumentLayout.balance(cu, p, causal=True, pair_costs=(12, 11))
     assert layout.pair_costs == (12, 11)
     cost = [_cost_of_positions(cu, layout, r, layout.pair_costs) for r in range(p)]
     assert cost == layout.cost_per_rank()
@@ -89,11 +89,31 @@ def test_a_rank_of_whole_documents_gets_fewer_pairs_where_causal_pairs_cost_more
     assert pairs[heavy] == min(pairs)
 
 
-def test_non_causal_layouts_take_no_weights():
+def test_non_causal_layouts_take_no_weights_and_pairs_are_the_default():
     cu = cu_seqlens_of("lognormal:8k,1.0", 1 << 18)
-    assert DocumentLayout.balance(cu, 4, causal=False).pair_costs == (1, 1)
-    assert DocumentLayout.balance(cu, 4, causal=False).pieces == DocumentLayout.balance(
-        cu, 4, causal=False, pair_costs=(1, 1)).pieces
+    assert DocumentLayout.balance(cu, 4, causal=False, pair_costs=(12, 11)).pair_costs == (1, 1)
+    assert DocumentLayout.balance(cu, 4, causal=False, pair_costs=(12, 11)).pieces == DocumentLayout.balance(
+        cu, 4, causal=False).pieces
+    assert DocumentLayout.balance(cu, 4, causal=True).pair_costs == (1, 1)
+
+
+def test_modules_weigh_pairs_as_the_varlen_kernel_of_their_documents(monkeypatch):
+    """The layout a module makes from cu_seqlens alone weighs pairs as the kernel its documents go to:
+    flash-attn 4's varlen weights where it runs (auto and flash_attn_4), pairs as they are elsewhere
+    (on the host here; with another backend)."""
+    from dilated.backends import varlen
+    from dilated.parallel.document_attention import balanced_layout
+
+    cu = cu_seqlens_of("lognormal:8k,1.0", 1 << 18)
+    assert varlen.documents_pair_costs("auto") == (1, 1)  # no GPU: no varlen kernel
+    monkeypatch.setattr(varlen, "varlen_reason", lambda q, k, v, backend, causal=False: None)
+    assert varlen.documents_pair_costs("auto") == varlen.documents_pair_costs("flash_attn_4") == (12, 11)
+    assert varlen.documents_pair_costs("sdpa_cudnn") == (1, 1)
+    assert varlen.varlen_pair_costs("flash_attn_4_varlen") == (12, 11)
+    assert varlen.varlen_pair_costs("torch_varlen") == varlen.varlen_pair_costs(None) == (1, 1)
+    assert balanced_layout(cu, 4, True, "auto").pieces == DocumentLayout.balance(cu, 4, True, pair_costs=(12, 11)).pieces
+    assert balanced_layout(cu, 4, True, "sdpa_cudnn").pieces == DocumentLayout.balance(cu, 4, True).pieces
+    assert balanced_layout(cu, 4, False, "auto").pair_costs == (1, 1)
 
 
 def test_documents_stay_whole_where_whole_documents_balance():

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ...backends.varlen import varlen_pair_costs
 from ...parallel.document_attention import rank_plan
 from ...parallel.document_groups import document_groups_for, group_spans, groups_to_use
 from ...parallel.document_layout import DocumentLayout
@@ -366,13 +367,24 @@ class Model:
         return finish, [sum(c) for c in compute]
 
     # -- documents: a layout, local documents, crossing rows -------------------------------------
+    def _pair_costs(self, problem: Problem) -> tuple:
+        """The pair costs the modules' document layouts balance on the calibrated kernels: the varlen
+        kernel's where documents go to one (:func:`dilated.backends.varlen.documents_pair_costs`)."""
+        if not problem.causal or not self.kernels.varlen_documents:
+            return (1, 1)
+        return varlen_pair_costs(self.kernels.calibration.varlen_kernel)
+
+    def _balanced(self, problem: Problem, p: int) -> DocumentLayout:
+        """The problem's documents over ``p`` ranks as the modules lay them out (:meth:`_pair_costs`)."""
+        return DocumentLayout.balance(problem.cu_seqlens(), p, problem.causal, pair_costs=self._pair_costs(problem))
+
     def _documents(self, problem: Problem, ranks: list[int], heads: int, kv_heads: int, transport: str,
                    layout: DocumentLayout | None = None) -> _Timeline:
         """The documents strategy on ``ranks`` (``layout``: default the problem's documents balanced over
         them): local pieces beside the crossing rows' gather, then the rectangles, then (backward) the
         scatter of their key gradients."""
         p = len(ranks)
-        layout = layout or DocumentLayout.balance(problem.cu_seqlens(), p, problem.causal)
+        layout = layout or self._balanced(problem, p)
         km, b, d, net = self.kernels, problem.batch, problem.head_dim, self.network
         plans = [rank_plan(layout, r) for r in range(p)]
         rows = plans[0].rows
@@ -534,7 +546,8 @@ class Model:
                 local: bool | str = False, document_groups: int | str = 1) -> _Timeline:
         column = [i * u for i in range(r)]
         if ring_layout == "documents" and problem.has_documents:
-            kept = grid_local_documents(local, problem.cu_seqlens(), r, u, problem.causal) if local else None
+            kept = grid_local_documents(local, problem.cu_seqlens(), r, u, problem.causal,
+                                        pair_costs=self._pair_costs(problem)) if local else None
             if kept is not None:  # every rank its own documents, nothing moves
                 return self._ulysses_local(problem, list(range(u * r)), kept)
             kv = kv_heads_for(problem.heads, problem.kv_heads, u)
@@ -573,7 +586,7 @@ class Model:
         its own layout. A group's
         exchange takes the time of the row's rank with the most of its rows. Without a plan, one
         exchange of the whole shard."""
-        layout = DocumentLayout.balance(problem.cu_seqlens(), r, problem.causal)
+        layout = self._balanced(problem, r)
         one_host = not any(self.network.spans_nodes([i * u + c for i in range(r)]) for c in range(u))
         plans = plans_for(layout, u, local, document_groups, one_host)
         if plans is None:  # one exchange of the whole shard (document_groups=1: no plan asked again)
