@@ -84,7 +84,7 @@ class Piece(NamedTuple):
 def piece_work(length: int, offset: int, doc_length: int, causal: bool) -> int:
     """(query, key) pairs attended by ``length`` positions from ``offset`` of a document of ``doc_length``:
     causal, each position its document's keys up to it; else all of them."""
-    return length * offset + length * (length + 1) // 2 if causal else length * doc_length
+    return piece_cost(length, offset, doc_length, causal)
 
 
 def document_work(length: int, causal: bool) -> int:
