@@ -398,7 +398,8 @@ class DocumentLayout:
                 for whole, cut in zip(self.whole, self.cut)]
 
     def imbalance(self) -> float:
-        """The slowest rank's work over the mean (1.0: balanced)."""
+        """The slowest rank's work (pairs) over the mean (1.0: balanced); a layout weighing causal pairs
+        (:attr:`pair_costs`) balances :meth:`cost_per_rank` instead, its pairs a little apart."""
         return _imbalance(self.work_per_rank())
 
     def cost_per_rank(self) -> list[int]:
