@@ -34,7 +34,7 @@ from torch import nn
 
 from .._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from .._transfer import host_tensor_on, host_values_on
-from .agreement import AgreedSignatures, signature, validate_on_all_ranks
+from .agreement import AgreedSignatures, group_device, signature, validate_on_all_ranks
 from ..backends import get_backend
 from ..backends.varlen import VarlenCall, VarlenKernel, documents_pair_costs, small_documents_kernel, varlen_kernel
 from .sharding import CommStats, all_gather_into, reduce_scatter_from
@@ -50,7 +50,8 @@ def balanced_layout(cu_seqlens, world_size: int, causal: bool, backend: str, dev
                     dtype=torch.bfloat16) -> DocumentLayout:
     """:meth:`DocumentLayout.balance` of ``cu_seqlens`` over ``world_size`` ranks balancing the pairs as the
     kernel that attends them costs them (:func:`~dilated.backends.varlen.documents_pair_costs` of ``backend``
-    for inputs of ``dtype`` on ``device``): what the modules on document layouts make."""
+    for inputs of ``dtype`` on ``device``; a module's :meth:`document_layout`: on its group's device, in
+    bfloat16): what the modules on document layouts make."""
     return DocumentLayout.balance(cu_seqlens, world_size, causal,
                                   pair_costs=documents_pair_costs(backend, device, dtype) if causal else (1, 1))
 
@@ -438,7 +439,8 @@ class DocumentParallelAttention(nn.Module):
     def document_layout(self, cu_seqlens) -> DocumentLayout:
         """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` (cumulative lengths
         ``[0, ..., N]`` of the global sequence) over this module's group."""
-        return balanced_layout(cu_seqlens, dist.get_world_size(self.group), self.causal, self.backend)
+        return balanced_layout(cu_seqlens, dist.get_world_size(self.group), self.causal, self.backend,
+                               group_device(self.group))
 
     def _validate(self, q, k, v, cu_seqlens, layout):
         parts = DocumentParts.resolve(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend,

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_causal, check_qkv, check_scale
-from .agreement import AgreedSignatures, host_and_device_backend, host_group, signature, validate_on_all_ranks
+from .agreement import (AgreedSignatures, group_device, host_and_device_backend, host_group, signature,
+                        validate_on_all_ranks)
 from .head_groups import attend_by_head_groups, check_head_groups, head_groups_for
 from .sharding import CommStats, shard, unshard
 from .document_attention import DocumentParts, balanced_layout, document_attention
@@ -134,7 +135,7 @@ class HybridAttention(nn.Module):
     def document_layout(self, cu_seqlens) -> DocumentLayout:
         """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` over the ring
         (``layout="documents"``)."""
-        return balanced_layout(cu_seqlens, self.ring_size, self.causal, self.backend)
+        return balanced_layout(cu_seqlens, self.ring_size, self.causal, self.backend, group_device(self.group))
 
     def _validate(self, q, k, v, cu_seqlens, layout):
         check_qkv(q, k, v)

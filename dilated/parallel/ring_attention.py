@@ -45,7 +45,7 @@ from . import peer_copy
 from .._checks import acc_dtype, check_causal, check_qkv, check_scale, dense_rows
 from ..backends import get_backend
 from ..backends.graph_shapes import one_operation
-from .agreement import AgreedSignatures, signature, validate_on_all_ranks
+from .agreement import AgreedSignatures, group_device, signature, validate_on_all_ranks
 from .sharding import CommStats
 from ..dense import AttentionSpec, attention_backward, attention_forward, default_scale
 from ..merge import RowAccumulator
@@ -366,7 +366,8 @@ class RingAttention(nn.Module):
     def document_layout(self, cu_seqlens) -> DocumentLayout:
         """The :class:`~dilated.DocumentLayout` of the documents ``cu_seqlens`` (global cumulative
         lengths) over this module's group (``layout="documents"``)."""
-        return balanced_layout(cu_seqlens, dist.get_world_size(self.group), self.causal, self.backend)
+        return balanced_layout(cu_seqlens, dist.get_world_size(self.group), self.causal, self.backend,
+                               group_device(self.group))
 
     def _resolve_transport(self, k, v) -> str:
         if self.transport == "p2p":
