@@ -192,7 +192,7 @@ class DistributedImplementation(Implementation):
         (their pair costs: :func:`dilated.backends.varlen.documents_pair_costs`)."""
         if self.problem.name != "dense":
             return None
-        costs = documents_pair_costs(backend, group_device(self.group), case.torch_dtype) if case.causal else (1, 1)
+        costs = documents_pair_costs(backend, group_device(self.group), case.torch_dtype)
         kept = kept_local(case, p, self.layout, self.local_documents, costs)
         if kept is None and self.layout == "hybrid_documents":  # documents kept within each row, or none
             row_local = row_local_work(case, p, self.local_documents, costs)

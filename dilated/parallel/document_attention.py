@@ -52,8 +52,7 @@ def balanced_layout(cu_seqlens, world_size: int, causal: bool, backend: str, dev
     kernel that attends them costs them (:func:`~dilated.backends.varlen.documents_pair_costs` of ``backend``
     for inputs of ``dtype`` on ``device``; a module's :meth:`document_layout`: on its group's device, in
     bfloat16): what the modules on document layouts make."""
-    return DocumentLayout.balance(cu_seqlens, world_size, causal,
-                                  pair_costs=documents_pair_costs(backend, device, dtype) if causal else (1, 1))
+    return DocumentLayout.balance(cu_seqlens, world_size, causal, pair_costs=documents_pair_costs(backend, device, dtype))
 
 
 @dataclass(frozen=True, eq=False)

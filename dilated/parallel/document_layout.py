@@ -393,9 +393,7 @@ class DocumentLayout:
 
     def work_per_rank(self) -> list[int]:
         """(query, key) pairs each rank's queries attend."""
-        cu, causal = self.cu_seqlens, self.causal
-        return [sum(document_work(cu[d + 1] - cu[d], causal) for d in whole) + sum(x.work(causal) for x in cut)
-                for whole, cut in zip(self.whole, self.cut)]
+        return self._weighted(EQUAL_COSTS)
 
     def imbalance(self) -> float:
         """The slowest rank's work (pairs) over the mean (1.0: balanced); a layout weighing causal pairs
@@ -404,7 +402,10 @@ class DocumentLayout:
 
     def cost_per_rank(self) -> list[int]:
         """Each rank's pairs weighted by :attr:`pair_costs` (what :meth:`balance` balances)."""
-        cu, causal, costs = self.cu_seqlens, self.causal, self.pair_costs
+        return self._weighted(self.pair_costs)
+
+    def _weighted(self, costs: tuple) -> list[int]:
+        cu, causal = self.cu_seqlens, self.causal
         return [sum(piece_cost(cu[d + 1] - cu[d], 0, cu[d + 1] - cu[d], causal, costs) for d in whole)
                 + sum(piece_cost(x.length, x.start - x.doc_start, x.doc_end - x.doc_start, causal, costs) for x in cut)
                 for whole, cut in zip(self.whole, self.cut)]

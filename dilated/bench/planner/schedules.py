@@ -370,9 +370,7 @@ class Model:
     def _pair_costs(self, problem: Problem) -> tuple:
         """The pair costs the modules' document layouts balance on the calibrated kernels: the varlen
         kernel's where documents go to one (:func:`dilated.backends.varlen.documents_pair_costs`)."""
-        if not problem.causal or not self.kernels.varlen_documents:
-            return (1, 1)
-        return varlen_pair_costs(self.kernels.calibration.varlen_kernel)
+        return varlen_pair_costs(self.kernels.calibration.varlen_kernel) if self.kernels.varlen_documents else (1, 1)
 
     def _balanced(self, problem: Problem, p: int) -> DocumentLayout:
         """The problem's documents over ``p`` ranks as the modules lay them out (:meth:`_pair_costs`)."""
