@@ -143,6 +143,37 @@ def test_short_documents_are_never_cut_into_tiny_pieces():
     _check_partition(layout, 1 << 16, 4)
 
 
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_short_document_that_outweighs_the_rest_is_cut_into_smaller_pieces(causal):
+    """A document too short for pieces of ``MIN_PIECE`` (below 2P x 128) that holds most of the work
+    is cut head-tail into smaller pieces rather than left whole on one rank."""
+    from dilated.parallel import document_layout as dl
+
+    p = 4
+    cu = [0, 1000] + list(range(1008, 4097, 8))  # 1000 positions (a rank holds 1024), then 8-long documents
+    layout = DocumentLayout.balance(cu, p, causal)
+    _check_partition(layout, 4096, p)
+    assert {r for r, mine in enumerate(layout.pieces) for x in mine if x.doc == 0} == set(range(p))
+    assert layout.imbalance() <= dl.ACCEPTABLE_IMBALANCE, layout.work_per_rank()
+
+
+@pytest.mark.parametrize("cu,causal", [
+    ([0, 26, 2249, 3341, 4706, 7331, 10133, 12256, 14104], False),
+    ([0, 35, 276, 1429, 4127, 4254, 6009, 8543, 11488, 13971, 14830, 17824], True),
+    ([0, 950, 2765, 4935, 6666, 7950, 10898, 10969, 13368], True),
+    ([0, 2047, 3317, 6289, 7252, 9780, 12719, 15696], True),
+])
+def test_documents_no_rank_has_room_for_go_to_the_least_loaded_ranks_first(cu, causal):
+    """Few documents over eight ranks: those left without a rank with room for them whole are cut at
+    the ranks' remaining room, least loaded first, which keeps the ranks within the target."""
+    from dilated.parallel import document_layout as dl
+
+    layout = DocumentLayout.balance(cu, 8, causal)
+    _check_partition(layout, cu[-1], 8)
+    work = [_work_of_positions(cu, layout.positions(r), causal) for r in range(8)]
+    assert max(work) / (sum(work) / 8) <= dl.TARGET_IMBALANCE, work
+
 def test_layout_order_and_a_tensor_cu_seqlens():
     cu = torch.tensor([0, 100, 356, 1024], dtype=torch.int32)
     layout = DocumentLayout.balance(cu, 2, causal=False, min_piece=8)
