@@ -1,7 +1,6 @@
 """Every committed result row that ran passed its correctness check (a number is only worth what
 the result it timed is worth)."""
 import glob
-import json
 import os
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "results")
