@@ -65,7 +65,7 @@ def _pairs(layout, rank: int) -> tuple[int, int]:
     return own, layout.work_per_rank()[rank] - own
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="flash_attn_4", help="a backend with a varlen entry point")
     p.add_argument("--doc-lengths", default="lognormal:8k,1.0")
@@ -75,15 +75,17 @@ def main() -> None:
     p.add_argument("--pair-costs", default="1/1,12/11", help="triangle/rectangle weightings of causal pairs, "
                                                              "comma-separated")
     p.add_argument("--reps", type=int, default=20)
-    args = p.parse_args()
-    if not torch.cuda.is_available():
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("time_layout_ranks.py times varlen kernels on a CUDA GPU; none is visible")
-    device = torch.device("cuda")
     n = parse_size(args.seq_len)
     cu = cu_seqlens_of(args.doc_lengths, n)
     weightings = [tuple(map(int, w.split("/"))) for w in args.pair_costs.split(",")]
     layouts = {w: DocumentLayout.balance(cu, args.world_size, True, pair_costs=w) for w in weightings}
-    print(f"{torch.cuda.get_device_name(device)}; {args.doc_lengths} N={n} ({len(cu) - 1} documents), "
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    print(f"{name}; {args.doc_lengths} N={n} ({len(cu) - 1} documents), "
           f"P={args.world_size}, causal fwd_bwd; backend {args.backend}")
     for shape in args.head_shapes.split(","):
         heads, kv_heads = map(int, shape.split("/"))

@@ -846,3 +846,41 @@ def test_rows_record_the_variables_that_set_communication_and_kernel_calls(monke
     assert recorded["TORCH_NCCL_HIGH_PRIORITY"] == "1" and recorded["CUDA_DEVICE_MAX_CONNECTIONS"] is None
     assert recorded["DILATED_BUCKETS_PER_OCTAVE"] == "16"
     assert set(recorded) == set(env.RECORDED_VARIABLES)
+
+
+def test_time_layout_ranks_runs_every_ranks_local_and_crossing_calls(monkeypatch, capsys):
+    """benchmarks/specialized/time_layout_ranks.py through flash-attn 4's varlen entry point (a CPU
+    stand-in that checks every call's cumulative lengths and longest documents): each rank's step is
+    its local call and, where it holds crossing pieces, its rectangles call, forward and backward; it
+    prints every rank of every weighting, with the rank's causal and rectangle pairs adding up to the
+    layout's work."""
+    import importlib.util
+
+    import varlen_standins
+    from dilated import DocumentLayout
+    from dilated.bench.documents import cu_seqlens_of
+
+    spec = importlib.util.spec_from_file_location("time_layout_ranks",
+                                                  ROOT / "benchmarks/specialized/time_layout_ranks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    varlen_standins.install(monkeypatch, "fa4")
+    varlen_standins.CALLS.clear()
+    docs = "lognormal:64,1.0"
+    script.main(["--device", "cpu", "--doc-lengths", docs, "--seq-len", "512", "--world-size", "2",
+                 "--head-shapes", "2/1", "--pair-costs", "1/1,12/11", "--reps", "2"])
+    out = capsys.readouterr().out
+    steps = 0
+    for costs in ((1, 1), (12, 11)):
+        layout = DocumentLayout.balance(cu_seqlens_of(docs, 512), 2, True, pair_costs=costs)
+        for rank in range(2):
+            own, before = script._pairs(layout, rank)
+            assert own + before == layout.work_per_rank()[rank]
+            assert f"pair costs {costs[0]}/{costs[1]} rank {rank}: median" in out, out
+            steps += 2 if any(x.doc in layout.crossing() and x.start > x.doc_start
+                              for x in layout.pieces_of(rank)) else 1
+        assert f"pair costs {costs[0]}/{costs[1]}: slowest rank over the mean" in out
+    assert steps > 4  # some rank holds a piece with keys before it on another rank
+    # each step: one forward at set-up, then warm-up and timed runs of forward and backward
+    runs = varlen_standins.CALLS["fa4_backward"]
+    assert runs % steps == 0 and varlen_standins.CALLS["fa4_forward"] == steps + runs, dict(varlen_standins.CALLS)
