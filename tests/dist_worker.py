@@ -4,6 +4,7 @@ import faulthandler
 import functools
 import itertools
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -689,8 +690,16 @@ def host_groups_never_wait_on_group_counts(rank, world, port):
             assert agreement.host_group(sub) is None and len(made) == 1
             backend_name["name"] = "cpu:gloo,cuda:nccl"
             assert agreement.host_group(sub) is sub and len(made) == 1
+        backend_name["name"] = "cpu:gloo,cuda:nccl"  # a world with a host backend serves itself
+        assert agreement.host_group(None) is dist.group.WORLD and len(made) == 1
     finally:
         dist.new_group, dist.get_backend = real_new_group, real_get_backend
+    # the gloo world itself: its modules' agreement checks stay on the host, said by no warning
+    assert agreement.host_group(None) is dist.group.WORLD
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = torch.randn(1, 16, 2, 8, generator=torch.Generator().manual_seed(rank))
+        dilated.RingAttention(causal=True)(q, q, q)
     dist.barrier()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()

@@ -136,7 +136,7 @@ def host_group(group):
     ranks that made different numbers of groups before would wait for each other forever. Such a
     group made with ``backend="cpu:gloo,cuda:nccl"`` has its own host backend."""
     if "gloo" in dist.get_backend(group):
-        return group
+        return dist.group.WORLD if group is None else group  # None would read as "no host group"
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     if len(ranks) < dist.get_world_size():
         return None
