@@ -214,6 +214,13 @@ def test_extreme_script_cpu_default_writes_results_and_plots(tmp_path):
     assert {r["implementation"] for r in rows} == {"dilated", "improved", "improved_pool", "multihead", "dense"}
     assert all(r["status"] == "ok" and r["check"]["passed"] for r in rows)
     assert "time ~ N^" in res.stdout and list((tmp_path / "results" / "cpu").glob("*.png"))
+    ns = sorted({r["config"]["seq_len"] for r in rows})
+    assert f"over N={ns[0]}..{ns[-1]} ({len(ns)} lengths)" in res.stdout, res.stdout[-2000:]
+    for line in res.stdout.splitlines():  # a fit of memory only where every peak is a MiB or more
+        if "memory ~ N^" in line:
+            name = line.split()[0]
+            assert min((r.get("memory") or {}).get("peak_above_inputs_mib") or 0 for r in rows
+                       if r["implementation"] == name) >= 1.0, line
 
 
 def test_find_max_under_a_memory_budget_finds_the_right_length(tmp_path):

@@ -18,6 +18,9 @@ EXTREME_DISTRIBUTED = ["ring_zigzag", "distributed_dilated"]  # joined to "all" 
 #: the CPU default schedule: LongNet's (w = 2048..32768, r = 1..16) with segments 8 times shorter
 CPU_SEGMENTS, CPU_DILATIONS = (256, 512, 1024, 2048, 4096), (1, 2, 4, 8, 16)
 
+#: the least peak memory above the inputs (MiB) at every length for a fit of memory against N
+MIN_FITTED_PEAK_MIB = 1.0
+
 
 def find_max_length(run, start: int, granularity: int, limit: int, known_ok: int | None = None,
                     max_call_s: float | None = None) -> tuple[int | None, dict | None, str]:
@@ -186,10 +189,13 @@ class _ExtremeSweep:
                 if len(ok) >= 2:
                     ns = [r["config"]["seq_len"] for r in ok]
                     et = fit_exponent(ns, [r["time_ms"]["median"] for r in ok])
-                    em = fit_exponent(ns, [(r.get("memory") or {}).get("peak_above_inputs_mib") or 0 for r in ok])
+                    peaks = [(r.get("memory") or {}).get("peak_above_inputs_mib") or 0 for r in ok]
+                    # peaks of less than a MiB are the allocator's rounding more than the implementation's
+                    em = fit_exponent(ns, peaks) if min(peaks) >= MIN_FITTED_PEAK_MIB else None
                     per_tok = ok[-1]["memory"]["peak_total_mib"] * (1 << 20) / ok[-1]["config"]["seq_len"]
                     print(f"  {impl.name:<12} {mode:<8} time ~ N^{et:.2f}" + (f", memory ~ N^{em:.2f}" if em else "")
-                          + f"; {per_tok:.0f} bytes/token total at N={ns[-1]}")
+                          + f" over N={min(ns)}..{max(ns)} ({len(set(ns))} lengths); {per_tok:.0f} bytes/token "
+                          f"total at N={ns[-1]}")
         return status
 
     def find_max(self, rows) -> int:
