@@ -49,8 +49,11 @@ def add_plan_parser(sub):
     p.add_argument("--cuda-graph", action="store_true",
                    help="decode: each step replayed from a CUDA graph, as serving engines run decode (default: "
                         "called from Python, the host's launches included)")
+    p.add_argument("--gpus", type=positive_int, default=None,
+                   help="GPUs in all (default: --gpus-per-node x --nodes); past one node, whole nodes of "
+                        "--gpus-per-node")
     p.add_argument("--gpus-per-node", type=positive_int, default=8)
-    p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--nodes", type=positive_int, default=None, help="nodes (default 1, or as --gpus needs)")
     p.add_argument("--inter-node-gbs", type=positive_float, default=None,
                    help="bandwidth between nodes per GPU, GB/s one way (e.g. 50 for 400 Gb/s InfiniBand per GPU); "
                         "needed for more than one node")
@@ -109,6 +112,23 @@ def _model(args, cal: Calibration, parser) -> Model:
     return Model(KernelModel(cal), Network(cal, args.gpus_per_node, inter))
 
 
+def _world(args, parser) -> int:
+    """The GPUs planned for: ``--gpus`` (one node of them, or whole nodes of ``--gpus-per-node``), else
+    ``--gpus-per-node`` x ``--nodes``; sets ``args.nodes``. A usage error where they disagree."""
+    if args.gpus is None:
+        args.nodes = args.nodes or 1
+        return args.gpus_per_node * args.nodes
+    nodes = -(-args.gpus // args.gpus_per_node)
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        parser.error(f"--gpus {args.gpus}: past one node the GPUs fill whole nodes of --gpus-per-node "
+                     f"{args.gpus_per_node}; give a multiple of it")
+    if args.nodes is not None and args.nodes != nodes:
+        parser.error(f"--gpus {args.gpus} with --gpus-per-node {args.gpus_per_node} is {nodes} node(s), not "
+                     f"--nodes {args.nodes}: give two of the three")
+    args.nodes = nodes
+    return args.gpus
+
+
 def run_plan(args, parser) -> int:
     try:
         cal = Calibration.load(args.calibration)
@@ -135,12 +155,13 @@ def run_plan(args, parser) -> int:
         parser.error("--doc-lengths: decode reads one cache per sequence; leave it out")
     if args.cuda_graph and args.mode != "decode":
         parser.error("--cuda-graph: for --mode decode only")
-    world = args.gpus_per_node * args.nodes
+    world = _world(args, parser)
     if world > 1 and not cal.links:
         parser.error(f"--calibration {args.calibration}: it holds no link times (calibrated on one GPU), so it plans "
                      "one GPU only: calibrate under torchrun with 2 or more GPUs of one node to plan for more")
     if args.nodes > 1 and args.inter_node_gbs is None and not args.inter_node_calibration:
-        parser.error(f"--nodes {args.nodes}: give --inter-node-gbs (per-GPU bandwidth between nodes, GB/s) or "
+        parser.error(f"{world} GPUs over {args.nodes} nodes of {args.gpus_per_node}: give --inter-node-gbs (per-GPU "
+                     "bandwidth between nodes, GB/s) or "
                      "--inter-node-calibration")
     problem = Problem(args.seq_len, h, hkv, d, causal=not args.non_causal, mode=args.mode, batch=args.batch,
                       documents=doc, query_tokens=args.query_tokens, cuda_graph=args.cuda_graph)

@@ -38,6 +38,27 @@ def test_plan_across_nodes_needs_their_bandwidth(cal_path, capsys):
     assert "64 GPUs" in capsys.readouterr().out
 
 
+def test_plan_for_gpus_in_all_fills_whole_nodes(cal_path, capsys):
+    """``--gpus N``: the GPUs in all (not an abbreviation of ``--gpus-per-node``): one node of them, or
+    whole nodes of ``--gpus-per-node``, which then need the links between them; a count that leaves a
+    node part full, or a ``--nodes`` that disagrees, is a usage error naming both."""
+    assert main(["plan", "--calibration", cal_path, "--gpus", "2", "--seq-len", "64k"]) == 0
+    out = capsys.readouterr().out
+    assert "2 GPUs" in out and "8 GPUs per node" in out
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--calibration", cal_path, "--gpus", "64", "--gpus-per-node", "4"])
+    assert e.value.code == 2 and "64 GPUs over 16 nodes of 4" in capsys.readouterr().err
+    assert main(["plan", "--calibration", cal_path, "--gpus", "64", "--gpus-per-node", "4", "--inter-node-gbs",
+                 "50", "--seq-len", "256k"]) == 0
+    out = capsys.readouterr().out
+    assert "64 GPUs" in out and "4 GPUs per node; between nodes 50 GB/s" in out
+    for argv, says in ((["--gpus", "6", "--gpus-per-node", "4"], "give a multiple of it"),
+                       (["--gpus", "8", "--gpus-per-node", "4", "--nodes", "3"], "not --nodes 3")):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "--calibration", cal_path, *argv])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_plan_of_a_missing_calibration_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--calibration", str(tmp_path / "none.json")])
