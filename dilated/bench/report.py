@@ -331,25 +331,26 @@ def format_scaling(rows: list[dict], compare: bool = False) -> str:
         if compare:
             n = c["seq_len"] if r.get("scaling") != "weak" or r.get("role") == "baseline" else r.get("tokens_per_rank")
             heads = (c["num_heads"], c.get("num_kv_heads") or c["num_heads"], c["head_dim"])
-            groups[(c["mode"], c["causal"], r.get("scaling"), n, heads)].append(r)
+            groups[(c["mode"], c["causal"], r.get("scaling"), n, heads, c.get("documents"))].append(r)
         else:
-            groups[(r["implementation"], r["backend"], c["mode"], c["causal"])].append(r)
+            groups[(r["implementation"], r["backend"], c["mode"], c["causal"], c.get("documents"))].append(r)
     out = []
     head = (f"{'P':>3}{'N':>10}{'N/rank':>10}{'time ms':>12}{'TFLOP/s/rank':>14}{'efficiency':>12}{'work eff':>10}"
             f"{'work imb':>9}{'time imb':>9}{'exposed comm':>14}{'MiB sent/rank':>15}{'peak MiB':>10}  check")
     width = max([26, *(len(r["implementation"]) + 2 for r in rows)])  # the implementation column
     for key, grp in groups.items():
+        docs = f", documents {key[-1]}" if key[-1] else ""  # a table per mix: its rows and baseline are that mix's
         if compare:
-            mode, causal, scaling, n, (h, hkv, d) = key
+            mode, causal, scaling, n, (h, hkv, d), _ = key
             out += ["", f"{mode} {'causal' if causal else 'non-causal'} {scaling} scaling, "
-                        f"{'N' if scaling != 'weak' else 'N/rank'}={n}, H={h}{f'/{hkv}' if hkv != h else ''} D={d}: "
-                        "every implementation",
+                        f"{'N' if scaling != 'weak' else 'N/rank'}={n}, H={h}{f'/{hkv}' if hkv != h else ''} D={d}"
+                        f"{docs}: every implementation",
                     f"{'implementation':<{width}}{'backend':<16}" + head]
             order = sorted(grp, key=lambda r: (r.get("world_size", 1), (r.get("time_ms") or {}).get("median") or 1e30))
         else:
-            impl, backend, mode, causal = key
+            impl, backend, mode, causal, _ = key
             out += ["", f"{impl} ({grp[0].get('role', '')}) backend={backend} {mode} "
-                        f"{'causal' if causal else 'non-causal'} scaling={grp[0].get('scaling')}", head]
+                        f"{'causal' if causal else 'non-causal'} scaling={grp[0].get('scaling')}{docs}", head]
             order = sorted(grp, key=lambda r: (r.get("world_size", 1), r["config"]["seq_len"]))
         bases = sorted({f"{r['baseline_backend']}" + (f" ({'+'.join(r['baseline_kernels'])})" if r.get("baseline_kernels")
                                                       else "") + f" {r['baseline_ms']:.3f} ms"

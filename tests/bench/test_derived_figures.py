@@ -149,6 +149,25 @@ def test_efficiency_is_against_the_fastest_warm_single_device_run():
     assert baseline_backends(["sdpa"]) == ["sdpa", "auto"] and baseline_backends(["auto", "sdpa"]) == ["auto", "sdpa"]
 
 
+def test_each_document_mix_gets_its_own_scaling_table_named_by_its_mix():
+    """Rows of one problem on several document mixes: a comparison table per mix, each saying which,
+    with its own baseline; one implementation's table per mix too."""
+    rows = []
+    for mix, base_ms in (("lognormal:8k,1.0#1", 10.0), ("lognormal:8k,1.0#2", 20.0)):
+        for r in (_row("dense", "auto", base_ms, role="baseline"), _row("ring", "auto", base_ms / 1.5, p=2)):
+            r["config"]["documents"] = mix
+            r["baseline_backend"], r["baseline_ms"] = "auto", base_ms
+            rows.append(r)
+    table = format_scaling(rows, compare=True)
+    heads = [line for line in table.splitlines() if line.endswith("every implementation")]
+    assert [h.split("documents ")[1] for h in heads] == ["lognormal:8k,1.0#1: every implementation",
+                                                         "lognormal:8k,1.0#2: every implementation"]
+    for block, ms in zip([b.strip() for b in table.split("\n\n")], (10.0, 20.0)):
+        assert f"auto {ms:.3f} ms" in block and "; " not in block.splitlines()[2]  # one baseline per table
+    per_impl = format_scaling(rows)
+    assert per_impl.count("ring (distributed) backend=auto fwd non-causal scaling=None, documents lognormal:8k") == 2
+
+
 def test_a_baseline_on_auto_that_runs_a_named_backends_kernels_is_not_timed_twice():
     """``auto`` beside the run's backend: where its first two calls ran the kernels that backend's
     baseline ran, its row ends there (``duplicate``, naming which); where they differ, it is timed."""

@@ -76,6 +76,7 @@ def test_every_strategy_on_one_document_workload_under_torchrun(tmp_path):
                              "hybrid_documents_row_groups_local,torch_cp")
     tables = [line for line in stdout.splitlines() if line.endswith("every implementation")]
     assert len(tables) == 2 and "H=8/2 D=32" in tables[0] + tables[1] and "H=4 D=16" in tables[0] + tables[1]
+    assert all("documents lognormal:32,1.0: every implementation" in t for t in tables)
     rows = [r for r in rows if r["config"]["num_heads"] == 8]  # the GQA shape below
     by = {r["implementation"]: r for r in rows if r.get("role") != "baseline"}
     for name in ("ring", "ring_zigzag", "ulysses", "hybrid", "hybrid_documents_row_groups",
