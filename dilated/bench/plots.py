@@ -59,6 +59,7 @@ def plot(jsonl_path: str, out_dir: str | None = None) -> list[str]:
     all_rows = [r for r in read_results(jsonl_path) if r["status"] in ("ok", "oom") and check_passed(r) is not False]
     rows = [r for r in all_rows if r["status"] == "ok"]
     out_dir = out_dir or os.path.dirname(os.path.abspath(jsonl_path))
+    os.makedirs(out_dir, exist_ok=True)
     stem = os.path.splitext(os.path.basename(jsonl_path))[0]
     written = []
     by_mode = defaultdict(list)

@@ -116,6 +116,8 @@ def test_plot_writes_png(tmp_path):
     _fake_rows(run, 1.0)
     paths = plot(str(run))
     assert paths and all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in paths)
+    elsewhere = plot(str(run), str(tmp_path / "plots" / "new"))  # a folder not there yet is made
+    assert elsewhere and all(p.startswith(str(tmp_path / "plots" / "new")) for p in elsewhere)
 
 
 def test_injected_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
