@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from dilated.backends.varlen import VarlenCall, varlen_kernel
+from dilated.backends.varlen import VarlenCall, varlen_kernel_of_shape
 from dilated.bench.documents import cu_seqlens_of
 from dilated.bench.sizes import parse_size
 from dilated.bench.timing import measure_side_by_side, summarize
@@ -89,9 +89,7 @@ def main(argv=None) -> None:
           f"P={args.world_size}, causal fwd_bwd; backend {args.backend}")
     for shape in args.head_shapes.split(","):
         heads, kv_heads = map(int, shape.split("/"))
-        probe = torch.empty(1, 256, heads, 128, device=device, dtype=torch.bfloat16)
-        kv_probe = torch.empty(1, 256, kv_heads, 128, device=device, dtype=torch.bfloat16)
-        kernel = varlen_kernel(probe, kv_probe, kv_probe, args.backend, True)
+        kernel = varlen_kernel_of_shape(args.backend, heads, kv_heads, 128, device)
         if kernel is None:
             raise SystemExit(f"backend {args.backend} has no varlen entry point here")
         keys = [(w, r) for w in weightings for r in range(args.world_size)]

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from dilated.backends.varlen import varlen_kernel
+from dilated.backends.varlen import varlen_kernel_of_shape
 from dilated.bench.documents import cu_seqlens_of
 from dilated.bench.sizes import parse_size
 from dilated.bench.timing import measure_side_by_side, summarize
@@ -73,9 +73,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(device)}; {args.doc_lengths} N={n} P={args.world_size}; backend {args.backend}")
     for shape in args.head_shapes.split(","):
         heads, kv_heads = map(int, shape.split("/"))
-        probe = torch.empty(1, 256, heads, 128, device=device, dtype=torch.bfloat16)
-        kv_probe = torch.empty(1, 256, kv_heads, 128, device=device, dtype=torch.bfloat16)
-        kernel = varlen_kernel(probe, kv_probe, kv_probe, args.backend, True)
+        kernel = varlen_kernel_of_shape(args.backend, heads, kv_heads, 128, device)
         if kernel is None:
             raise SystemExit(f"backend {args.backend} has no varlen entry point here")
         for rank in range(args.world_size):

@@ -268,6 +268,15 @@ def varlen_kernel(q, k, v, backend: str, causal: bool = False) -> VarlenKernel |
     return _KERNELS[dense_kernel(q, k, v, backend, causal)]
 
 
+def varlen_kernel_of_shape(backend: str, heads: int, kv_heads: int, head_dim: int, device, dtype=torch.bfloat16,
+                           causal: bool = True) -> VarlenKernel | None:
+    """:func:`varlen_kernel` for inputs of ``heads`` / ``kv_heads`` heads of ``head_dim`` in ``dtype`` on
+    ``device`` (judged from empty tensors of that shape)."""
+    q = torch.empty(1, 256, heads, head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, 256, kv_heads, head_dim, device=device, dtype=dtype)
+    return varlen_kernel(q, kv, kv, backend, causal)
+
+
 def documents_pair_costs(backend: str, device=None, dtype=torch.bfloat16) -> tuple:
     """The ``pair_costs`` of the varlen kernel that packed documents of ``dtype`` on ``device`` (default:
     the current CUDA device, else the host) go to with ``backend`` where it is flash-attn 4's (``auto``
