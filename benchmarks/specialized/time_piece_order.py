@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from dilated.backends.varlen import varlen_kernel_of_shape
-from dilated.bench.documents import cu_seqlens_of
+from dilated.bench.documents import add_layout_args, cu_seqlens_of
 from dilated.bench.sizes import parse_size
 from dilated.bench.timing import measure_side_by_side, summarize
 from dilated.packed import varlen_backward, varlen_forward
@@ -60,11 +60,7 @@ def _calls(kernel, calls, heads: int, kv_heads: int, device, scale: float):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="flash_attn_4", help="a backend with a varlen entry point")
-    p.add_argument("--doc-lengths", default="lognormal:8k,1.0")
-    p.add_argument("--seq-len", default="256k")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--head-shapes", default="16/16,32/8", help="H/Hkv pairs, comma-separated (head_dim 128)")
+    add_layout_args(p)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
     device = torch.device("cuda")

@@ -83,3 +83,13 @@ def attended_pairs(cu, causal: bool) -> float:
     """(query, key) pairs attention computes within the documents (causal: the diagonal included)."""
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     return float(sum(length * (length + 1) / 2 if causal else length * length for length in lengths))
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """The options of the scripts that time a document layout's ranks on one GPU: ``--backend`` (one
+    with a varlen entry point), ``--doc-lengths``, ``--seq-len``, ``--world-size``, ``--head-shapes``."""
+    p.add_argument("--backend", default="flash_attn_4", help="a backend with a varlen entry point")
+    p.add_argument("--doc-lengths", default="lognormal:8k,1.0")
+    p.add_argument("--seq-len", default="256k")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--head-shapes", default="16/16,32/8", help="H/Hkv pairs, comma-separated (head_dim 128)")
